@@ -1,0 +1,78 @@
+"""sparsecore: spatially sparse convolution on NumPy (CPU) and CuPy (GPU).
+
+The core imports neither torch nor jax, and CuPy only when a GPU array arrives.
+See docs/api.md for the functional API and DESIGN.md for the data flow:
+geometry (keys, hash tables, rulebooks) kept apart from the differentiable
+feature passes (gather-GEMM-scatter, pooling).
+"""
+
+from .conv import conv_backward, conv_forward
+from .dense import from_dense, to_dense, union_sites
+from .functional import (
+    global_avg_pool,
+    global_max_pool,
+    layer_rulebook,
+    sparse_add,
+    sparse_avg_pool,
+    sparse_conv,
+    sparse_max_pool,
+)
+from .geometry import CONV_KINDS, ConvGeometry
+from .hashing import HashTable, pack_keys, unpack_keys
+from .pool import (
+    avg_pool_backward,
+    avg_pool_forward,
+    global_avg_pool_backward,
+    global_avg_pool_forward,
+    global_max_pool_backward,
+    global_max_pool_forward,
+    max_pool_backward,
+    max_pool_forward,
+)
+from .rulebook import (
+    Rulebook,
+    build_pool_rulebook,
+    build_rulebook,
+    check_inverse_fits,
+    check_rulebook_fits,
+    inverse_rulebook,
+)
+from .tensor import RulebookCache, SparseTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CONV_KINDS",
+    "ConvGeometry",
+    "HashTable",
+    "Rulebook",
+    "RulebookCache",
+    "SparseTensor",
+    "avg_pool_backward",
+    "avg_pool_forward",
+    "build_pool_rulebook",
+    "build_rulebook",
+    "check_inverse_fits",
+    "check_rulebook_fits",
+    "conv_backward",
+    "conv_forward",
+    "from_dense",
+    "global_avg_pool",
+    "global_avg_pool_backward",
+    "global_avg_pool_forward",
+    "global_max_pool",
+    "global_max_pool_backward",
+    "global_max_pool_forward",
+    "inverse_rulebook",
+    "layer_rulebook",
+    "max_pool_backward",
+    "max_pool_forward",
+    "pack_keys",
+    "sparse_add",
+    "sparse_avg_pool",
+    "sparse_conv",
+    "sparse_max_pool",
+    "to_dense",
+    "union_sites",
+    "unpack_keys",
+]

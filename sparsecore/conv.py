@@ -1,0 +1,193 @@
+"""Sparse convolution feature passes: gather, GEMM, scatter-add over a rulebook.
+
+Given a `Rulebook`, these are plain functions of (features, weight) with static
+output shapes: what PyTorch autograd and JAX ``custom_vjp`` wrap. Weights are
+``[out_channels, *kernel_size, in_channels // groups]``; grouped and depthwise
+convolutions use a batched GEMM per kernel offset. float16 inputs are computed
+in float32 and returned as float16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dispatch import check_same_device, to_core_array
+from ._validation import as_features
+from .backends import ArrayBackend, backend_for
+from .rulebook import Rulebook
+
+__all__ = ["conv_forward", "conv_backward", "compute_dtype", "check_conv_weight"]
+
+
+def compute_dtype(xp: Any, dtype: Any) -> Any:
+    """The dtype arithmetic runs in: float32 for float16 inputs, else the input's."""
+    return xp.float32 if dtype == xp.float16 else dtype
+
+
+def check_conv_weight(weight: Any, rulebook: Rulebook, in_channels: int, groups: int) -> Any:
+    """Validates a conv weight against a rulebook and the input channels.
+
+    Args:
+        weight: ``[out_channels, *kernel_size, in_channels // groups]``.
+        rulebook: the layer's rulebook.
+        in_channels: channels of the input features.
+        groups: number of channel groups.
+
+    Returns:
+        The weight as a core array.
+    """
+    weight = to_core_array(weight, "weight")
+    kernel_size = rulebook.geometry.kernel_size
+    expected_ndim = 2 + len(kernel_size)
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups must be a positive int, got {groups!r}")
+    if weight.ndim != expected_ndim:
+        raise ValueError(
+            f"weight must have shape [out_channels, *kernel_size, in_channels // groups] "
+            f"({expected_ndim} axes for a {len(kernel_size)}-D conv), got shape {tuple(weight.shape)}"
+        )
+    if tuple(weight.shape[1:-1]) != kernel_size:
+        raise ValueError(
+            f"weight's kernel axes {tuple(weight.shape[1:-1])} do not match the rulebook's "
+            f"kernel_size {kernel_size}; weight is [out_channels, *kernel_size, in_channels // groups]"
+        )
+    out_channels = weight.shape[0]
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(
+            f"groups={groups} must divide both in_channels ({in_channels}) and out_channels "
+            f"({out_channels})"
+        )
+    if weight.shape[-1] != in_channels // groups:
+        raise ValueError(
+            f"weight's last axis is {weight.shape[-1]} but the features have {in_channels} "
+            f"channels and groups={groups}, so it must be {in_channels // groups}; check the "
+            "layer's in_channels"
+        )
+    if weight.dtype.kind != "f":
+        raise TypeError(f"weight must be a float array, got dtype {weight.dtype}")
+    return weight
+
+
+def _offset_matrices(weight: Any, groups: int, dtype: Any) -> Any:
+    """``[K, groups, in_per_group, out_per_group]`` matrices from a conv weight."""
+    out_channels, in_per_group = weight.shape[0], weight.shape[-1]
+    volume = 1
+    for size in weight.shape[1:-1]:
+        volume *= size
+    flat = weight.astype(dtype, copy=False).reshape(groups, out_channels // groups, volume, in_per_group)
+    return flat.transpose(2, 0, 3, 1)
+
+
+def _grouped_product(backend: ArrayBackend, rows: Any, matrices: Any) -> Any:
+    """``rows [P, g * a] @ block-diagonal(matrices [g, a, b]) -> [P, g * b]``."""
+    groups, in_per_group, out_per_group = matrices.shape
+    if groups == 1:
+        return backend.matmul(rows, matrices[0])
+    count = rows.shape[0]
+    split = rows.reshape(count, groups, in_per_group).transpose(1, 0, 2)
+    product = backend.matmul(split, matrices)
+    return product.transpose(1, 0, 2).reshape(count, groups * out_per_group)
+
+
+def _grouped_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) -> Any:
+    """``[g, a, b]`` per-group products ``left_g^T @ right_g`` for ``left [P, g*a], right [P, g*b]``."""
+    count = left.shape[0]
+    if groups == 1:
+        return backend.matmul(left.T, right)[None]
+    left_split = left.reshape(count, groups, -1).transpose(1, 2, 0)
+    right_split = right.reshape(count, groups, -1).transpose(1, 0, 2)
+    return backend.matmul(left_split, right_split)
+
+
+def conv_forward(features: Any, weight: Any, rulebook: Rulebook, bias: Any | None = None,
+                 groups: int = 1) -> Any:
+    """Sparse convolution forward: ``out[o] += features[i] @ W_k`` for each pair ``(i, o)`` of offset ``k``.
+
+    Args:
+        features: ``[N_in, C_in]`` float16/32/64.
+        weight: ``[C_out, *kernel_size, C_in // groups]``.
+        rulebook: the layer's rulebook (``num_input == N_in``).
+        bias: optional ``[C_out]``.
+        groups: channel groups (``C_in`` and ``C_out`` divisible by it).
+
+    Returns:
+        ``[N_out, C_out]`` in the features' dtype.
+    """
+    features = as_features(features, rulebook.num_input)
+    weight = check_conv_weight(weight, rulebook, features.shape[1], groups)
+    if bias is not None:
+        bias = to_core_array(bias, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [{weight.shape[0]}] (out_channels), got {tuple(bias.shape)}")
+    check_same_device(features=features, weight=weight, bias=bias, indices=rulebook.pair_input)
+    backend = backend_for(features)
+    xp = backend.xp
+    dtype = compute_dtype(xp, features.dtype)
+    source = features.astype(dtype, copy=False)
+    matrices = _offset_matrices(weight, groups, dtype)
+    out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
+    for offset in range(rulebook.kernel_volume):
+        input_rows, output_rows = rulebook.pairs(offset)
+        if input_rows.shape[0] == 0:
+            continue
+        if offset == rulebook.identity_offset:
+            out += _grouped_product(backend, source, matrices[offset])
+            continue
+        gathered = backend.gather_rows(source, input_rows)
+        backend.scatter_add_rows(out, output_rows, _grouped_product(backend, gathered, matrices[offset]))
+    if bias is not None:
+        out += bias.astype(dtype, copy=False)
+    return out.astype(features.dtype, copy=False)
+
+
+def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebook,
+                  groups: int = 1) -> tuple[Any, Any]:
+    """Gradients of `conv_forward` with respect to the features and the weight.
+
+    Args:
+        grad_output: ``[N_out, C_out]``.
+        features: ``[N_in, C_in]``, as passed to the forward.
+        weight: ``[C_out, *kernel_size, C_in // groups]``.
+        rulebook: the layer's rulebook.
+        groups: channel groups.
+
+    Returns:
+        ``(grad_features [N_in, C_in], grad_weight [C_out, *kernel_size, C_in // groups])``
+        in the dtypes of ``features`` and ``weight``. (The bias gradient is
+        ``grad_output.sum(0)``.)
+    """
+    features = as_features(features, rulebook.num_input)
+    weight = check_conv_weight(weight, rulebook, features.shape[1], groups)
+    grad_output = as_features(grad_output, rulebook.num_output, name="grad_output")
+    if grad_output.shape[1] != weight.shape[0]:
+        raise ValueError(
+            f"grad_output has {grad_output.shape[1]} channels but the weight has "
+            f"{weight.shape[0]} output channels"
+        )
+    check_same_device(grad_output=grad_output, features=features, weight=weight)
+    backend = backend_for(features)
+    xp = backend.xp
+    dtype = compute_dtype(xp, features.dtype)
+    source = features.astype(dtype, copy=False)
+    grad = grad_output.astype(dtype, copy=False)
+    matrices = _offset_matrices(weight, groups, dtype)
+    transposed = matrices.transpose(0, 1, 3, 2)
+    grad_features = xp.zeros(source.shape, dtype=dtype)
+    grad_matrices = xp.zeros(matrices.shape, dtype=dtype)
+    for offset in range(rulebook.kernel_volume):
+        input_rows, output_rows = rulebook.pairs(offset)
+        if input_rows.shape[0] == 0:
+            continue
+        if offset == rulebook.identity_offset:
+            grad_features += _grouped_product(backend, grad, transposed[offset])
+            grad_matrices[offset] = _grouped_outer(backend, source, grad, groups)
+            continue
+        gathered_grad = backend.gather_rows(grad, output_rows)
+        gathered_source = backend.gather_rows(source, input_rows)
+        backend.scatter_add_rows(grad_features, input_rows,
+                                 _grouped_product(backend, gathered_grad, transposed[offset]))
+        grad_matrices[offset] = _grouped_outer(backend, gathered_source, gathered_grad, groups)
+    out_channels = weight.shape[0]
+    grad_weight = grad_matrices.transpose(1, 3, 0, 2).reshape(
+        (out_channels,) + tuple(weight.shape[1:-1]) + (weight.shape[-1],))
+    return grad_features.astype(features.dtype, copy=False), grad_weight.astype(weight.dtype, copy=False)

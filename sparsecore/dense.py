@@ -1,0 +1,86 @@
+"""Conversions between sparse (features, indices) and dense grids, and the union of site sets."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ._dispatch import array_module, to_core_array
+from ._validation import as_batch_size, as_features, as_indices, as_spatial_shape, check_indices_in_range
+from .backends import backend_for
+from .hashing import pack_keys, unpack_keys
+
+__all__ = ["to_dense", "from_dense", "union_sites"]
+
+
+def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_size: int,
+             channels_first: bool = True) -> Any:
+    """Scatters sparse features into a dense grid (zeros elsewhere).
+
+    Args:
+        features: ``[N, C]``.
+        indices: ``[N, 1 + D]`` unique sites.
+        spatial_shape: ``D`` ints.
+        batch_size: ``B``.
+        channels_first: ``[B, C, *spatial]`` (spconv's ``.dense()``) when True,
+            else ``[B, *spatial, C]``.
+
+    Returns:
+        The dense array, in the features' dtype, on their device.
+    """
+    shape = as_spatial_shape(spatial_shape)
+    batch = as_batch_size(batch_size)
+    indices = as_indices(indices, len(shape))
+    features = as_features(features, indices.shape[0])
+    check_indices_in_range(indices, shape, batch)
+    xp = array_module(features)
+    dense = xp.zeros((batch,) + shape + (features.shape[1],), dtype=features.dtype)
+    dense[tuple(indices[:, axis] for axis in range(indices.shape[1]))] = features
+    if channels_first:
+        dense = xp.ascontiguousarray(xp.moveaxis(dense, -1, 1))
+    return dense
+
+
+def from_dense(dense: Any, channels_first: bool = False) -> tuple[Any, Any]:
+    """Keeps the sites of a dense grid whose feature vector is not all zero.
+
+    Args:
+        dense: ``[B, *spatial, C]`` (or ``[B, C, *spatial]`` with ``channels_first``).
+        channels_first: the layout of ``dense``.
+
+    Returns:
+        ``(features [N, C], indices [N, 1 + D] int32)``, sites sorted by (batch, coordinates).
+    """
+    dense = to_core_array(dense, "dense")
+    if dense.ndim < 3 or dense.ndim > 6:
+        raise ValueError(
+            f"dense must be [B, *spatial, C] with 1 to 4 spatial axes, got shape {tuple(dense.shape)}"
+        )
+    xp = array_module(dense)
+    if channels_first:
+        dense = xp.moveaxis(dense, 1, -1)
+    active = xp.any(dense != 0, axis=-1)
+    indices = xp.stack(xp.nonzero(active), axis=1).astype(xp.int32)
+    return dense[active], indices
+
+
+def union_sites(indices_list: Sequence[Any], spatial_shape: Sequence[int],
+                batch_size: int) -> tuple[Any, list[Any]]:
+    """The sorted union of several site sets and, per set, the union row of each site.
+
+    Args:
+        indices_list: arrays ``[N_i, 1 + D]`` of unique sites each.
+        spatial_shape: ``D`` ints.
+        batch_size: ``B``.
+
+    Returns:
+        ``(union_indices [U, 1 + D] int32, rows)`` with ``rows[i]`` int64 ``[N_i]``.
+    """
+    keys = [pack_keys(indices, spatial_shape, batch_size) for indices in indices_list]
+    xp = array_module(keys[0])
+    backend = backend_for(keys[0])
+    union_keys, inverse = backend.unique_inverse(xp.concatenate(keys))
+    rows, start = [], 0
+    for part in keys:
+        rows.append(inverse[start:start + part.shape[0]])
+        start += part.shape[0]
+    return unpack_keys(union_keys, spatial_shape), rows

@@ -1,0 +1,182 @@
+"""Tensor-level operations: a layer's geometry (rulebook, with ``indice_key`` reuse) plus its feature pass.
+
+These are the NumPy/CuPy user's API and the pattern the frontends follow:
+build or fetch the rulebook, run the feature pass, wrap the result on the
+output sites, sharing the input's rulebook cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dispatch import array_module, to_core_array
+from .conv import conv_forward
+from .dense import union_sites
+from .geometry import ConvGeometry, PerAxis
+from .pool import avg_pool_forward, global_avg_pool_forward, global_max_pool_forward, max_pool_forward
+from .rulebook import (
+    Rulebook,
+    build_rulebook,
+    check_inverse_fits,
+    check_rulebook_fits,
+    inverse_rulebook,
+)
+from .tensor import SparseTensor
+
+__all__ = [
+    "layer_rulebook",
+    "sparse_conv",
+    "sparse_max_pool",
+    "sparse_avg_pool",
+    "global_max_pool",
+    "global_avg_pool",
+    "sparse_add",
+]
+
+
+def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | None = None) -> Rulebook:
+    """The rulebook of a layer with ``geometry`` on ``x``: from the cache under
+    ``indice_key`` when present (after checking it fits), else built and cached.
+
+    For ``geometry.kind == "inverse"`` the rulebook under ``indice_key`` (a regular
+    conv or pool's) is reversed; the key is required.
+
+    Raises:
+        ValueError: a cached rulebook that does not fit, or an inverse conv without
+            a matching ``indice_key``.
+    """
+    if geometry.kind == "inverse":
+        saved = x.rulebooks.get(indice_key) if indice_key else None
+        if saved is None:
+            known = x.rulebooks.keys()
+            raise ValueError(
+                f"an inverse conv needs the indice_key of the regular conv or pool it "
+                f"reverses; got indice_key={indice_key!r}, and this tensor's cache holds "
+                f"{known if known else 'no rulebooks'}. Give the paired SparseConv the same "
+                "indice_key and feed the inverse conv a tensor derived from its output."
+            )
+        check_inverse_fits(saved, geometry.kernel_size, x.indices, x.spatial_shape, indice_key)
+        return inverse_rulebook(saved)
+    if indice_key is not None:
+        cached = x.rulebooks.get(indice_key)
+        if cached is not None:
+            check_rulebook_fits(cached, geometry, x.indices, x.spatial_shape, indice_key)
+            return cached
+    rulebook = build_rulebook(x.indices, x.spatial_shape, x.batch_size, geometry,
+                              assume_unique=x._checked)
+    if indice_key is not None:
+        x.rulebooks.put(indice_key, rulebook)
+    return rulebook
+
+
+def _output(x: SparseTensor, features: Any, rulebook: Rulebook) -> SparseTensor:
+    if rulebook.output_indices is x.indices:
+        return x.replace(features)
+    return x.with_sites(features, rulebook.output_indices, rulebook.output_spatial_shape)
+
+
+def sparse_conv(x: SparseTensor, weight: Any, bias: Any | None = None, *, kind: str = "regular",
+                stride: PerAxis = 1, padding: PerAxis = 0, dilation: PerAxis = 1,
+                output_padding: PerAxis = 0, groups: int = 1,
+                indice_key: str | None = None) -> SparseTensor:
+    """A sparse convolution layer's forward on a `SparseTensor`.
+
+    Args:
+        x: the input.
+        weight: ``[C_out, *kernel_size, C_in // groups]``; the kernel size is read from it.
+        bias: optional ``[C_out]``.
+        kind: ``"subm"``, ``"regular"``, ``"transposed"`` or ``"inverse"``.
+        stride, padding, dilation, output_padding: per-axis ints (ignored for subm
+            except dilation; inverse takes them from the paired layer).
+        groups: channel groups.
+        indice_key: cache key for rulebook reuse (required for ``kind="inverse"``).
+
+    Returns:
+        The output `SparseTensor`, sharing ``x``'s rulebook cache.
+    """
+    weight = to_core_array(weight, "weight")
+    if weight.ndim != x.ndim + 2:
+        raise ValueError(
+            f"weight must be [out_channels, *kernel_size, in_channels // groups] with "
+            f"{x.ndim + 2} axes for this {x.ndim}-D tensor, got shape {tuple(weight.shape)}"
+        )
+    kernel_size = tuple(int(size) for size in weight.shape[1:-1])
+    if kind == "inverse":
+        geometry = ConvGeometry.create(x.ndim, kernel_size, kind="regular")
+        geometry = ConvGeometry("inverse", geometry.kernel_size, geometry.stride, geometry.padding,
+                                geometry.dilation, geometry.output_padding)
+    else:
+        geometry = ConvGeometry.create(x.ndim, kernel_size, stride, padding, dilation,
+                                       output_padding, kind=kind)
+    rulebook = layer_rulebook(x, geometry, indice_key)
+    return _output(x, conv_forward(x.features, weight, rulebook, bias=bias, groups=groups), rulebook)
+
+
+def _pool_rulebook(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None, padding: PerAxis,
+                   dilation: PerAxis, subm: bool, indice_key: str | None) -> Rulebook:
+    geometry = ConvGeometry.create(x.ndim, kernel_size, kernel_size if stride is None else stride,
+                                   padding, dilation, kind="subm" if subm else "regular")
+    return layer_rulebook(x, geometry, indice_key)
+
+
+def sparse_max_pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None = None,
+                    padding: PerAxis = 0, dilation: PerAxis = 1, *, subm: bool = False,
+                    indice_key: str | None = None) -> SparseTensor:
+    """Max over the active sites of each window (stride defaults to the kernel size)."""
+    rulebook = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
+    out, _ = max_pool_forward(x.features, rulebook)
+    return _output(x, out, rulebook)
+
+
+def sparse_avg_pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None = None,
+                    padding: PerAxis = 0, dilation: PerAxis = 1, *, subm: bool = False,
+                    indice_key: str | None = None) -> SparseTensor:
+    """Mean over the active sites of each window (stride defaults to the kernel size)."""
+    rulebook = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
+    return _output(x, avg_pool_forward(x.features, rulebook), rulebook)
+
+
+def global_max_pool(x: SparseTensor) -> Any:
+    """``[B, C]`` channel-wise maximum per batch element (0 for an empty element)."""
+    return global_max_pool_forward(x.features, x.indices, x.batch_size)[0]
+
+
+def global_avg_pool(x: SparseTensor) -> Any:
+    """``[B, C]`` channel-wise mean per batch element (0 for an empty element)."""
+    return global_avg_pool_forward(x.features, x.indices, x.batch_size)
+
+
+def sparse_add(*tensors: SparseTensor) -> SparseTensor:
+    """Sum of sparse tensors over the union of their sites.
+
+    Sites present in several inputs add their features; the output sites are
+    sorted by (batch, coordinates) unless every input has the very same indices,
+    in which case they are kept as they are. The output shares the first
+    input's rulebook cache.
+
+    Raises:
+        ValueError: on no inputs, or inputs with different grids, batch sizes or channels.
+    """
+    if not tensors:
+        raise ValueError("sparse_add needs at least one SparseTensor")
+    first = tensors[0]
+    for position, other in enumerate(tensors[1:], start=1):
+        if (other.spatial_shape, other.batch_size, other.num_channels) != (
+                first.spatial_shape, first.batch_size, first.num_channels):
+            raise ValueError(
+                f"sparse_add inputs must share spatial_shape, batch_size and channels: input 0 "
+                f"has {first.spatial_shape}, {first.batch_size}, {first.num_channels}; input "
+                f"{position} has {other.spatial_shape}, {other.batch_size}, {other.num_channels}"
+            )
+    if all(other.indices is first.indices for other in tensors):
+        total = first.features
+        for other in tensors[1:]:
+            total = total + other.features
+        return first.replace(total)
+    union, rows = union_sites([t.indices for t in tensors], first.spatial_shape, first.batch_size)
+    xp = array_module(first.features)
+    dtype = xp.result_type(*[t.features.dtype for t in tensors])
+    total = xp.zeros((union.shape[0], first.num_channels), dtype=dtype)
+    for tensor, tensor_rows in zip(tensors, rows):
+        total[tensor_rows] += tensor.features.astype(dtype, copy=False)
+    return first.with_sites(total, union, first.spatial_shape)

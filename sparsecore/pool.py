@@ -1,0 +1,222 @@
+"""Pooling feature passes over a rulebook, and global pooling per batch element.
+
+Max pooling takes the maximum over the *active* inputs of each window (empty
+sites do not count as zeros) and remembers the input row of the maximum for
+the backward pass; ties go to the earliest kernel offset. Average pooling
+divides by the number of active inputs in the window ("real point count",
+as spconv documents), not by the kernel volume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dispatch import array_module, check_same_device, to_core_array
+from ._validation import as_batch_size, as_features
+from .backends import backend_for
+from .conv import compute_dtype
+from .rulebook import Rulebook
+
+__all__ = [
+    "max_pool_forward",
+    "max_pool_backward",
+    "avg_pool_forward",
+    "avg_pool_backward",
+    "global_max_pool_forward",
+    "global_max_pool_backward",
+    "global_avg_pool_forward",
+    "global_avg_pool_backward",
+]
+
+
+def max_pool_forward(features: Any, rulebook: Rulebook) -> tuple[Any, Any]:
+    """Maximum over each output's active inputs.
+
+    Args:
+        features: ``[N_in, C]`` float array.
+        rulebook: a pooling (or conv) rulebook with ``num_input == N_in``.
+
+    Returns:
+        ``(out [N_out, C], argmax [N_out, C] int32)``, ``argmax`` holding the input
+        row that gave each maximum.
+    """
+    features = as_features(features, rulebook.num_input)
+    check_same_device(features=features, indices=rulebook.pair_input)
+    xp = array_module(features)
+    channels = features.shape[1]
+    out = xp.full((rulebook.num_output, channels), -xp.inf, dtype=features.dtype)
+    argmax = xp.full((rulebook.num_output, channels), -1, dtype=xp.int32)
+    for offset in range(rulebook.kernel_volume):
+        input_rows, output_rows = rulebook.pairs(offset)
+        if input_rows.shape[0] == 0:
+            continue
+        values = features[input_rows]
+        current = out[output_rows]
+        current_arg = argmax[output_rows]
+        better = (values > current) | (current_arg < 0)
+        out[output_rows] = xp.where(better, values, current)
+        argmax[output_rows] = xp.where(better, input_rows[:, None], current_arg)
+    return out, argmax
+
+
+def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int) -> Any:
+    xp = array_module(grad_output)
+    channels = grad_output.shape[1]
+    if num_input == 0 or grad_output.shape[0] == 0:
+        return xp.zeros((num_input, channels), dtype=grad_output.dtype)
+    valid = argmax >= 0
+    flat_index = (argmax.astype(xp.int64) * channels + xp.arange(channels, dtype=xp.int64))[valid]
+    values = grad_output[valid].astype(xp.float64)
+    summed = backend_for(grad_output).index_add(num_input * channels, flat_index, values)
+    return summed.reshape(num_input, channels).astype(grad_output.dtype)
+
+
+def max_pool_backward(grad_output: Any, argmax: Any, num_input: int) -> Any:
+    """Gradient of `max_pool_forward`: each output's gradient goes to its argmax row.
+
+    Args:
+        grad_output: ``[N_out, C]``.
+        argmax: ``[N_out, C]`` int32 from the forward.
+        num_input: ``N_in``.
+
+    Returns:
+        ``[N_in, C]`` in ``grad_output``'s dtype (summed in float64, deterministically).
+    """
+    grad_output = as_features(grad_output, name="grad_output")
+    argmax = to_core_array(argmax, "argmax")
+    if argmax.shape != grad_output.shape:
+        raise ValueError(f"argmax has shape {tuple(argmax.shape)}, grad_output {tuple(grad_output.shape)}; they must match")
+    return _scatter_by_argmax(grad_output, argmax, int(num_input))
+
+
+def _window_counts(rulebook: Rulebook, xp: Any) -> Any:
+    counts = xp.bincount(rulebook.pair_output, minlength=rulebook.num_output)
+    return xp.maximum(counts, 1)[:, None]
+
+
+def avg_pool_forward(features: Any, rulebook: Rulebook) -> Any:
+    """Mean over each output's active inputs.
+
+    Args:
+        features: ``[N_in, C]``.
+        rulebook: a pooling rulebook.
+
+    Returns:
+        ``[N_out, C]`` in the features' dtype.
+    """
+    features = as_features(features, rulebook.num_input)
+    check_same_device(features=features, indices=rulebook.pair_input)
+    backend = backend_for(features)
+    xp = backend.xp
+    dtype = compute_dtype(xp, features.dtype)
+    source = features.astype(dtype, copy=False)
+    out = xp.zeros((rulebook.num_output, features.shape[1]), dtype=dtype)
+    for offset in range(rulebook.kernel_volume):
+        input_rows, output_rows = rulebook.pairs(offset)
+        if input_rows.shape[0]:
+            backend.scatter_add_rows(out, output_rows, backend.gather_rows(source, input_rows))
+    out /= _window_counts(rulebook, xp).astype(dtype)
+    return out.astype(features.dtype, copy=False)
+
+
+def avg_pool_backward(grad_output: Any, rulebook: Rulebook) -> Any:
+    """Gradient of `avg_pool_forward`.
+
+    Args:
+        grad_output: ``[N_out, C]``.
+        rulebook: the forward's rulebook.
+
+    Returns:
+        ``[N_in, C]``.
+    """
+    grad_output = as_features(grad_output, rulebook.num_output, name="grad_output")
+    backend = backend_for(grad_output)
+    xp = backend.xp
+    dtype = compute_dtype(xp, grad_output.dtype)
+    scaled = grad_output.astype(dtype) / _window_counts(rulebook, xp).astype(dtype)
+    grad = xp.zeros((rulebook.num_input, grad_output.shape[1]), dtype=dtype)
+    for offset in range(rulebook.kernel_volume):
+        input_rows, output_rows = rulebook.pairs(offset)
+        if input_rows.shape[0]:
+            backend.scatter_add_rows(grad, input_rows, backend.gather_rows(scaled, output_rows))
+    return grad.astype(grad_output.dtype, copy=False)
+
+
+def _batch_rows(indices: Any, batch_size: int, num_rows: int) -> tuple[Any, list[Any]]:
+    indices = to_core_array(indices, "indices")
+    if indices.ndim != 2 or indices.shape[0] != num_rows or indices.shape[1] < 2:
+        raise ValueError(
+            f"indices must be [N, 1 + D] with one row per feature row ({num_rows}), got "
+            f"shape {tuple(indices.shape)}"
+        )
+    xp = array_module(indices)
+    batch = indices[:, 0]
+    if num_rows and (int(batch.min()) < 0 or int(batch.max()) >= batch_size):
+        raise ValueError(f"indices' batch column must lie in [0, {batch_size}), got values "
+                         f"from {int(batch.min())} to {int(batch.max())}")
+    order = xp.argsort(batch, kind="stable")
+    bounds = xp.searchsorted(batch[order], xp.arange(batch_size + 1)).tolist()
+    return batch, [order[bounds[b]:bounds[b + 1]] for b in range(batch_size)]
+
+
+def global_max_pool_forward(features: Any, indices: Any, batch_size: int) -> tuple[Any, Any]:
+    """Channel-wise maximum over each batch element's sites.
+
+    Args:
+        features: ``[N, C]``.
+        indices: ``[N, 1 + D]`` (only the batch column is read).
+        batch_size: ``B``.
+
+    Returns:
+        ``(out [B, C], argmax [B, C] int32)``; an empty batch element gives 0 and argmax -1.
+    """
+    features = as_features(features)
+    batch_size = as_batch_size(batch_size)
+    xp = array_module(features)
+    _, rows_per_batch = _batch_rows(indices, batch_size, features.shape[0])
+    out = xp.zeros((batch_size, features.shape[1]), dtype=features.dtype)
+    argmax = xp.full((batch_size, features.shape[1]), -1, dtype=xp.int32)
+    for element, rows in enumerate(rows_per_batch):
+        if rows.shape[0] == 0:
+            continue
+        rows = xp.sort(rows)
+        values = features[rows]
+        best = xp.argmax(values, axis=0)
+        argmax[element] = rows[best]
+        out[element] = values[best, xp.arange(features.shape[1])]
+    return out, argmax
+
+
+def global_max_pool_backward(grad_output: Any, argmax: Any, num_input: int) -> Any:
+    """Gradient of `global_max_pool_forward`: ``[B, C]`` to ``[N, C]``."""
+    return max_pool_backward(grad_output, argmax, num_input)
+
+
+def global_avg_pool_forward(features: Any, indices: Any, batch_size: int) -> Any:
+    """Channel-wise mean over each batch element's sites (0 for an empty element).
+
+    Returns:
+        ``[B, C]`` in the features' dtype.
+    """
+    features = as_features(features)
+    batch_size = as_batch_size(batch_size)
+    xp = array_module(features)
+    dtype = compute_dtype(xp, features.dtype)
+    _, rows_per_batch = _batch_rows(indices, batch_size, features.shape[0])
+    out = xp.zeros((batch_size, features.shape[1]), dtype=dtype)
+    for element, rows in enumerate(rows_per_batch):
+        if rows.shape[0]:
+            out[element] = features[xp.sort(rows)].astype(dtype).mean(axis=0)
+    return out.astype(features.dtype, copy=False)
+
+
+def global_avg_pool_backward(grad_output: Any, indices: Any, batch_size: int) -> Any:
+    """Gradient of `global_avg_pool_forward`: ``[B, C]`` to ``[N, C]``."""
+    grad_output = as_features(grad_output, batch_size, name="grad_output")
+    indices = to_core_array(indices, "indices")
+    xp = array_module(grad_output)
+    batch = indices[:, 0].astype(xp.int64)
+    counts = xp.maximum(xp.bincount(batch, minlength=batch_size), 1)
+    dtype = compute_dtype(xp, grad_output.dtype)
+    grad = grad_output.astype(dtype)[batch] / counts[batch][:, None].astype(dtype)
+    return grad.astype(grad_output.dtype, copy=False)

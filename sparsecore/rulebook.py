@@ -1,0 +1,372 @@
+"""Rulebooks (kernel maps): which input row feeds which output row through which kernel offset.
+
+A `Rulebook` is the geometry half of a sparse convolution: it depends only on
+integer coordinates, is never differentiated, and is reused by every feature
+pass of a layer (forward, both backward products) and by layers that share an
+``indice_key``. Builders:
+
+- `build_rulebook` for submanifold (``subm``), strided (``regular``) and
+  ``transposed`` geometries, and `build_pool_rulebook` for pooling windows;
+- `inverse_rulebook`, the reverse of a saved regular rulebook, which restores
+  the paired layer's input sites in their original order.
+
+Output sites of the subm builder are the input sites in input order; those of
+the regular and transposed builders are sorted by (batch, coordinates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ._dispatch import array_module
+from ._validation import as_batch_size, as_indices, as_spatial_shape, check_indices_in_range
+from .backends import ArrayBackend, backend_for
+from .geometry import ConvGeometry, PerAxis
+from .hashing import check_packable, key_strides, pack_keys, unpack_keys
+
+__all__ = [
+    "Rulebook",
+    "build_rulebook",
+    "build_pool_rulebook",
+    "inverse_rulebook",
+    "check_rulebook_fits",
+    "check_inverse_fits",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Rulebook:
+    """Per-offset (input row, output row) pairs of one layer, with its output sites.
+
+    A pair ``(i, o)`` of offset ``k`` means ``output[o] += features[i] @ W_k``
+    where ``W_k = weight[:, k, :].T`` with the weight's kernel axes flattened
+    row-major. Within one offset, input rows are unique and output rows are
+    unique (the map is injective), so a per-offset scatter needs no atomics.
+
+    Attributes:
+        geometry: the layer geometry the rulebook was built for.
+        input_spatial_shape: grid shape of the input sites.
+        output_spatial_shape: grid shape of the output sites.
+        batch_size: number of batch elements.
+        input_indices: int32 ``[N_in, 1 + D]``, the sites it was built from.
+        output_indices: int32 ``[N_out, 1 + D]``, the output sites.
+        pair_input: int32 ``[P]`` input rows, grouped by kernel offset.
+        pair_output: int32 ``[P]`` output rows, grouped by kernel offset.
+        offset_starts: ``K + 1`` ints; offset ``k`` owns pairs
+            ``[offset_starts[k], offset_starts[k + 1])``.
+        identity_offset: an offset whose pairs are ``i -> i`` for every row
+            (the centre of a submanifold kernel), or ``-1``.
+    """
+
+    geometry: ConvGeometry
+    input_spatial_shape: tuple[int, ...]
+    output_spatial_shape: tuple[int, ...]
+    batch_size: int
+    input_indices: Any
+    output_indices: Any
+    pair_input: Any
+    pair_output: Any
+    offset_starts: tuple[int, ...]
+    identity_offset: int = -1
+
+    @property
+    def num_input(self) -> int:
+        """Number of input sites."""
+        return int(self.input_indices.shape[0])
+
+    @property
+    def num_output(self) -> int:
+        """Number of output sites."""
+        return int(self.output_indices.shape[0])
+
+    @property
+    def num_pairs(self) -> int:
+        """Total number of (input, output) pairs over all offsets."""
+        return self.offset_starts[-1]
+
+    @property
+    def kernel_volume(self) -> int:
+        """Number of kernel offsets."""
+        return len(self.offset_starts) - 1
+
+    @property
+    def offset_counts(self) -> tuple[int, ...]:
+        """Pairs per kernel offset."""
+        return tuple(b - a for a, b in zip(self.offset_starts[:-1], self.offset_starts[1:]))
+
+    def pairs(self, offset: int) -> tuple[Any, Any]:
+        """``(input_rows, output_rows)`` int32 arrays of one kernel offset."""
+        start, stop = self.offset_starts[offset], self.offset_starts[offset + 1]
+        return self.pair_input[start:stop], self.pair_output[start:stop]
+
+
+def _raise_duplicate(indices: Any, rows: tuple[int, int], name: str) -> None:
+    first, second = sorted(rows)
+    raise ValueError(
+        f"{name} contains duplicate sites: rows {first} and {second} are both "
+        f"{indices[first].tolist()}. Each active site must appear once; merge duplicate "
+        "points first (for example with sparsecore.voxelize, or by summing their features)"
+    )
+
+
+def _prepare(indices: Any, spatial_shape: Any, batch_size: Any, ndim: int) -> tuple[Any, tuple[int, ...], int]:
+    shape = as_spatial_shape(spatial_shape)
+    if len(shape) != ndim:
+        raise ValueError(
+            f"spatial_shape {shape} has {len(shape)} axes but the layer has {ndim} "
+            "spatial dimensions"
+        )
+    batch = as_batch_size(batch_size)
+    indices = as_indices(indices, ndim)
+    check_indices_in_range(indices, shape, batch)
+    return indices, shape, batch
+
+
+def _concatenate_pairs(xp: Any, pieces: list[tuple[Any, Any]]) -> tuple[Any, Any, tuple[int, ...]]:
+    starts = [0]
+    for input_rows, _ in pieces:
+        starts.append(starts[-1] + int(input_rows.shape[0]))
+    empty = xp.zeros(0, dtype=xp.int32)
+    pair_input = xp.concatenate([p[0].astype(xp.int32, copy=False) for p in pieces] or [empty])
+    pair_output = xp.concatenate([p[1].astype(xp.int32, copy=False) for p in pieces] or [empty])
+    return pair_input, pair_output, tuple(starts)
+
+
+def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
+                 backend: ArrayBackend) -> Rulebook:
+    xp = backend.xp
+    reach = tuple(d * (k - 1) // 2 for k, d in zip(geometry.kernel_size, geometry.dilation))
+    keys = pack_keys(indices, shape, batch, margin=reach)
+    rows = xp.arange(indices.shape[0], dtype=xp.int64)
+    table, duplicate = backend.hash_build(keys, rows)
+    if duplicate is not None:
+        _raise_duplicate(indices, duplicate, "indices")
+    sorted_keys, sorted_rows = backend.hash_items(table)
+    strides = key_strides(shape, reach)[1:]
+    offsets = geometry.kernel_offsets().astype("int64") * geometry.dilation - reach
+    deltas = [int(sum(int(o) * s for o, s in zip(offset, strides))) for offset in offsets]
+    volume = geometry.kernel_volume
+    centre = volume // 2
+    last_size, last_step = geometry.kernel_size[-1], geometry.dilation[-1]
+    pieces: list[tuple[Any, Any] | None] = [None] * volume
+    for run_start in range(0, centre, last_size):
+        # offsets run_start.. share all but the last kernel axis: one windowed lookup
+        width = min(last_size, centre - run_start)
+        found = backend.hash_lookup_window(table, sorted_keys + deltas[run_start], width, last_step)
+        for column in range(width):
+            offset = run_start + column
+            hit = xp.nonzero(found[column] >= 0)[0]
+            input_rows, output_rows = found[column][hit], sorted_rows[hit]
+            # offsets k and K-1-k are mirror images: (i, o) at k is (o, i) at K-1-k
+            pieces[offset] = (input_rows, output_rows)
+            pieces[volume - 1 - offset] = (output_rows, input_rows)
+    identity = xp.arange(indices.shape[0], dtype=xp.int32)
+    pieces[centre] = (identity, identity)
+    pair_input, pair_output, starts = _concatenate_pairs(xp, pieces)  # type: ignore[arg-type]
+    return Rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
+                    starts, identity_offset=centre)
+
+
+def _axis_candidates(xp: Any, coordinate: Any, geometry: ConvGeometry, axis: int,
+                     output_size: int) -> list[tuple[Any, Any]]:
+    """Per kernel index along one axis: (output coordinate int64 [N], valid bool [N])."""
+    k_size = geometry.kernel_size[axis]
+    s, p, d = geometry.stride[axis], geometry.padding[axis], geometry.dilation[axis]
+    result = []
+    for k in range(k_size):
+        if geometry.kind == "regular":
+            numerator = coordinate + (p - k * d)
+            out = numerator // s
+            valid = (numerator >= 0) & (out < output_size)
+            if s > 1:
+                valid &= numerator - out * s == 0
+        else:
+            out = coordinate * s + (k * d - p)
+            valid = (out >= 0) & (out < output_size)
+        result.append((out, valid))
+    return result
+
+
+def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
+             backend: ArrayBackend, assume_unique: bool) -> Rulebook:
+    xp = backend.xp
+    out_shape = geometry.output_spatial_shape(shape)
+    check_packable(out_shape, batch)
+    if not assume_unique and indices.shape[0] > 1:
+        keys = pack_keys(indices, shape, batch)
+        _, duplicate = backend.hash_build(keys, xp.arange(indices.shape[0], dtype=xp.int64))
+        if duplicate is not None:
+            _raise_duplicate(indices, duplicate, "indices")
+    strides = key_strides(out_shape)
+    base = indices[:, 0].astype(xp.int64) * strides[0]
+    per_axis = []
+    for axis in range(geometry.ndim):
+        coordinate = indices[:, axis + 1].astype(xp.int64)
+        candidates = _axis_candidates(xp, coordinate, geometry, axis, out_shape[axis])
+        per_axis.append([(out * strides[axis + 1], valid) for out, valid in candidates])
+    rows = xp.arange(indices.shape[0], dtype=xp.int32)
+    candidate_keys, candidate_rows, counts = [], [], []
+    for kernel_index in geometry.kernel_offsets().tolist():
+        key, valid = base, None
+        for axis, k in enumerate(kernel_index):
+            part, part_valid = per_axis[axis][k]
+            key = key + part
+            valid = part_valid if valid is None else valid & part_valid
+        selected = xp.nonzero(valid)[0]
+        candidate_keys.append(key[selected])
+        candidate_rows.append(rows[selected])
+        counts.append(int(selected.shape[0]))
+    all_keys = xp.concatenate(candidate_keys) if candidate_keys else xp.zeros(0, xp.int64)
+    output_keys, inverse = backend.unique_inverse(all_keys)
+    pair_input = xp.concatenate(candidate_rows) if candidate_rows else xp.zeros(0, xp.int32)
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    output_indices = unpack_keys(output_keys, out_shape)
+    return Rulebook(geometry, shape, out_shape, batch, indices, output_indices,
+                    pair_input.astype(xp.int32, copy=False), inverse.astype(xp.int32),
+                    tuple(starts))
+
+
+def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
+                   geometry: ConvGeometry, *, assume_unique: bool = False) -> Rulebook:
+    """Builds the rulebook of a subm, regular or transposed layer.
+
+    Args:
+        indices: integer ``[N, 1 + D]`` sites (NumPy or CuPy), batch first.
+        spatial_shape: the input grid, ``D`` positive ints.
+        batch_size: number of batch elements.
+        geometry: a `ConvGeometry` of kind ``"subm"``, ``"regular"`` or ``"transposed"``.
+        assume_unique: skip the duplicate-site check (for sites the library made).
+
+    Returns:
+        The `Rulebook`.
+
+    Raises:
+        ValueError: on out-of-range or duplicate sites, mismatched dimensions, an
+            empty output grid, keys that overflow int64, or an inverse geometry.
+    """
+    if not isinstance(geometry, ConvGeometry):
+        raise TypeError(f"geometry must be a ConvGeometry, got {type(geometry).__name__}")
+    indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim)
+    backend = backend_for(indices)
+    if geometry.kind == "subm":
+        return _submanifold(indices, shape, batch, geometry, backend)
+    if geometry.kind in ("regular", "transposed"):
+        return _strided(indices, shape, batch, geometry, backend, assume_unique)
+    raise ValueError(
+        "an inverse conv reverses the rulebook of a regular conv: build it with "
+        "inverse_rulebook(saved_rulebook), not build_rulebook"
+    )
+
+
+def build_pool_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
+                        kernel_size: PerAxis, stride: PerAxis | None = None, padding: PerAxis = 0,
+                        dilation: PerAxis = 1, *, subm: bool = False,
+                        assume_unique: bool = False) -> Rulebook:
+    """The rulebook of a pooling window (stride defaults to the kernel size, as in spconv).
+
+    With ``subm=True`` the outputs are the input sites (odd kernels only).
+    """
+    ndim = as_indices(indices, len(as_spatial_shape(spatial_shape))).shape[1] - 1
+    geometry = ConvGeometry.create(
+        ndim, kernel_size, kernel_size if stride is None else stride, padding, dilation,
+        kind="subm" if subm else "regular",
+    )
+    return build_rulebook(indices, spatial_shape, batch_size, geometry, assume_unique=assume_unique)
+
+
+def inverse_rulebook(rulebook: Rulebook) -> Rulebook:
+    """The reverse of a regular (strided) rulebook.
+
+    The result maps the regular layer's output sites back onto its input sites:
+    pairs swapped, offsets kept (so the same kernel offset and weight slice are
+    used), and ``output_indices`` equal to the paired layer's ``input_indices``,
+    same rows in the same order.
+
+    Raises:
+        ValueError: when ``rulebook`` is not of kind ``"regular"``.
+    """
+    if rulebook.geometry.kind != "regular":
+        raise ValueError(
+            f"an inverse conv reverses a regular (strided) sparse conv or pool, but the "
+            f"rulebook under this indice_key is a {rulebook.geometry.describe()}; pair the "
+            "inverse conv with a SparseConv / SparseMaxPool layer's indice_key"
+        )
+    geometry = dataclasses.replace(rulebook.geometry, kind="inverse")
+    return Rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape,
+                    rulebook.batch_size, rulebook.output_indices, rulebook.input_indices,
+                    rulebook.pair_output, rulebook.pair_input, rulebook.offset_starts)
+
+
+def _same_sites(first: Any, second: Any) -> bool:
+    if first is second:
+        return True
+    if first.shape != second.shape:
+        return False
+    return bool(array_module(first).array_equal(first, second))
+
+
+def check_rulebook_fits(rulebook: Rulebook, geometry: ConvGeometry, indices: Any,
+                        spatial_shape: Sequence[int], key: str) -> None:
+    """Raises when a cached rulebook cannot serve a layer with ``geometry`` on these sites.
+
+    Args:
+        rulebook: the cached rulebook.
+        geometry: the reusing layer's geometry.
+        indices: the reusing layer's input sites.
+        spatial_shape: the reusing layer's input grid.
+        key: the ``indice_key`` shared, for the message.
+    """
+    problems = []
+    if rulebook.geometry != geometry:
+        problems.append("the geometries differ")
+    if tuple(spatial_shape) != rulebook.input_spatial_shape:
+        problems.append(
+            f"the input spatial shape is {tuple(spatial_shape)}, the rulebook's is "
+            f"{rulebook.input_spatial_shape}"
+        )
+    if indices.shape[0] != rulebook.num_input:
+        problems.append(f"the input has {indices.shape[0]} sites, the rulebook {rulebook.num_input}")
+    elif not _same_sites(indices, rulebook.input_indices):
+        problems.append("the input sites are not the ones the rulebook was built from")
+    if problems:
+        raise ValueError(
+            f"indice_key {key!r} holds a rulebook that does not fit this layer: "
+            + "; ".join(problems)
+            + f". Cached: {rulebook.geometry.describe()}. This layer: {geometry.describe()}. "
+            "Layers may share an indice_key only when they have the same kernel size, "
+            "dilation and input sites; give this layer its own indice_key."
+        )
+
+
+def check_inverse_fits(rulebook: Rulebook, kernel_size: tuple[int, ...], indices: Any,
+                       spatial_shape: Sequence[int], key: str) -> None:
+    """Raises when an inverse conv's input is not the output of the paired layer under ``key``."""
+    problems = []
+    if rulebook.geometry.kind != "regular":
+        problems.append(f"the paired layer is a {rulebook.geometry.kind} layer, not a regular conv or pool")
+    if tuple(kernel_size) != rulebook.geometry.kernel_size:
+        problems.append(
+            f"the inverse conv has kernel_size {tuple(kernel_size)}, the paired layer "
+            f"{rulebook.geometry.kernel_size}"
+        )
+    if tuple(spatial_shape) != rulebook.output_spatial_shape:
+        problems.append(
+            f"the input spatial shape is {tuple(spatial_shape)}, the paired layer's output "
+            f"shape is {rulebook.output_spatial_shape}"
+        )
+    if indices.shape[0] != rulebook.num_output or not _same_sites(indices, rulebook.output_indices):
+        problems.append(
+            f"the input's {indices.shape[0]} sites are not the paired layer's "
+            f"{rulebook.num_output} output sites"
+        )
+    if problems:
+        raise ValueError(
+            f"the inverse conv cannot reverse the rulebook under indice_key {key!r}: "
+            + "; ".join(problems)
+            + f". Paired layer: {rulebook.geometry.describe()}. Feed the inverse conv the "
+            "(feature-transformed) output of the paired layer, with the same kernel_size."
+        )
