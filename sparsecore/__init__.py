@@ -30,6 +30,7 @@ from .pool import (
     max_pool_forward,
 )
 from .rulebook import (
+    PairMap,
     Rulebook,
     build_pool_rulebook,
     build_rulebook,
@@ -45,6 +46,7 @@ __all__ = [
     "CONV_KINDS",
     "ConvGeometry",
     "HashTable",
+    "PairMap",
     "Rulebook",
     "RulebookCache",
     "SparseTensor",

@@ -14,7 +14,7 @@ from typing import Any
 from ._dispatch import check_same_device, to_core_array
 from ._validation import as_features
 from .backends import ArrayBackend, backend_for
-from .rulebook import Rulebook
+from .rulebook import PairMap, Rulebook
 
 __all__ = ["conv_forward", "conv_backward", "compute_dtype", "check_conv_weight"]
 
@@ -24,7 +24,7 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
     return xp.float32 if dtype == xp.float16 else dtype
 
 
-def check_conv_weight(weight: Any, rulebook: Rulebook, in_channels: int, groups: int) -> Any:
+def check_conv_weight(weight: Any, rulebook: Rulebook | PairMap, in_channels: int, groups: int) -> Any:
     """Validates a conv weight against a rulebook and the input channels.
 
     Args:
@@ -37,7 +37,7 @@ def check_conv_weight(weight: Any, rulebook: Rulebook, in_channels: int, groups:
         The weight as a core array.
     """
     weight = to_core_array(weight, "weight")
-    kernel_size = rulebook.geometry.kernel_size
+    kernel_size = tuple(rulebook.kernel_size)
     expected_ndim = 2 + len(kernel_size)
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups must be a positive int, got {groups!r}")
@@ -99,14 +99,14 @@ def _grouped_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) ->
     return backend.matmul(left_split, right_split)
 
 
-def conv_forward(features: Any, weight: Any, rulebook: Rulebook, bias: Any | None = None,
+def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,
                  groups: int = 1) -> Any:
     """Sparse convolution forward: ``out[o] += features[i] @ W_k`` for each pair ``(i, o)`` of offset ``k``.
 
     Args:
         features: ``[N_in, C_in]`` float16/32/64.
         weight: ``[C_out, *kernel_size, C_in // groups]``.
-        rulebook: the layer's rulebook (``num_input == N_in``).
+        rulebook: the layer's `Rulebook` or `PairMap` (``num_input == N_in``).
         bias: optional ``[C_out]``.
         groups: channel groups (``C_in`` and ``C_out`` divisible by it).
 
@@ -125,13 +125,15 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook, bias: Any | Non
     dtype = compute_dtype(xp, features.dtype)
     source = features.astype(dtype, copy=False)
     matrices = _offset_matrices(weight, groups, dtype)
-    out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
+    identity = rulebook.identity_offset
+    if identity >= 0 and rulebook.num_input:
+        # the identity offset covers every row: its product initialises the output
+        out = xp.ascontiguousarray(_grouped_product(backend, source, matrices[identity]))
+    else:
+        out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
     for offset in range(rulebook.kernel_volume):
         input_rows, output_rows = rulebook.pairs(offset)
-        if input_rows.shape[0] == 0:
-            continue
-        if offset == rulebook.identity_offset:
-            out += _grouped_product(backend, source, matrices[offset])
+        if input_rows.shape[0] == 0 or offset == identity:
             continue
         gathered = backend.gather_rows(source, input_rows)
         backend.scatter_add_rows(out, output_rows, _grouped_product(backend, gathered, matrices[offset]))
@@ -140,7 +142,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook, bias: Any | Non
     return out.astype(features.dtype, copy=False)
 
 
-def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebook,
+def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebook | PairMap,
                   groups: int = 1) -> tuple[Any, Any]:
     """Gradients of `conv_forward` with respect to the features and the weight.
 
@@ -172,15 +174,16 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     grad = grad_output.astype(dtype, copy=False)
     matrices = _offset_matrices(weight, groups, dtype)
     transposed = matrices.transpose(0, 1, 3, 2)
-    grad_features = xp.zeros(source.shape, dtype=dtype)
     grad_matrices = xp.zeros(matrices.shape, dtype=dtype)
+    identity = rulebook.identity_offset
+    if identity >= 0 and rulebook.num_input:
+        grad_features = xp.ascontiguousarray(_grouped_product(backend, grad, transposed[identity]))
+        grad_matrices[identity] = _grouped_outer(backend, source, grad, groups)
+    else:
+        grad_features = xp.zeros(source.shape, dtype=dtype)
     for offset in range(rulebook.kernel_volume):
         input_rows, output_rows = rulebook.pairs(offset)
-        if input_rows.shape[0] == 0:
-            continue
-        if offset == rulebook.identity_offset:
-            grad_features += _grouped_product(backend, grad, transposed[offset])
-            grad_matrices[offset] = _grouped_outer(backend, source, grad, groups)
+        if input_rows.shape[0] == 0 or offset == identity:
             continue
         gathered_grad = backend.gather_rows(grad, output_rows)
         gathered_source = backend.gather_rows(source, input_rows)

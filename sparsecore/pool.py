@@ -15,7 +15,7 @@ from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
 from .backends import backend_for
 from .conv import compute_dtype
-from .rulebook import Rulebook
+from .rulebook import PairMap, Rulebook
 
 __all__ = [
     "max_pool_forward",
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-def max_pool_forward(features: Any, rulebook: Rulebook) -> tuple[Any, Any]:
+def max_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> tuple[Any, Any]:
     """Maximum over each output's active inputs.
 
     Args:
@@ -86,15 +86,24 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int) -> Any:
     argmax = to_core_array(argmax, "argmax")
     if argmax.shape != grad_output.shape:
         raise ValueError(f"argmax has shape {tuple(argmax.shape)}, grad_output {tuple(grad_output.shape)}; they must match")
-    return _scatter_by_argmax(grad_output, argmax, int(num_input))
+    num_input = int(num_input)
+    if argmax.dtype.kind not in "iu":
+        raise TypeError(f"argmax must be an integer array (from the forward), got dtype {argmax.dtype}")
+    if argmax.size and (int(argmax.max()) >= num_input or int(argmax.min()) < -1):
+        raise ValueError(
+            f"argmax holds rows from {int(argmax.min())} to {int(argmax.max())}, but there are "
+            f"{num_input} input rows (valid: -1 for none, 0 to {num_input - 1}); pass the "
+            "argmax returned by the forward with the forward's num_input"
+        )
+    return _scatter_by_argmax(grad_output, argmax, num_input)
 
 
-def _window_counts(rulebook: Rulebook, xp: Any) -> Any:
+def _window_counts(rulebook: Rulebook | PairMap, xp: Any) -> Any:
     counts = xp.bincount(rulebook.pair_output, minlength=rulebook.num_output)
     return xp.maximum(counts, 1)[:, None]
 
 
-def avg_pool_forward(features: Any, rulebook: Rulebook) -> Any:
+def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> Any:
     """Mean over each output's active inputs.
 
     Args:
@@ -119,7 +128,7 @@ def avg_pool_forward(features: Any, rulebook: Rulebook) -> Any:
     return out.astype(features.dtype, copy=False)
 
 
-def avg_pool_backward(grad_output: Any, rulebook: Rulebook) -> Any:
+def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap) -> Any:
     """Gradient of `avg_pool_forward`.
 
     Args:

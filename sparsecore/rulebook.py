@@ -27,6 +27,7 @@ from .geometry import ConvGeometry, PerAxis
 from .hashing import check_packable, key_strides, pack_keys, unpack_keys
 
 __all__ = [
+    "PairMap",
     "Rulebook",
     "build_rulebook",
     "build_pool_rulebook",
@@ -34,6 +35,66 @@ __all__ = [
     "check_rulebook_fits",
     "check_inverse_fits",
 ]
+
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, eq=False)
+class PairMap:
+    """The part of a rulebook the feature passes read: pairs, counts and sizes.
+
+    Frontends rebuild it from saved integer tensors (a ``torch.library`` op or a
+    JAX callback cannot carry a Python `Rulebook`); every feature pass accepts
+    a `PairMap` or a `Rulebook`.
+
+    Attributes:
+        pair_input: int32 ``[P]`` input rows, grouped by kernel offset.
+        pair_output: int32 ``[P]`` output rows, grouped by kernel offset.
+        offset_starts: ``K + 1`` ints delimiting each offset's pairs.
+        num_input: number of input rows.
+        num_output: number of output rows.
+        kernel_size: per-axis kernel size (``prod == K``).
+        identity_offset: an offset whose pairs are ``i -> i`` for all rows, or -1.
+    """
+
+    pair_input: Any
+    pair_output: Any
+    offset_starts: tuple[int, ...]
+    num_input: int
+    num_output: int
+    kernel_size: tuple[int, ...]
+    identity_offset: int = -1
+
+    def __post_init__(self) -> None:
+        volume = 1
+        for size in self.kernel_size:
+            volume *= size
+        if len(self.offset_starts) != volume + 1:
+            raise ValueError(
+                f"offset_starts has {len(self.offset_starts)} entries; kernel_size "
+                f"{tuple(self.kernel_size)} needs {volume + 1}"
+            )
+        if self.pair_input.shape[0] != self.offset_starts[-1] or self.pair_output.shape[0] != self.offset_starts[-1]:
+            raise ValueError(
+                f"pair arrays have {self.pair_input.shape[0]} / {self.pair_output.shape[0]} "
+                f"entries but offset_starts ends at {self.offset_starts[-1]}"
+            )
+
+    @property
+    def kernel_volume(self) -> int:
+        """Number of kernel offsets."""
+        return len(self.offset_starts) - 1
+
+    @property
+    def num_pairs(self) -> int:
+        """Total number of pairs."""
+        return self.offset_starts[-1]
+
+    def pairs(self, offset: int) -> tuple[Any, Any]:
+        """``(input_rows, output_rows)`` int32 arrays of one kernel offset."""
+        start, stop = self.offset_starts[offset], self.offset_starts[offset + 1]
+        return self.pair_input[start:stop], self.pair_output[start:stop]
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,6 +153,17 @@ class Rulebook:
         return len(self.offset_starts) - 1
 
     @property
+    def kernel_size(self) -> tuple[int, ...]:
+        """Per-axis kernel size of the geometry."""
+        return self.geometry.kernel_size
+
+    @property
+    def pair_map(self) -> PairMap:
+        """The feature-pass view of this rulebook (no copies)."""
+        return PairMap(self.pair_input, self.pair_output, self.offset_starts, self.num_input,
+                       self.num_output, self.kernel_size, self.identity_offset)
+
+    @property
     def offset_counts(self) -> tuple[int, ...]:
         """Pairs per kernel offset."""
         return tuple(b - a for a, b in zip(self.offset_starts[:-1], self.offset_starts[1:]))
@@ -111,7 +183,8 @@ def _raise_duplicate(indices: Any, rows: tuple[int, int], name: str) -> None:
     )
 
 
-def _prepare(indices: Any, spatial_shape: Any, batch_size: Any, ndim: int) -> tuple[Any, tuple[int, ...], int]:
+def _prepare(indices: Any, spatial_shape: Any, batch_size: Any, ndim: int,
+             trusted: bool) -> tuple[Any, tuple[int, ...], int]:
     shape = as_spatial_shape(spatial_shape)
     if len(shape) != ndim:
         raise ValueError(
@@ -120,7 +193,8 @@ def _prepare(indices: Any, spatial_shape: Any, batch_size: Any, ndim: int) -> tu
         )
     batch = as_batch_size(batch_size)
     indices = as_indices(indices, ndim)
-    check_indices_in_range(indices, shape, batch)
+    if not trusted:
+        check_indices_in_range(indices, shape, batch)
     return indices, shape, batch
 
 
@@ -169,30 +243,32 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
                     starts, identity_offset=centre)
 
 
-def _axis_candidates(xp: Any, coordinate: Any, geometry: ConvGeometry, axis: int,
-                     output_size: int) -> list[tuple[Any, Any]]:
-    """Per kernel index along one axis: (output coordinate int64 [N], valid bool [N])."""
-    k_size = geometry.kernel_size[axis]
+def _axis_candidate(coordinate: Any, geometry: ConvGeometry, axis: int, k: int,
+                    output_size: int) -> tuple[Any, Any]:
+    """Output coordinates (int64) reached through kernel index ``k`` on one axis, and their validity."""
     s, p, d = geometry.stride[axis], geometry.padding[axis], geometry.dilation[axis]
-    result = []
-    for k in range(k_size):
-        if geometry.kind == "regular":
-            numerator = coordinate + (p - k * d)
-            out = numerator // s
-            valid = (numerator >= 0) & (out < output_size)
-            if s > 1:
-                valid &= numerator - out * s == 0
-        else:
-            out = coordinate * s + (k * d - p)
-            valid = (out >= 0) & (out < output_size)
-        result.append((out, valid))
-    return result
+    if geometry.kind == "regular":
+        numerator = coordinate + (p - k * d)
+        out = numerator // s
+        valid = (numerator >= 0) & (out < output_size)
+        if s > 1:
+            valid &= numerator - out * s == 0
+    else:
+        out = coordinate * s + (k * d - p)
+        valid = (out >= 0) & (out < output_size)
+    return out, valid
 
 
 def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
              backend: ArrayBackend, assume_unique: bool) -> Rulebook:
     xp = backend.xp
     out_shape = geometry.output_spatial_shape(shape)
+    if max(out_shape) > _INT32_MAX:
+        raise ValueError(
+            f"the output spatial shape {out_shape} of this {geometry.describe()} on input "
+            f"spatial shape {shape} has coordinates beyond the int32 range of indices "
+            f"({_INT32_MAX}); use a smaller grid or a coarser voxel size"
+        )
     check_packable(out_shape, batch)
     if not assume_unique and indices.shape[0] > 1:
         keys = pack_keys(indices, shape, batch)
@@ -200,34 +276,28 @@ def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeo
         if duplicate is not None:
             _raise_duplicate(indices, duplicate, "indices")
     strides = key_strides(out_shape)
-    base = indices[:, 0].astype(xp.int64) * strides[0]
-    per_axis = []
+    # Expand one axis at a time, keeping only valid (row, partial key) candidates:
+    # the list index after the last axis is the row-major flattened kernel offset.
+    candidates = [(xp.arange(indices.shape[0], dtype=xp.int32),
+                   indices[:, 0].astype(xp.int64) * strides[0])]
     for axis in range(geometry.ndim):
         coordinate = indices[:, axis + 1].astype(xp.int64)
-        candidates = _axis_candidates(xp, coordinate, geometry, axis, out_shape[axis])
-        per_axis.append([(out * strides[axis + 1], valid) for out, valid in candidates])
-    rows = xp.arange(indices.shape[0], dtype=xp.int32)
-    candidate_keys, candidate_rows, counts = [], [], []
-    for kernel_index in geometry.kernel_offsets().tolist():
-        key, valid = base, None
-        for axis, k in enumerate(kernel_index):
-            part, part_valid = per_axis[axis][k]
-            key = key + part
-            valid = part_valid if valid is None else valid & part_valid
-        selected = xp.nonzero(valid)[0]
-        candidate_keys.append(key[selected])
-        candidate_rows.append(rows[selected])
-        counts.append(int(selected.shape[0]))
-    all_keys = xp.concatenate(candidate_keys) if candidate_keys else xp.zeros(0, xp.int64)
-    output_keys, inverse = backend.unique_inverse(all_keys)
-    pair_input = xp.concatenate(candidate_rows) if candidate_rows else xp.zeros(0, xp.int32)
+        expanded = []
+        for rows, keys in candidates:
+            coordinate_rows = coordinate[rows]
+            for k in range(geometry.kernel_size[axis]):
+                out, valid = _axis_candidate(coordinate_rows, geometry, axis, k, out_shape[axis])
+                selected = xp.nonzero(valid)[0]
+                expanded.append((rows[selected], keys[selected] + out[selected] * strides[axis + 1]))
+        candidates = expanded
+    pair_input = xp.concatenate([rows for rows, _ in candidates])
+    output_keys, inverse = backend.unique_inverse(xp.concatenate([keys for _, keys in candidates]))
     starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + count)
+    for rows, _ in candidates:
+        starts.append(starts[-1] + int(rows.shape[0]))
     output_indices = unpack_keys(output_keys, out_shape)
     return Rulebook(geometry, shape, out_shape, batch, indices, output_indices,
-                    pair_input.astype(xp.int32, copy=False), inverse.astype(xp.int32),
-                    tuple(starts))
+                    pair_input, inverse.astype(xp.int32), tuple(starts))
 
 
 def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
@@ -239,7 +309,8 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
         spatial_shape: the input grid, ``D`` positive ints.
         batch_size: number of batch elements.
         geometry: a `ConvGeometry` of kind ``"subm"``, ``"regular"`` or ``"transposed"``.
-        assume_unique: skip the duplicate-site check (for sites the library made).
+        assume_unique: skip the range and duplicate-site checks, for sites the
+            library produced itself (outputs of a previous layer).
 
     Returns:
         The `Rulebook`.
@@ -250,7 +321,7 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
     """
     if not isinstance(geometry, ConvGeometry):
         raise TypeError(f"geometry must be a ConvGeometry, got {type(geometry).__name__}")
-    indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim)
+    indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim, assume_unique)
     backend = backend_for(indices)
     if geometry.kind == "subm":
         return _submanifold(indices, shape, batch, geometry, backend)

@@ -41,7 +41,9 @@ class NumpyBackend:
     xp: Any = np
 
     def hash_build(self, keys: np.ndarray, values: np.ndarray) -> tuple[SortedTable, tuple[int, int] | None]:
-        order = np.argsort(keys, kind="stable")
+        # keys are unique once duplicates are rejected, so stability is not needed
+        # and NumPy's (SIMD) introsort is 4-5x faster than its stable sort
+        order = np.argsort(keys)
         sorted_keys = np.empty(keys.shape[0] + 1, dtype=np.int64)
         np.take(keys, order, out=sorted_keys[:-1])
         sorted_keys[-1] = _SENTINEL
@@ -85,7 +87,7 @@ class NumpyBackend:
     def unique_inverse(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if keys.shape[0] == 0:
             return keys.copy(), np.zeros(0, dtype=np.int64)
-        order = np.argsort(keys, kind="stable")
+        order = np.argsort(keys)  # equal keys get one rank whatever their order
         sorted_keys = keys[order]
         is_new = np.empty(sorted_keys.shape[0], dtype=bool)
         is_new[0] = True
@@ -96,12 +98,14 @@ class NumpyBackend:
         return sorted_keys[is_new], inverse
 
     def gather_rows(self, source: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return np.take(source, rows, axis=0)
+        # take() with intp indices is ~2.5x faster than with int32 ones, conversion included
+        return np.take(source, rows.astype(np.intp, copy=False), axis=0)
 
     def scatter_add_rows(self, target: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
         # Fancy `target[rows] += values` goes through NumPy's slow 2-D map iterator;
         # a take, an add and a put of whole rows viewed as one void item each is
         # about 2.5x faster. Rows are unique within a call, so the result is the same.
+        rows = rows.astype(np.intp, copy=False)
         row_bytes = target.dtype.itemsize * (target.shape[1] if target.ndim == 2 else 0)
         if target.ndim != 2 or row_bytes == 0 or not target.flags.c_contiguous:
             target[rows] += values

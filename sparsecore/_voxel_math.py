@@ -1,0 +1,384 @@
+"""The array algorithm behind :mod:`sparsecore.voxelize`, written once against ``xp``.
+
+Everything here runs unchanged on NumPy and on CuPy: it uses only functions
+both provide with the same meaning (``flatnonzero``, ``ndarray.sort``,
+``argsort(kind="stable")``, ``cumsum``, ``take``, ``bincount``, ``searchsorted``,
+ufuncs with ``out=``, fancy indexing). Memory is O(points): voxels are found by
+sorting packed int64 keys, never through a dense grid.
+
+How a first-seen numbering falls out of one sort
+------------------------------------------------
+Each in-range point gets a key ``cloud * cells + row_major(z, y, x)``. When the
+key and the point's position fit together in 63 bits, the composite
+``key << bits | position`` is sorted with the library's fastest (not
+necessarily stable) sort: composites are all distinct, so any sort orders them
+exactly as a stable sort of the keys would. Otherwise a stable argsort is used.
+In sorted order each run of equal keys is one voxel with its points in input
+order; a run's first point is the voxel's first-seen point, and ranking runs by
+it (a running count over a mask, no second sort) numbers voxels first-seen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+INT64_MAX = 2**63 - 1
+
+
+class VoxelArrays(NamedTuple):
+    """Raw outputs of :func:`voxelize_points` (core arrays)."""
+
+    voxels: Any  # [M, max_points, F], the points' dtype
+    indices: Any  # [M, D] int32, zyx
+    batch: Any  # [M] int32, the cloud of each voxel
+    num_points_per_voxel: Any  # [M] int32
+    point_voxel_id: Any  # [P] int64, -1 for dropped points
+
+
+class Scratch:
+    """Temporaries carved from one block per call.
+
+    A large NumPy allocation usually comes fresh from the kernel and is faulted
+    in 4 KiB at a time; for a 120k-point cloud those faults cost more than the
+    arithmetic. NumPy backs blocks of 4 MiB and more with huge pages, so
+    carving every temporary from one block costs a handful of faults, and only
+    the pages touched are ever materialised. CuPy has a memory pool: there
+    ``empty`` is used directly. Nothing returned to the caller is a view of it.
+    """
+
+    def __init__(self, xp: Any, nbytes: int) -> None:
+        self.xp = xp
+        self.block = xp.empty((nbytes,), dtype=xp.uint8) if xp.__name__ == "numpy" else None
+        self.used = 0
+
+    def empty(self, count: int, dtype: Any) -> Any:
+        """A 1-D array of ``count`` items of ``dtype`` (uninitialised)."""
+        dtype = self.xp.dtype(dtype)
+        size = count * dtype.itemsize
+        if self.block is None or self.used + size > self.block.shape[0]:
+            return self.xp.empty((count,), dtype=dtype)
+        view = self.block[self.used : self.used + size].view(dtype)
+        self.used += -(-size // 64) * 64
+        return view
+
+
+def take(xp: Any, values: Any, positions: Any, out: Any) -> Any:
+    """``out[...] = values[positions]`` for valid positions; returns ``out``.
+
+    NumPy's default ``mode="raise"`` routes ``out`` through a temporary buffer;
+    ``"clip"`` writes in place (the positions here are always in range). CuPy's
+    ``take`` has no ``mode`` and never buffers.
+    """
+    if xp.__name__ == "numpy":
+        return xp.take(values, positions, out=out, mode="clip")
+    return xp.take(values, positions, out=out)
+
+
+def cell_count(grid_size_zyx: tuple[int, ...]) -> int:
+    """Number of cells of the grid, as an exact Python int."""
+    return math.prod(grid_size_zyx)
+
+
+def empty_result(xp: Any, num_points: int, num_features: int, ndim: int, max_points: int,
+                 dtype: Any) -> VoxelArrays:
+    """The M = 0 result: every point dropped."""
+    return VoxelArrays(
+        voxels=xp.zeros((0, max_points, num_features), dtype=dtype),
+        indices=xp.zeros((0, ndim), dtype=xp.int32),
+        batch=xp.zeros((0,), dtype=xp.int32),
+        num_points_per_voxel=xp.zeros((0,), dtype=xp.int32),
+        point_voxel_id=xp.full((num_points,), -1, dtype=xp.int64),
+    )
+
+
+def _count_dtype(xp: Any, count: int) -> Any:
+    # NumPy's bool -> int64 cumsum takes a slow buffered path (~10x slower than int32).
+    return xp.int32 if count < 2**31 else xp.int64
+
+
+def in_range_points(xp: Any, scratch: Scratch, points: Any, grid: Any) -> Any:
+    """``[V]`` int64 positions (increasing) of the points inside the grid.
+
+    A point is inside when ``min <= x < max`` and ``(x - min) / size < grid_size``
+    on every axis (the second test drops points that round-off pushes into
+    cell ``grid_size``), computed in the points' dtype. NaN is never inside.
+    """
+    num_points, dtype = int(points.shape[0]), points.dtype.type
+    grid_xyz = tuple(reversed(grid.grid_size))
+    inside, ok = scratch.empty(num_points, bool), scratch.empty(num_points, bool)
+    offset = scratch.empty(num_points, points.dtype)
+    for axis in range(grid.ndim):  # one axis at a time: 1-D passes are the fast ones
+        column = points[:, axis]
+        lower = dtype(grid.lower[axis])
+        target = inside if axis == 0 else ok
+        xp.greater_equal(column, lower, out=target)
+        xp.subtract(column, lower, out=offset)
+        offset /= dtype(grid.voxel_size[axis])
+        target &= offset < dtype(grid_xyz[axis])
+        target &= column < dtype(grid.upper[axis])
+        if axis:
+            inside &= ok
+    return xp.flatnonzero(inside)
+
+
+def voxel_keys(xp: Any, scratch: Scratch, points: Any, kept: Any, grid: Any,
+               cloud_sizes: tuple[int, ...]) -> Any:
+    """``[V]`` int64 keys of the kept points, row-major over ``(cloud, z, y, x)``.
+
+    The voxel coordinate is ``floor((x - min) / size)`` in the points' dtype, the
+    expression :func:`in_range_points` tested; it is non-negative on kept points,
+    so truncation to int is the floor.
+    """
+    count = int(kept.shape[0])
+    grid_xyz = tuple(reversed(grid.grid_size))
+    keys, cells = scratch.empty(count, xp.int64), scratch.empty(count, xp.int64)
+    offset = scratch.empty(count, points.dtype)
+    for axis in range(grid.ndim - 1, -1, -1):
+        voxel_offset(xp, points, kept, grid, axis, out=offset)
+        if axis == grid.ndim - 1:
+            keys[...] = offset
+        else:
+            cells[...] = offset
+            keys *= grid_xyz[axis]
+            keys += cells
+    if len(cloud_sizes) > 1:
+        starts = xp.asarray(_cumulative((0,) + cloud_sizes[:-1]), dtype=xp.int64)
+        cloud = xp.searchsorted(starts, kept, side="right") - 1
+        cloud *= cell_count(grid.grid_size)
+        keys += cloud
+    return keys
+
+
+def voxel_offset(xp: Any, points: Any, rows: Any, grid: Any, axis: int, out: Any) -> Any:
+    """``(points[rows, axis] - min) / size`` in the points' dtype, into ``out``."""
+    dtype = points.dtype.type
+    take(xp, points[:, axis], rows, out=out)
+    out -= dtype(grid.lower[axis])
+    out /= dtype(grid.voxel_size[axis])
+    return out
+
+
+def sorted_runs(xp: Any, scratch: Scratch, keys: Any, kept: Any, num_points: int,
+                max_key: int) -> tuple[Any, Any, Any, Any]:
+    """Stable sort of the kept points by key, cut into runs of equal keys.
+
+    Args:
+        keys: ``[V]`` int64 keys (overwritten).
+        kept: ``[V]`` int64 point positions, increasing.
+        num_points: ``P``, a bound on the positions.
+        max_key: a bound on the keys.
+
+    Returns:
+        ``(point_of_sorted, run_start, group_start, group_key)``: ``[V]`` point
+        positions sorted by key, ties in input order; ``[V]`` bool marking the
+        first element of each run; ``[G]`` sorted positions of the runs' starts;
+        ``[G]`` the runs' keys.
+    """
+    count = int(keys.shape[0])
+    run_start = scratch.empty(count, bool)
+    run_start[0] = True
+    position_bits = max(1, (num_points - 1).bit_length())
+    if max_key.bit_length() + position_bits <= 63:
+        # Distinct composites: any sort of them is a stable sort of the keys, so
+        # NumPy's fast (unstable, SIMD) sort will do.
+        keys <<= position_bits
+        keys |= kept
+        keys.sort()
+        point_of_sorted = scratch.empty(count, xp.int64)
+        xp.bitwise_and(keys, (1 << position_bits) - 1, out=point_of_sorted)
+        # Equal keys <=> the composites differ only in the position bits.
+        differ = scratch.empty(max(count - 1, 0), xp.int64)
+        xp.bitwise_xor(keys[1:], keys[:-1], out=differ)
+        xp.greater_equal(differ, 1 << position_bits, out=run_start[1:])
+        group_start = xp.flatnonzero(run_start)
+        group_key = keys[group_start]
+        group_key >>= position_bits
+        return point_of_sorted, run_start, group_start, group_key
+    order = xp.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    xp.not_equal(sorted_keys[1:], sorted_keys[:-1], out=run_start[1:])
+    group_start = xp.flatnonzero(run_start)
+    return kept[order], run_start, group_start, sorted_keys[group_start]
+
+
+def first_seen_rank(xp: Any, scratch: Scratch, group_first: Any, num_points: int) -> Any:
+    """``[G]`` int64 rank of each run by its first point's input position (0..G-1).
+
+    Marks the first points in a ``[P]`` mask and counts marks up to each one:
+    a ranking of distinct positions without a second sort.
+    """
+    is_first = scratch.empty(num_points, bool)
+    is_first[...] = False
+    is_first[group_first] = True
+    count_dtype = _count_dtype(xp, num_points)
+    seen = xp.cumsum(is_first, dtype=count_dtype, out=scratch.empty(num_points, count_dtype))
+    rank = scratch.empty(int(group_first.shape[0]), xp.int64)
+    rank[...] = seen[group_first]
+    rank -= 1
+    return rank
+
+
+def select_voxels(xp: Any, scratch: Scratch, rank: Any, group_cloud: Any, batch_size: int,
+                  max_voxels: int) -> tuple[Any, Any]:
+    """Keeps the first ``max_voxels`` runs (first-seen) of every cloud and numbers them.
+
+    Returns:
+        ``(group_voxel, voxel_group)``: ``[G]`` voxel row of each run (-1 when
+        dropped) and ``[M]`` run of each voxel row; rows are ordered by cloud
+        then first-seen rank, which is the global rank order.
+    """
+    num_groups = int(rank.shape[0])
+    if group_cloud is not None:
+        per_cloud = xp.bincount(group_cloud, minlength=batch_size)
+        keep_group = (rank - (xp.cumsum(per_cloud) - per_cloud)[group_cloud]) < max_voxels
+        num_voxels = int(keep_group.sum())
+    else:
+        num_voxels = min(num_groups, max_voxels)
+    by_rank = scratch.empty(num_groups, xp.int64)  # the run of each rank
+    by_rank[rank] = xp.arange(num_groups, dtype=xp.int64)
+    if num_voxels == num_groups:
+        return rank, by_rank
+    if group_cloud is None:
+        voxel_group = by_rank[:num_voxels]
+    else:
+        kept_by_rank = scratch.empty(num_groups, bool)
+        kept_by_rank[rank] = keep_group
+        voxel_group = by_rank[xp.flatnonzero(kept_by_rank)]
+    group_voxel = xp.full((num_groups,), -1, dtype=xp.int64)
+    group_voxel[voxel_group] = xp.arange(num_voxels, dtype=xp.int64)
+    return group_voxel, voxel_group
+
+
+def voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: Any,
+                    max_points: int, max_voxels: int, empty_mean: bool) -> VoxelArrays:
+    """Voxelizes the concatenation of ``len(cloud_sizes)`` clouds.
+
+    Args:
+        xp: ``numpy`` or ``cupy``.
+        points: ``[P, F]`` float32/float64, the clouds one after another.
+        cloud_sizes: number of points of each cloud (sums to ``P``).
+        grid: a validated :class:`sparsecore.voxelize.VoxelGrid`.
+        max_points: cap on the points stored per voxel (>= 1).
+        max_voxels: cap on the voxels kept per cloud, in first-seen order (>= 1).
+        empty_mean: fill the empty slots of each voxel with its mean point.
+
+    Returns:
+        :class:`VoxelArrays`; voxel rows are ordered by cloud, then first-seen.
+    """
+    num_points, num_features = int(points.shape[0]), int(points.shape[1])
+    ndim, batch_size = grid.ndim, len(cloud_sizes)
+    cells = cell_count(grid.grid_size)
+    # An upper bound on the temporaries (V, G, M <= P); untouched pages cost nothing.
+    scratch = Scratch(xp, num_points * (6 + 4 * points.dtype.itemsize + 13 * 8 + 3 * 4) + 64 * 32)
+    kept = in_range_points(xp, scratch, points, grid)
+    num_kept = int(kept.shape[0])
+    if num_kept == 0:
+        return empty_result(xp, num_points, num_features, ndim, max_points, points.dtype)
+    keys = voxel_keys(xp, scratch, points, kept, grid, cloud_sizes)
+    point_of_sorted, run_start, group_start, group_key = sorted_runs(
+        xp, scratch, keys, kept, num_points, batch_size * cells - 1
+    )
+    num_groups = int(group_start.shape[0])
+    group_first = take(xp, point_of_sorted, group_start, out=scratch.empty(num_groups, xp.int64))
+    rank = first_seen_rank(xp, scratch, group_first, num_points)
+    group_cloud = group_key // cells if batch_size > 1 else None
+    group_voxel, voxel_group = select_voxels(xp, scratch, rank, group_cloud, batch_size, max_voxels)
+    num_voxels = int(voxel_group.shape[0])
+
+    # Per-voxel outputs.
+    counts = scratch.empty(num_groups, xp.int64)
+    xp.subtract(group_start[1:], group_start[:-1], out=counts[:-1])
+    counts[-1] = num_kept - group_start[-1]
+    num_per_voxel = xp.minimum(counts[voxel_group], max_points).astype(xp.int32)
+    voxel_first = take(xp, group_first, voxel_group, out=scratch.empty(num_voxels, xp.int64))
+    indices = xp.empty((num_voxels, ndim), dtype=xp.int32)
+    offset = scratch.empty(num_voxels, points.dtype)
+    for axis in range(ndim):  # recomputed exactly as the keys were
+        indices[:, ndim - 1 - axis] = voxel_offset(xp, points, voxel_first, grid, axis, out=offset)
+    batch = xp.zeros((num_voxels,), dtype=xp.int32)
+    if group_cloud is not None:
+        batch[...] = group_cloud[voxel_group]
+
+    # Per-point outputs: voxel ids, and the stored points.
+    count_dtype = _count_dtype(xp, num_kept)
+    group_of_sorted = xp.cumsum(run_start, dtype=count_dtype, out=scratch.empty(num_kept, count_dtype))
+    group_of_sorted -= 1
+    voxel_of_sorted = take(xp, group_voxel, group_of_sorted, out=scratch.empty(num_kept, xp.int64))
+    point_voxel_id = xp.full((num_points,), -1, dtype=xp.int64)
+    point_voxel_id[point_of_sorted] = voxel_of_sorted
+
+    voxels = xp.zeros((num_voxels * max_points, num_features), dtype=points.dtype)
+    if max_points == 1:  # only first points are stored: a gather in row order
+        copy_rows(xp, scratch, voxels, None, points, voxel_first)
+    else:  # slot = position within the run; store slots < max_points of kept voxels
+        slot = scratch.empty(num_kept, count_dtype)
+        take(xp, group_start.astype(count_dtype), group_of_sorted, out=slot)
+        xp.subtract(xp.arange(num_kept, dtype=count_dtype), slot, out=slot)
+        stored_mask = run_start  # reused: run_start is no longer needed
+        xp.less(slot, max_points, out=stored_mask)
+        if num_voxels != num_groups:
+            stored_mask &= voxel_of_sorted >= 0
+        stored = xp.flatnonzero(stored_mask)
+        num_stored = int(stored.shape[0])
+        rows = take(xp, voxel_of_sorted, stored, out=scratch.empty(num_stored, xp.int64))
+        rows *= max_points
+        rows += slot[stored]
+        source = take(xp, point_of_sorted, stored, out=scratch.empty(num_stored, xp.int64))
+        copy_rows(xp, scratch, voxels, rows, points, source)
+    voxels = voxels.reshape(num_voxels, max_points, num_features)
+    if empty_mean and max_points > 1:
+        voxels = fill_empty_with_mean(xp, voxels, num_per_voxel)
+    return VoxelArrays(voxels, indices, batch, num_per_voxel, point_voxel_id)
+
+
+def copy_rows(xp: Any, scratch: Scratch, destination: Any, rows: Any, source: Any,
+              source_rows: Any) -> None:
+    """``destination[rows] = source[source_rows]`` for 2-D arrays (``rows`` None: all rows).
+
+    NumPy's fancy indexing is several times faster on 1-D columns than on short
+    rows, so narrow arrays go column by column; CuPy takes one kernel either way.
+    """
+    width = int(source.shape[1])
+    if width > 16 or xp.__name__ != "numpy":
+        if rows is None:
+            destination[...] = source[source_rows]
+        else:
+            destination[rows] = source[source_rows]
+        return
+    values = scratch.empty(int(source_rows.shape[0]), source.dtype)
+    for column in range(width):
+        take(xp, source[:, column], source_rows, out=values)
+        if rows is None:
+            destination[:, column] = values
+        else:
+            destination[:, column][rows] = values
+
+
+def stored_point_mask(xp: Any, num_points_per_voxel: Any, max_points: int) -> Any:
+    """``[M, max_points]`` bool: which slots hold a real point."""
+    return xp.arange(max_points)[None, :] < num_points_per_voxel[:, None]
+
+
+def masked_means(xp: Any, voxels: Any, num_points_per_voxel: Any) -> Any:
+    """``[M, F]`` mean of the real (stored) points of each voxel."""
+    real = stored_point_mask(xp, num_points_per_voxel, int(voxels.shape[1]))
+    sums = xp.where(real[:, :, None], voxels, 0).sum(axis=1)
+    counts = xp.maximum(num_points_per_voxel, 1).astype(voxels.dtype)
+    return (sums / counts[:, None]).astype(voxels.dtype, copy=False)
+
+
+def fill_empty_with_mean(xp: Any, voxels: Any, num_points_per_voxel: Any) -> Any:
+    """Replaces the empty slots of zero-padded ``voxels`` by each voxel's mean point."""
+    means = (voxels.sum(axis=1) / num_points_per_voxel[:, None].astype(voxels.dtype)).astype(voxels.dtype)
+    empty = ~stored_point_mask(xp, num_points_per_voxel, int(voxels.shape[1]))
+    return xp.where(empty[:, :, None], means[:, None, :], voxels)
+
+
+def _cumulative(values: tuple[int, ...]) -> list[int]:
+    """Running sums of Python ints."""
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out

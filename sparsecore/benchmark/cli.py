@@ -1,0 +1,170 @@
+"""Command line of the benchmark: ``python -m sparsecore.benchmark cpu [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Any, Iterator, Sequence
+
+from sparsecore.benchmark import scenes
+from sparsecore.benchmark.timing import THREAD_VARIABLES
+
+__all__ = ["build_parser", "load_inputs", "thread_limit", "main"]
+
+DEFAULT_REPEAT = 5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, with one sub-command per benchmark suite."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sparsecore.benchmark",
+        description="Time sparsecore's stages and compare them with spconv where it is installed.",
+    )
+    suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    cpu = suites.add_parser(
+        "cpu",
+        help="the NumPy engine on the CPU, beside spconv's CPU build",
+        description=(
+            "Rulebook build, forward and backward of SubMConv3d 16->16 and 64->64 and of "
+            "SparseConv3d 64->64 (k3 s2 p1) on a LiDAR scan, and voxelization of its first "
+            f"120,000 points. The scan is read from ${scenes.DATA_DIRECTORY_VARIABLE} or "
+            "../shared/data beside the repository; without it a synthetic scene is used."
+        ),
+    )
+    cpu.add_argument("--voxels", metavar="PATH", help=f"voxelized scan (default: {scenes.VOXELS_FILE_NAME})")
+    cpu.add_argument("--points", metavar="PATH", help=f"raw points (default: {scenes.POINTS_FILE_NAME})")
+    cpu.add_argument("--synthetic", action="store_true", help="use a synthetic scene even when the scan exists")
+    cpu.add_argument(
+        "--scale",
+        choices=sorted(scenes.SYNTHETIC_SCALES),
+        default="full",
+        help="size of the synthetic scene (default: full, about a scan's size)",
+    )
+    cpu.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed repeats per stage (median)")
+    cpu.add_argument("--threads", type=int, default=1,
+                     help="BLAS threads for NumPy (default 1, the thread count spconv is compared at; 0 leaves the BLAS default)")
+    cpu.add_argument("--no-spconv", action="store_true", help="skip the comparison with spconv")
+    cpu.add_argument("--seed", type=int, default=0, help="random seed for features and weights")
+    cpu.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH")
+    return parser
+
+
+@contextlib.contextmanager
+def thread_limit(threads: int | None, argv: Sequence[str], allow_reexec: bool) -> Iterator[str]:
+    """Limits NumPy's BLAS threads for the duration of the benchmark.
+
+    NumPy reads the thread variables when it loads its BLAS, which has already
+    happened by the time this package runs. So: threadpoolctl when it is
+    installed; otherwise, when allowed, the process starts itself again with
+    the variables set (``os.execv``); otherwise a warning.
+
+    Args:
+        threads: the thread count wanted, or None to leave it alone.
+        argv: the command-line arguments, to start again with.
+        allow_reexec: whether replacing the process is acceptable (only when
+            run as ``python -m sparsecore.benchmark``).
+
+    Yields:
+        How the thread count was applied, for the header.
+    """
+    if threads is None or threads == 0:
+        yield "as configured"
+        return
+    if threads < 1:
+        raise SystemExit(f"--threads must be at least 1, got {threads}")
+    wanted = str(threads)
+    if all(os.environ.get(variable) == wanted for variable in THREAD_VARIABLES):
+        yield f"{threads} (environment)"
+        return
+    try:
+        import threadpoolctl
+    except ImportError:
+        threadpoolctl = None
+    if threadpoolctl is not None:
+        with threadpoolctl.threadpool_limits(limits=threads):
+            yield f"{threads} (threadpoolctl)"
+        return
+    if allow_reexec:
+        environment = dict(os.environ)
+        environment.update({variable: wanted for variable in THREAD_VARIABLES})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "sparsecore.benchmark", *argv], environment)
+    print(
+        f"warning: --threads {threads} not applied: install threadpoolctl, or set "
+        f"{', '.join(THREAD_VARIABLES)} before starting Python",
+        file=sys.stderr,
+    )
+    yield "as configured (--threads not applied)"
+
+
+def load_inputs(arguments: argparse.Namespace) -> Any:
+    """Finds or makes the scene and the points named by the arguments.
+
+    Args:
+        arguments: the parsed ``cpu`` arguments.
+
+    Returns:
+        ``cpu.BenchmarkInputs``.
+    """
+    from sparsecore.benchmark.cpu import BenchmarkInputs
+
+    scale = scenes.SYNTHETIC_SCALES[arguments.scale]
+    voxels_path = None if arguments.synthetic else scenes.find_data_file(arguments.voxels, scenes.VOXELS_FILE_NAME)
+    points_path = None if arguments.synthetic else scenes.find_data_file(arguments.points, scenes.POINTS_FILE_NAME)
+    if voxels_path is not None:
+        scene = scenes.load_voxel_scene(voxels_path)
+    else:
+        scene = scenes.synthetic_voxel_scene(scale, arguments.seed)
+    if points_path is not None:
+        points, points_source = scenes.load_points(points_path), str(points_path)
+    else:
+        points = scenes.synthetic_points(scale, arguments.seed)
+        points_source = f"synthetic ({scale.name}, seed {arguments.seed})"
+    return BenchmarkInputs(scene, points, points_source)
+
+
+def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
+    """Runs the benchmark and prints its table.
+
+    Args:
+        argv: command-line arguments (default: ``sys.argv[1:]``).
+        allow_reexec: let ``--threads`` restart the process with the thread
+            variables set when threadpoolctl is missing.
+
+    Returns:
+        The exit status: 0, or 1 when sparsecore and spconv disagree somewhere.
+    """
+    from sparsecore.benchmark import report
+    from sparsecore.benchmark.cpu import run_cpu_benchmark
+    from sparsecore.benchmark.timing import machine_description
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    arguments = build_parser().parse_args(argv)
+    if arguments.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {arguments.repeat}")
+    with thread_limit(arguments.threads, argv, allow_reexec) as threads_applied:
+        try:
+            inputs = load_inputs(arguments)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"error: {error}") from None
+        rows, spconv_status = run_cpu_benchmark(inputs, arguments.repeat, not arguments.no_spconv)
+        header = machine_description()
+    scene = inputs.scene
+    header.update(
+        {
+            "threads requested": threads_applied,
+            "spconv": f"{header['spconv']}, {spconv_status}",
+            "scene": f"{scene.source}: {len(scene.indices)} voxels, spatial shape {scene.spatial_shape}, "
+            f"batch {scene.batch_size}",
+            "points": f"{inputs.points_source}: {len(inputs.points)} points",
+            "timing": f"median of {arguments.repeat} after 1 warm-up, time.perf_counter, float32",
+        }
+    )
+    print(report.format_table(header, rows), end="")
+    if arguments.json:
+        report.write_json(arguments.json, header, rows)
+    disagreements = [row for row in rows if row.agreement.startswith("MISMATCH")]
+    return 1 if disagreements else 0

@@ -1,0 +1,86 @@
+"""The CPU benchmark runs end to end on a small synthetic scene and agrees with spconv.
+
+No timing is asserted: only that every row is there, carries a sparsecore
+time, and (where spconv is importable) a spconv time and a passing check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparsecore.benchmark import cases, report, scenes
+from sparsecore.benchmark.cli import build_parser, thread_limit
+
+
+def _spconv_importable() -> bool:
+    return importlib.util.find_spec("spconv") is not None and importlib.util.find_spec("torch") is not None
+
+
+@pytest.mark.slow
+def test_cpu_benchmark_on_small_synthetic_scene(tmp_path: Path) -> None:
+    json_path = tmp_path / "rows.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "sparsecore.benchmark", "cpu", "--synthetic", "--scale", "small",
+         "--repeat", "1", "--json", str(json_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    document = json.loads(json_path.read_text())
+    rows = document["rows"]
+    assert [(row["case"], row["stage"]) for row in rows] == cases.expected_row_keys()
+    for row in rows:
+        assert row["sparsecore_ms"] is not None and row["sparsecore_ms"] >= 0, row
+        assert row["case"] in completed.stdout
+    header = document["header"]
+    for label in ("date", "cpu", "cores", "numpy", "blas threads", "scene", "spconv"):
+        assert label in header and label in completed.stdout
+    if _spconv_importable():
+        assert "compared" in header["spconv"], header["spconv"]
+        for row in rows:
+            assert row["spconv_ms"] is not None, row
+            assert row["agreement"].startswith("ok"), row
+            assert row["ratio_spconv_over_sparsecore"] is not None
+    else:
+        assert all(row["spconv_ms"] is None for row in rows)
+
+
+def test_synthetic_scene_is_a_valid_sparse_input() -> None:
+    scene = scenes.synthetic_voxel_scene(scenes.SYNTHETIC_SCALES["small"], seed=3)
+    assert scene.indices.dtype == np.int32 and scene.indices.shape[1] == 4
+    assert scene.features.dtype == np.float32 and len(scene.features) == len(scene.indices)
+    assert len(np.unique(scene.indices, axis=0)) == len(scene.indices)
+    assert np.all(scene.indices[:, 1:] >= 0)
+    assert np.all(scene.indices[:, 1:] < np.asarray(scene.spatial_shape))
+    assert len(scene.indices) > 1000
+    points = scenes.synthetic_points(scenes.SYNTHETIC_SCALES["small"], seed=3)
+    low, high = np.asarray(scenes.COORDINATE_RANGE[:3]), np.asarray(scenes.COORDINATE_RANGE[3:])
+    assert np.all((points >= low) & (points < high))
+
+
+def test_missing_explicit_data_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        scenes.find_data_file(str(tmp_path / "absent.npz"), scenes.VOXELS_FILE_NAME)
+
+
+def test_table_lists_every_row_with_ratio() -> None:
+    rows = [cases.Row(case, stage, 2.0, 3.0, "ok") for case, stage in cases.expected_row_keys()]
+    text = report.format_table({"cpu": "test"}, rows)
+    assert "1.50x" in text
+    for case, stage in cases.expected_row_keys():
+        assert case in text and stage in text
+
+
+def test_parser_and_thread_limit_defaults() -> None:
+    arguments = build_parser().parse_args(["cpu"])
+    assert arguments.repeat >= 1 and arguments.threads == 1 and not arguments.synthetic
+    with thread_limit(None, [], allow_reexec=False) as applied:
+        assert applied == "as configured"
