@@ -1,0 +1,151 @@
+// pooling.cu: max and average pooling over CSR groupings of a pooling rulebook.
+//
+// Matrices are dense row-major [rows, channels]; T is float, double, __half or
+// __nv_bfloat16, compared and summed in its accumulator type (float, or double
+// for double). Every output element is produced by one thread walking its
+// group in the given order: no atomics, bitwise deterministic.
+//
+// Two groupings of the same pairs (i -> o) are used:
+//   by output (forward):  input_rows[output_starts[o] .. output_starts[o + 1])
+//                         are the input rows of output o, in kernel-offset order
+//                         (a stable argsort of pair_output over pairs stored
+//                         offset by offset gives that order);
+//   by input (backward):  output_rows[input_starts[i] .. input_starts[i + 1])
+//                         are the output rows that input i feeds (a stable
+//                         argsort of pair_input).
+// Starts are int64 [rows + 1], non-decreasing, starting at 0. Global pooling
+// uses the same kernels: group sites by batch element for the forward, and
+// give each input its single batch element (input_starts = 0, 1, ..., N) for
+// the backward.
+
+#include "sc_common.cuh"
+
+// out[o, j] = max over the group of o of features[i, j]; argmax[o, j] = that i.
+//   features      T     [num_in, channels]
+//   input_rows    int32 [P]                  grouped by output, offset order
+//   output_starts int64 [num_out + 1]
+//   out           T     [num_out, channels]
+//   argmax        int32 [num_out, channels]
+// The first input of a group is taken, and a later one replaces it only when
+// strictly greater, so ties (and NaNs after the first input) keep the earliest
+// kernel offset. An empty group gives out = 0 and argmax = -1.
+template <typename T>
+__global__ void sc_max_pool_forward(const T* __restrict__ features,
+                                    const int* __restrict__ input_rows,
+                                    const long long* __restrict__ output_starts, long long num_out,
+                                    long long channels, T* __restrict__ out,
+                                    int* __restrict__ argmax) {
+  using Acc = typename sc::Accumulator<T>::type;
+  const long long total = num_out * channels;
+  const long long step = sc::grid_thread_count();
+  for (long long e = sc::grid_thread_index(); e < total; e += step) {
+    const long long o = e / channels;
+    const long long j = e - o * channels;
+    const long long begin = __ldg(output_starts + o);
+    const long long end = __ldg(output_starts + o + 1);
+    Acc best = Acc(0);
+    int best_row = -1;
+    for (long long p = begin; p < end; ++p) {
+      const int row = __ldg(input_rows + p);
+      const Acc value = static_cast<Acc>(sc::widen(features[static_cast<long long>(row) * channels + j]));
+      if (best_row < 0 || value > best) {
+        best = value;
+        best_row = row;
+      }
+    }
+    out[e] = sc::narrow<T>(best);
+    argmax[e] = best_row;
+  }
+}
+
+// grad_in[i, j] = sum over the outputs o of input i (in group order) with
+// argmax[o, j] == i of grad_out[o, j]. Overwrites every row of grad_in.
+//   grad_out     T     [num_out, channels]
+//   argmax       int32 [num_out, channels]   from sc_max_pool_forward
+//   output_rows  int32 [P]                   grouped by input
+//   input_starts int64 [num_in + 1]
+//   grad_in      T     [num_in, channels]
+template <typename T>
+__global__ void sc_max_pool_backward(const T* __restrict__ grad_out, const int* __restrict__ argmax,
+                                     const int* __restrict__ output_rows,
+                                     const long long* __restrict__ input_starts, long long num_in,
+                                     long long channels, T* __restrict__ grad_in) {
+  using Acc = typename sc::Accumulator<T>::type;
+  const long long total = num_in * channels;
+  const long long step = sc::grid_thread_count();
+  for (long long e = sc::grid_thread_index(); e < total; e += step) {
+    const long long i = e / channels;
+    const long long j = e - i * channels;
+    const long long begin = __ldg(input_starts + i);
+    const long long end = __ldg(input_starts + i + 1);
+    Acc acc = Acc(0);
+    for (long long p = begin; p < end; ++p) {
+      const long long o_element = static_cast<long long>(__ldg(output_rows + p)) * channels + j;
+      if (__ldg(argmax + o_element) == i) {
+        acc += static_cast<Acc>(sc::widen(grad_out[o_element]));
+      }
+    }
+    grad_in[e] = sc::narrow<T>(acc);
+  }
+}
+
+// out[o, j] = (sum over the group of o of features[i, j]) / (group size), in
+// Acc, summed in group order; 0 for an empty group.
+//   features      T     [num_in, channels]
+//   input_rows    int32 [P]                  grouped by output
+//   output_starts int64 [num_out + 1]
+//   out           T     [num_out, channels]
+template <typename T>
+__global__ void sc_avg_pool_forward(const T* __restrict__ features,
+                                    const int* __restrict__ input_rows,
+                                    const long long* __restrict__ output_starts, long long num_out,
+                                    long long channels, T* __restrict__ out) {
+  using Acc = typename sc::Accumulator<T>::type;
+  const long long total = num_out * channels;
+  const long long step = sc::grid_thread_count();
+  for (long long e = sc::grid_thread_index(); e < total; e += step) {
+    const long long o = e / channels;
+    const long long j = e - o * channels;
+    const long long begin = __ldg(output_starts + o);
+    const long long end = __ldg(output_starts + o + 1);
+    Acc acc = Acc(0);
+    for (long long p = begin; p < end; ++p) {
+      const long long row = __ldg(input_rows + p);
+      acc += static_cast<Acc>(sc::widen(features[row * channels + j]));
+    }
+    out[e] = sc::narrow<T>(end > begin ? acc / static_cast<Acc>(end - begin) : Acc(0));
+  }
+}
+
+// grad_in[i, j] = sum over the outputs o of input i (in group order) of
+// grad_out[o, j] / count(o), each quotient taken in Acc, where count(o) =
+// output_starts[o + 1] - output_starts[o] (the forward grouping's sizes).
+// Overwrites every row of grad_in.
+//   grad_out      T     [num_out, channels]
+//   output_rows   int32 [P]                  grouped by input
+//   input_starts  int64 [num_in + 1]
+//   output_starts int64 [num_out + 1]        the forward's starts
+//   grad_in       T     [num_in, channels]
+template <typename T>
+__global__ void sc_avg_pool_backward(const T* __restrict__ grad_out,
+                                     const int* __restrict__ output_rows,
+                                     const long long* __restrict__ input_starts,
+                                     const long long* __restrict__ output_starts, long long num_in,
+                                     long long channels, T* __restrict__ grad_in) {
+  using Acc = typename sc::Accumulator<T>::type;
+  const long long total = num_in * channels;
+  const long long step = sc::grid_thread_count();
+  for (long long e = sc::grid_thread_index(); e < total; e += step) {
+    const long long i = e / channels;
+    const long long j = e - i * channels;
+    const long long begin = __ldg(input_starts + i);
+    const long long end = __ldg(input_starts + i + 1);
+    Acc acc = Acc(0);
+    for (long long p = begin; p < end; ++p) {
+      const long long o = __ldg(output_rows + p);
+      const long long count = __ldg(output_starts + o + 1) - __ldg(output_starts + o);
+      acc += static_cast<Acc>(sc::widen(grad_out[o * channels + j])) / static_cast<Acc>(count);
+    }
+    grad_in[e] = sc::narrow<T>(acc);
+  }
+}

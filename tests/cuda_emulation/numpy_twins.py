@@ -1,0 +1,204 @@
+"""Plain NumPy twins of the CUDA kernels: the oracles of the emulation tests.
+
+Each twin computes what its kernel's contract (the comment block in
+``kernels_cu/*.cu``) promises, in the same arithmetic: sums in float32 (float64
+for double) in the documented order, one rounding to the storage type at the
+end. So integer results and float results alike are compared exactly.
+
+16-bit storage: ``float16`` arrays for __half; bfloat16 travels as its uint16
+bit pattern (NumPy has no bfloat16), converted here with round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "STORAGE_DTYPES",
+    "widen",
+    "narrow",
+    "random_features",
+    "hash_lookup",
+    "gather_rows",
+    "scatter_add_rows_unique",
+    "segment_sum_rows",
+    "max_pool_forward",
+    "max_pool_backward",
+    "avg_pool_forward",
+    "avg_pool_backward",
+    "compact",
+    "conv_candidates",
+    "voxel_keys",
+]
+
+# Test dtype name -> (storage dtype, accumulator dtype, C++ element type).
+STORAGE_DTYPES = {
+    "float32": (np.float32, np.float32, "float"),
+    "float64": (np.float64, np.float64, "double"),
+    "float16": (np.float16, np.float32, "__half"),
+    "bfloat16": (np.uint16, np.float32, "__nv_bfloat16"),
+}
+
+
+def widen(array: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Storage values to the accumulator type, exactly."""
+    if dtype_name == "bfloat16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(STORAGE_DTYPES[dtype_name][1])
+
+
+def narrow(array: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Accumulator values to storage, rounding to nearest even."""
+    if dtype_name == "bfloat16":
+        bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return rounded.astype(np.uint16)
+    with np.errstate(over="ignore"):  # overflow to inf is the expected rounding
+        return array.astype(STORAGE_DTYPES[dtype_name][0])
+
+
+def random_features(rng: np.random.Generator, shape: Sequence[int], dtype_name: str) -> np.ndarray:
+    """Random storage values in [-2, 2)."""
+    return narrow(rng.uniform(-2.0, 2.0, size=shape).astype(STORAGE_DTYPES[dtype_name][1]), dtype_name)
+
+
+def hash_lookup(keys: np.ndarray, values: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """The value of each query in a table of ``keys -> values`` keeping minimum values, -1 if absent."""
+    out = np.full(queries.shape, -1, dtype=values.dtype)
+    if keys.shape[0] == 0:
+        return out
+    order = np.lexsort((values, keys))
+    sorted_keys, sorted_values = keys[order], values[order]
+    first = np.ones(sorted_keys.shape[0], dtype=bool)
+    first[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    unique_keys, minimum_values = sorted_keys[first], sorted_values[first]
+    position = np.clip(np.searchsorted(unique_keys, queries), 0, unique_keys.shape[0] - 1)
+    found = (unique_keys[position] == queries) & (queries >= 0)
+    out[found] = minimum_values[position[found]]
+    return out
+
+
+def gather_rows(source: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    out = np.zeros((rows.shape[0], source.shape[1]), dtype=source.dtype)
+    valid = rows >= 0
+    out[valid] = source[rows[valid]]
+    return out
+
+
+def scatter_add_rows_unique(target: np.ndarray, rows: np.ndarray, values: np.ndarray, dtype_name: str) -> np.ndarray:
+    out = target.copy()
+    valid = rows >= 0
+    out[rows[valid]] = narrow(widen(target[rows[valid]], dtype_name) + widen(values[valid], dtype_name), dtype_name)
+    return out
+
+
+def _ordered_group_sums(values: np.ndarray, members: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``out[g] = sum of values[members[p]] for p in group g``, added one member at a time, in order.
+
+    Args:
+        values: ``[M, C]`` accumulator-typed rows.
+        members: ``[P]`` row numbers into ``values``, grouped.
+        starts: ``[G + 1]`` group boundaries into ``members``.
+    """
+    lengths = np.diff(starts)
+    acc = np.zeros((lengths.shape[0], values.shape[1]), dtype=values.dtype)
+    with np.errstate(over="ignore"):  # overflow to inf is the expected result
+        for step in range(int(lengths.max(initial=0))):
+            groups = np.flatnonzero(lengths > step)
+            acc[groups] += values[members[starts[groups] + step]]
+    return acc
+
+
+def segment_sum_rows(target, source, order, segment_starts, segment_rows, dtype_name):
+    out = target.copy()
+    acc = _ordered_group_sums(widen(source, dtype_name), order, segment_starts)
+    out[segment_rows] = narrow(widen(target[segment_rows], dtype_name) + acc, dtype_name)
+    return out
+
+
+def max_pool_forward(features, input_rows, output_starts, dtype_name):
+    wide = widen(features, dtype_name)
+    lengths = np.diff(output_starts)
+    best = np.zeros((lengths.shape[0], features.shape[1]), dtype=wide.dtype)
+    argmax = np.full(best.shape, -1, dtype=np.int32)
+    for step in range(int(lengths.max(initial=0))):
+        groups = np.flatnonzero(lengths > step)
+        rows = input_rows[output_starts[groups] + step]
+        candidate = wide[rows]
+        better = (argmax[groups] < 0) | (candidate > best[groups])
+        best[groups] = np.where(better, candidate, best[groups])
+        argmax[groups] = np.where(better, rows[:, None], argmax[groups])
+    return narrow(best, dtype_name), argmax
+
+
+def max_pool_backward(grad_out, argmax, output_rows, input_starts, dtype_name):
+    wide = widen(grad_out, dtype_name)
+    lengths = np.diff(input_starts)
+    acc = np.zeros((lengths.shape[0], grad_out.shape[1]), dtype=wide.dtype)
+    for step in range(int(lengths.max(initial=0))):
+        inputs = np.flatnonzero(lengths > step)
+        outputs = output_rows[input_starts[inputs] + step]
+        chosen = argmax[outputs] == inputs[:, None]
+        acc[inputs] += np.where(chosen, wide[outputs], wide.dtype.type(0))
+    return narrow(acc, dtype_name)
+
+
+def avg_pool_forward(features, input_rows, output_starts, dtype_name):
+    acc = _ordered_group_sums(widen(features, dtype_name), input_rows, output_starts)
+    counts = np.diff(output_starts).astype(acc.dtype)[:, None]
+    mean = np.divide(acc, counts, out=np.zeros_like(acc), where=counts > 0)
+    return narrow(mean, dtype_name)
+
+
+def avg_pool_backward(grad_out, output_rows, input_starts, output_starts, dtype_name):
+    wide = widen(grad_out, dtype_name)
+    counts = np.maximum(np.diff(output_starts), 1).astype(wide.dtype)[:, None]
+    shares = wide / counts
+    return narrow(_ordered_group_sums(shares, output_rows, input_starts), dtype_name)
+
+
+def compact(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows, columns = np.nonzero(values >= 0)  # row-major order
+    counts = np.bincount(rows, minlength=values.shape[0])
+    return columns.astype(np.int32), values[rows, columns].astype(np.int32), counts
+
+
+def conv_candidates(indices, kernel_positions, stride, padding, dilation, output_shape, transposed):
+    """Output keys ``[K, N]`` of every (offset, input site), straight from the dense formulas."""
+    stride, padding, dilation, output_shape = (
+        np.asarray(value, dtype=np.int64) for value in (stride, padding, dilation, output_shape)
+    )
+    coordinates = indices[None, :, 1:].astype(np.int64)
+    reach = kernel_positions[:, None, :].astype(np.int64) * dilation
+    if transposed:
+        out = coordinates * stride - padding + reach
+        valid = np.ones(out.shape, dtype=bool)
+    else:
+        shifted = coordinates + padding - reach
+        valid = (shifted >= 0) & (shifted % stride == 0)
+        out = shifted // stride
+    valid &= (out >= 0) & (out < output_shape)
+    keys = np.broadcast_to(indices[None, :, 0].astype(np.int64), valid.shape[:2]).copy()
+    for axis in range(indices.shape[1] - 1):
+        keys = keys * output_shape[axis] + out[..., axis]
+    keys[~valid.all(axis=2) | (indices[None, :, 0] < 0)] = -1
+    return keys
+
+
+def voxel_keys(points, point_columns, voxel_size, range_min, grid_shape, batch_column, batch_size):
+    dtype = points.dtype
+    cells = np.floor((points[:, list(point_columns)] - np.asarray(range_min, dtype)) / np.asarray(voxel_size, dtype))
+    with np.errstate(invalid="ignore"):
+        valid = np.all((cells >= 0) & (cells < np.asarray(grid_shape, dtype)), axis=1)
+    keys = np.zeros(points.shape[0], dtype=np.int64)
+    if batch_column >= 0:
+        batch = points[:, batch_column]
+        with np.errstate(invalid="ignore"):
+            valid &= (batch >= 0) & (batch < batch_size)
+        keys = np.where(valid, batch, 0).astype(np.int64)
+    safe_cells = np.where(valid[:, None], cells, 0).astype(np.int64)
+    for axis, extent in enumerate(grid_shape):
+        keys = keys * extent + safe_cells[:, axis]
+    return np.where(valid, keys, -1)

@@ -1,0 +1,377 @@
+"""The CUDA kernels, run on the CPU (g++ + cuda_shim.h) or a GPU, against NumPy twins.
+
+Every registered kernel runs through the launch wrappers of
+``cuda_emulation/launchers.py`` on small seeded random inputs: empty inputs
+(no launch at all), partial last blocks, and grids capped below the work so
+grid-stride loops go round more than once. Integer results must be equal and
+float results bitwise equal (the twins use the kernels' summation order).
+The ``cupy`` variant runs the same checks where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+try:
+    from cuda_emulation import harness, launchers, numpy_twins as twins
+except ImportError:  # tests/ is a package: import through it
+    from tests.cuda_emulation import harness, launchers, numpy_twins as twins
+
+from sparsecore.backends import kernel_registry
+
+DTYPES = tuple(twins.STORAGE_DTYPES)
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+class Backend:
+    """Moves arrays to and from one backend and launches kernels on it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "emulated":
+            self.xp = np
+            get_function = lambda file, expression: harness.load_module(file).get_function(expression)  # noqa: E731
+        else:
+            import cupy
+
+            self.xp = cupy
+            get_function = lambda file, expression: kernel_registry.get_kernel(  # noqa: E731
+                expression, cupy.cuda.Device().id
+            )
+        # Small blocks and a capped grid: partial blocks and grid-stride loops in every test.
+        self.launch = launchers.Launcher(self.xp, get_function, block=32, max_blocks=3, tile_size=40)
+
+    def put(self, array):
+        return self.xp.asarray(array)
+
+    def get(self, array):
+        return array if self.xp is np else self.xp.asnumpy(array)
+
+
+@pytest.fixture(scope="module", params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+def backend(request) -> Backend:
+    if request.param == "emulated":
+        if harness.compiler_path() is None:
+            pytest.skip("g++ is not installed")
+        harness.build_libraries([entry.file for entry in kernel_registry.KERNEL_FILES])
+    elif not _gpu_available():
+        pytest.skip("no CUDA GPU with CuPy")
+    return Backend(request.param)
+
+
+def _rng(*seed: int) -> np.random.Generator:
+    return np.random.default_rng([20261202, *seed])
+
+
+def _random_groups(rng, num_groups: int, num_members: int, max_size: int = 5):
+    """CSR starts ``[G + 1]`` (int64, some groups empty) and members ``[P]`` in ``[0, num_members)``."""
+    sizes = rng.integers(0, max_size + 1, size=num_groups) if num_members else np.zeros(num_groups, np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    members = rng.integers(0, max(num_members, 1), size=int(starts[-1])).astype(np.int32)
+    return starts, members
+
+
+def _by_input(pair_input, pair_output, num_in):
+    """The by-input grouping of pairs: ``(input_starts, output_rows)``."""
+    order = np.argsort(pair_input, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(pair_input, minlength=num_in))]).astype(np.int64)
+    return starts, pair_output[order].astype(np.int32)
+
+
+# ---------------------------------------------------------------- hash_table.cu
+
+
+@pytest.mark.parametrize("value_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("n", [0, 1, 77, 400])
+def test_hash_insert_and_lookup(backend, n, value_dtype):
+    rng = _rng(1, n)
+    keys = rng.integers(0, max(2 * n, 1), size=n).astype(np.int64)  # many duplicates
+    keys[: n // 10] = rng.integers(2**40, 2**62, size=n // 10)  # large keys too
+    values = rng.permutation(n).astype(value_dtype)
+    table = backend.launch.hash_build(backend.put(keys), backend.put(values))
+    queries = np.concatenate([keys, rng.integers(-3, 3 * n + 3, size=50), [-1, 2**62 + 5]]).astype(np.int64)
+    found = backend.get(backend.launch.hash_lookup(table, backend.put(queries)))
+    assert found.dtype == value_dtype
+    np.testing.assert_array_equal(found, twins.hash_lookup(keys, values, queries))
+    stored = backend.get(table.keys)
+    np.testing.assert_array_equal(np.sort(stored[stored >= 0]), np.unique(keys))
+
+
+@pytest.mark.parametrize("n", [0, 60])
+def test_hash_lookup_offsets_padded_grid(backend, n):
+    rng = _rng(2, n)
+    shape, batch_size = np.array([5, 6, 7]), 2
+    kernel_size, dilation = np.array([3, 1, 3]), np.array([2, 1, 1])
+    cells = rng.choice(batch_size * int(np.prod(shape)), size=n, replace=False)
+    indices = np.column_stack(np.unravel_index(cells, (batch_size, *shape))).astype(np.int64)
+    reach = (kernel_size // 2) * dilation
+    padded = shape + 2 * reach
+    strides = np.array([int(np.prod(padded[axis + 1:])) for axis in range(3)])
+    def pack(sites):
+        return sites[:, 0] * int(np.prod(padded)) + ((sites[:, 1:] + reach) * strides).sum(axis=1)
+    offsets = np.array(list(itertools.product(*[range(size) for size in kernel_size]))) - kernel_size // 2
+    offsets = offsets * dilation
+    deltas = (offsets * strides).sum(axis=1).astype(np.int64)
+    keys = pack(indices)
+    table = backend.launch.hash_build(backend.put(keys), backend.put(np.arange(n, dtype=np.int32)))
+    out = backend.get(backend.launch.hash_lookup_offsets(table, backend.put(keys), backend.put(deltas)))
+    assert out.shape == (offsets.shape[0], n) and out.dtype == np.int32
+    row_of = {tuple(site): row for row, site in enumerate(indices.tolist())}
+    expected = np.full(out.shape, -1, dtype=np.int32)
+    for k, offset in enumerate(offsets):
+        for i, site in enumerate(indices):
+            neighbour = site[1:] + offset
+            if np.all((neighbour >= 0) & (neighbour < shape)):
+                expected[k, i] = row_of.get((site[0], *neighbour.tolist()), -1)
+    np.testing.assert_array_equal(out, expected)
+
+
+# ------------------------------------------------------------ gather_scatter.cu
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("m,channels", [(0, 4), (1, 1), (70, 3), (33, 16)])
+def test_gather_rows(backend, dtype_name, m, channels):
+    rng = _rng(3, m, channels)
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    source = twins.random_features(rng, (20, channels), dtype_name)
+    rows = rng.integers(-1, 20, size=m).astype(np.int32)
+    out = backend.get(backend.launch.gather_rows(backend.put(source), backend.put(rows), element_type))
+    np.testing.assert_array_equal(out, twins.gather_rows(source, rows))
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("m", [0, 1, 45])
+def test_scatter_add_rows_unique(backend, dtype_name, m):
+    rng = _rng(4, m)
+    element_type, channels = twins.STORAGE_DTYPES[dtype_name][2], 5
+    target = twins.random_features(rng, (60, channels), dtype_name)
+    rows = rng.permutation(60)[:m].astype(np.int32)
+    rows[::7] = -1
+    values = twins.random_features(rng, (m, channels), dtype_name)
+    device_target = backend.put(target.copy())
+    backend.launch.scatter_add_rows_unique(device_target, backend.put(rows), backend.put(values), element_type)
+    np.testing.assert_array_equal(backend.get(device_target),
+                                  twins.scatter_add_rows_unique(target, rows, values, dtype_name))
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("num_segments,channels", [(0, 3), (1, 1), (40, 3), (9, 17)])
+def test_segment_sum_rows(backend, dtype_name, num_segments, channels):
+    rng = _rng(5, num_segments, channels)
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    source = twins.random_features(rng, (90, channels), dtype_name)
+    starts, order = _random_groups(rng, num_segments, 90, max_size=9)
+    segment_rows = rng.permutation(50)[:num_segments].astype(np.int32)
+    target = twins.random_features(rng, (50, channels), dtype_name)
+    device_target = backend.put(target.copy())
+    backend.launch.segment_sum_rows(device_target, backend.put(source), backend.put(order), backend.put(starts),
+                                    backend.put(segment_rows), element_type)
+    expected = twins.segment_sum_rows(target, source, order, starts, segment_rows, dtype_name)
+    np.testing.assert_array_equal(backend.get(device_target), expected)
+
+
+EDGE_VALUES = {
+    # Largest finite values (sums overflow to inf), ties at the rounding boundary, subnormals, signed zeros.
+    "float16": [0.0, -0.0, 2.0**-24, 3 * 2.0**-24, 2.0**-14, 65504.0, -65504.0, 32768.0, 16.0, 2048.0, 1.0, 3.0,
+                -2.0**-24, 1e-3, 0.1],
+    # Kept clear of float32 subnormals, which the GPU flushes to zero (CuPy compiles with -ftz=true).
+    "bfloat16": [0.0, -0.0, 3.3895e38, -3.3895e38, 1.7e38, 2.0**-120, 2.0**-124, 256.0, 1.0, 3.0, 1e-3, 0.1],
+}
+
+
+@pytest.mark.parametrize("dtype_name", sorted(EDGE_VALUES))
+def test_16_bit_rounding_edge_cases(backend, dtype_name):
+    """Sums of all pairs (overflow, ties) and means of triples (rounding into subnormals), bit for bit."""
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    values = twins.narrow(np.array(EDGE_VALUES[dtype_name], dtype=np.float32)[:, None], dtype_name)
+    count = values.shape[0]
+    pairs = np.array([(a, b) for a in range(count) for b in range(count)], dtype=np.int32).reshape(-1)
+    starts = np.arange(0, pairs.shape[0] + 1, 2, dtype=np.int64)
+    target = twins.narrow(np.zeros((starts.shape[0] - 1, 1), np.float32), dtype_name)
+    device_target = backend.put(target.copy())
+    segment_rows = np.arange(target.shape[0], dtype=np.int32)
+    backend.launch.segment_sum_rows(device_target, backend.put(values), backend.put(pairs), backend.put(starts),
+                                    backend.put(segment_rows), element_type)
+    expected = twins.segment_sum_rows(target, values, pairs, starts, segment_rows, dtype_name)
+    np.testing.assert_array_equal(backend.get(device_target).view(np.uint16), expected.view(np.uint16))
+    triples = np.array(list(itertools.permutations(range(count), 3)), dtype=np.int32).reshape(-1)
+    triple_starts = np.arange(0, triples.shape[0] + 1, 3, dtype=np.int64)
+    out = backend.launch.avg_pool_forward(backend.put(values), backend.put(triples), backend.put(triple_starts),
+                                          element_type)
+    expected = twins.avg_pool_forward(values, triples, triple_starts, dtype_name)
+    np.testing.assert_array_equal(backend.get(out).view(np.uint16), expected.view(np.uint16))
+
+
+# ------------------------------------------------------------------ pooling.cu
+
+
+def _pooling_case(rng, dtype_name, num_in, num_out, channels):
+    starts, input_rows = _random_groups(rng, num_out, num_in, max_size=6)
+    pair_output = np.repeat(np.arange(num_out), np.diff(starts)).astype(np.int32)
+    features = twins.random_features(rng, (num_in, channels), dtype_name)
+    features[: num_in // 3] = features[num_in // 3 : 2 * (num_in // 3)]  # repeated values: ties
+    return starts, input_rows, pair_output, features
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("num_in,num_out,channels", [(0, 0, 3), (0, 4, 2), (30, 41, 3), (12, 5, 9)])
+def test_max_pool_forward_and_backward(backend, dtype_name, num_in, num_out, channels):
+    rng = _rng(6, num_in, num_out, channels)
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, num_in, num_out, channels)
+    out, argmax = backend.launch.max_pool_forward(backend.put(features), backend.put(input_rows),
+                                                  backend.put(starts), element_type)
+    expected_out, expected_argmax = twins.max_pool_forward(features, input_rows, starts, dtype_name)
+    np.testing.assert_array_equal(backend.get(argmax), expected_argmax)
+    np.testing.assert_array_equal(backend.get(out), expected_out)
+    grad_out = twins.random_features(rng, (num_out, channels), dtype_name)
+    input_starts, output_rows = _by_input(input_rows, pair_output, num_in)
+    grad_in = backend.launch.max_pool_backward(backend.put(grad_out), argmax, backend.put(output_rows),
+                                               backend.put(input_starts), element_type)
+    expected = twins.max_pool_backward(grad_out, expected_argmax, output_rows, input_starts, dtype_name)
+    np.testing.assert_array_equal(backend.get(grad_in), expected)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("num_in,num_out,channels", [(0, 0, 3), (0, 4, 2), (30, 41, 3), (12, 5, 9)])
+def test_avg_pool_forward_and_backward(backend, dtype_name, num_in, num_out, channels):
+    rng = _rng(7, num_in, num_out, channels)
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, num_in, num_out, channels)
+    out = backend.launch.avg_pool_forward(backend.put(features), backend.put(input_rows), backend.put(starts),
+                                          element_type)
+    np.testing.assert_array_equal(backend.get(out), twins.avg_pool_forward(features, input_rows, starts, dtype_name))
+    grad_out = twins.random_features(rng, (num_out, channels), dtype_name)
+    input_starts, output_rows = _by_input(input_rows, pair_output, num_in)
+    grad_in = backend.launch.avg_pool_backward(backend.put(grad_out), backend.put(output_rows),
+                                               backend.put(input_starts), backend.put(starts), element_type)
+    expected = twins.avg_pool_backward(grad_out, output_rows, input_starts, starts, dtype_name)
+    np.testing.assert_array_equal(backend.get(grad_in), expected)
+
+
+# ----------------------------------------------------------------- rulebook.cu
+
+
+@pytest.mark.parametrize("tile_size,block", [(40, 32), (7, 32), (100, 16), (1, 1)])
+@pytest.mark.parametrize("num_rows,row_length", [(0, 5), (3, 0), (1, 1), (4, 97), (27, 30)])
+def test_compact(backend, num_rows, row_length, tile_size, block):
+    rng = _rng(8, num_rows, row_length, tile_size)
+    values = rng.integers(0, 1000, size=(num_rows, row_length)).astype(np.int32)
+    values[rng.random(values.shape) < 0.6] = -1
+    launch = launchers.Launcher(backend.xp, backend.launch.get_function, block=block, max_blocks=3,
+                                tile_size=tile_size)
+    pair_column, pair_value, row_counts = launch.compact(backend.put(values))
+    expected_column, expected_value, expected_counts = twins.compact(values)
+    np.testing.assert_array_equal(backend.get(pair_column), expected_column)
+    np.testing.assert_array_equal(backend.get(pair_value), expected_value)
+    np.testing.assert_array_equal(backend.get(row_counts), expected_counts)
+
+
+CANDIDATE_GEOMETRIES = [
+    # kernel_size, stride, padding, dilation
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1)),
+    ((2, 3, 1), (2, 1, 3), (0, 2, 0), (1, 2, 1)),
+    ((3, 3), (3, 2), (1, 0), (2, 1)),
+]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("geometry", CANDIDATE_GEOMETRIES)
+@pytest.mark.parametrize("n", [0, 50])
+def test_conv_candidates(backend, n, geometry, transposed):
+    kernel_size, stride, padding, dilation = (np.array(value) for value in geometry)
+    rng = _rng(9, n, len(kernel_size), int(transposed))
+    shape = np.array([7, 6, 9][: len(kernel_size)])
+    if transposed:
+        out_shape = (shape - 1) * stride - 2 * padding + dilation * (kernel_size - 1) + 1
+    else:
+        out_shape = (shape + 2 * padding - dilation * (kernel_size - 1) - 1) // stride + 1
+    columns = [rng.integers(0, 3, size=n)] + [rng.integers(0, size, size=n) for size in shape]
+    indices = np.column_stack(columns).astype(np.int32)
+    positions = np.array(list(itertools.product(*[range(size) for size in kernel_size])), dtype=np.int32)
+    keys = backend.launch.conv_candidates(backend.put(indices), backend.put(positions), stride, padding, dilation,
+                                          out_shape, transposed)
+    expected = twins.conv_candidates(indices, positions, stride, padding, dilation, out_shape, transposed)
+    assert keys.shape == (positions.shape[0], n)
+    np.testing.assert_array_equal(backend.get(keys), expected)
+
+
+def test_submanifold_rulebook_composes(backend):
+    """pack (padded) -> hash -> lookup_offsets -> compact gives exactly the brute-force pairs."""
+    rng = _rng(10)
+    shape, reach, n = np.array([6, 5, 8]), np.array([1, 1, 1]), 120
+    cells = rng.choice(2 * int(np.prod(shape)), size=n, replace=False)
+    indices = np.column_stack(np.unravel_index(cells, (2, *shape))).astype(np.int64)
+    padded = shape + 2 * reach
+    strides = np.array([padded[1] * padded[2], padded[2], 1])
+    keys = indices[:, 0] * int(np.prod(padded)) + ((indices[:, 1:] + reach) * strides).sum(axis=1)
+    offsets = np.array(list(itertools.product(range(3), range(3), range(3)))) - 1
+    table = backend.launch.hash_build(backend.put(keys), backend.put(np.arange(n, dtype=np.int32)))
+    lookup = backend.launch.hash_lookup_offsets(table, backend.put(keys), backend.put((offsets * strides).sum(1)))
+    output_rows, input_rows, counts = backend.launch.compact(lookup)
+    starts = np.concatenate([[0], np.cumsum(backend.get(counts))])
+    for k, offset in enumerate(offsets):
+        difference = indices[None, :, :] - indices[:, None, :]  # [out, in, 1 + D]
+        match = (difference[..., 0] == 0) & np.all(difference[..., 1:] == offset, axis=2)
+        expected_out, expected_in = np.nonzero(match)
+        np.testing.assert_array_equal(backend.get(output_rows)[starts[k]:starts[k + 1]], expected_out)
+        np.testing.assert_array_equal(backend.get(input_rows)[starts[k]:starts[k + 1]], expected_in)
+
+
+# ----------------------------------------------------------------- voxelize.cu
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("num_points", [0, 1, 130])
+def test_voxel_keys(backend, dtype, num_points):
+    rng = _rng(11, num_points, np.dtype(dtype).itemsize)
+    points = np.column_stack([
+        rng.integers(-1, 4, size=num_points),  # batch column, some out of [0, 3)
+        rng.uniform(-1.0, 11.0, size=(num_points, 3)),  # x y z, some out of range
+        rng.normal(size=num_points),  # a feature
+    ]).astype(dtype)
+    if num_points > 3:
+        points[1, 2] = np.nan
+        points[2, 1:4] = [0.0, 2.5, 9.999]  # on cell edges
+    arguments = dict(point_columns=[3, 2, 1], voxel_size=[0.5, 0.25, 0.4], range_min=[0.0, 0.0, -0.5],
+                     grid_shape=[20, 40, 24], batch_column=0, batch_size=3)
+    keys = backend.get(backend.launch.voxel_keys(backend.put(points), **arguments))
+    np.testing.assert_array_equal(keys, twins.voxel_keys(points, **arguments))
+    no_batch = dict(arguments, batch_column=-1, batch_size=1)
+    keys = backend.get(backend.launch.voxel_keys(backend.put(points), **no_batch))
+    np.testing.assert_array_equal(keys, twins.voxel_keys(points, **no_batch))
+
+
+# ------------------------------------------------------------------ harness
+
+
+def test_emulation_builds_without_warnings(backend):
+    if backend.name != "emulated":
+        pytest.skip("checks the emulation build itself")
+    for entry in kernel_registry.KERNEL_FILES:
+        assert harness.build_warnings(entry.file) == "", entry.file
+
+
+def test_launches_are_checked_against_kernel_signatures(backend):
+    if backend.name != "emulated":
+        pytest.skip("checks the emulation harness itself")
+    kernel = harness.load_module("gather_scatter.cu").get_function("sc_gather_rows<float>")
+    source, rows, out = np.zeros((2, 2), np.float32), np.zeros(1, np.int32), np.zeros((1, 2), np.float32)
+    with pytest.raises(TypeError, match="NumPy scalar"):
+        kernel((1,), (32,), (source, rows, 1, np.int64(2), out))  # a Python int
+    with pytest.raises(TypeError, match="dtype float64"):
+        kernel((1,), (32,), (source.astype(np.float64), rows, np.int64(1), np.int64(2), out))
+    with pytest.raises(ValueError, match="at least one block"):
+        kernel((0,), (32,), (source, rows, np.int64(1), np.int64(2), out))
