@@ -99,8 +99,9 @@ def check_indices_in_range(
         )
 
 
-def as_features(features: Any, num_rows: int | None = None, name: str = "features") -> Any:
-    """A float16/32/64 core array ``[N, C]``."""
+def as_features(features: Any, num_rows: int | None = None, name: str = "features",
+                rows_meaning: str = "active sites; features and indices must have one row per site") -> Any:
+    """A float16/32/64 core array ``[N, C]``, with ``num_rows`` rows when given."""
     array = to_core_array(features, name)
     if array.ndim != 2:
         raise ValueError(f"{name} must be 2-D [N, C], got shape {tuple(array.shape)}")
@@ -111,7 +112,7 @@ def as_features(features: Any, num_rows: int | None = None, name: str = "feature
         )
     if num_rows is not None and array.shape[0] != num_rows:
         raise ValueError(
-            f"{name} has {array.shape[0]} rows but there are {num_rows} active sites; "
-            "features and indices must have one row per site"
+            f"{name} has {array.shape[0]} rows but {num_rows} are expected: one per "
+            f"{rows_meaning}"
         )
     return array

@@ -2,8 +2,11 @@
 
 Everything here runs unchanged on NumPy and on CuPy: it uses only functions
 both provide with the same meaning (``flatnonzero``, ``ndarray.sort``,
-``argsort(kind="stable")``, ``cumsum``, ``take``, ``bincount``, ``searchsorted``,
-ufuncs with ``out=``, fancy indexing). Memory is O(points): voxels are found by
+``argsort(kind="stable")``, ``cumsum``, ``take``, ``copyto``, ``bincount``,
+``searchsorted``, ufuncs with ``out=``, fancy indexing). The NumPy-only speed
+paths (one scratch block, ``take``/``put`` with ``mode="clip"``, rows moved as
+``void`` items) live in :class:`Scratch`, :func:`take` and :func:`copy_rows`,
+each with a plain branch for CuPy. Memory is O(points): voxels are found by
 sorting packed int64 keys, never through a dense grid.
 
 How a first-seen numbering falls out of one sort
@@ -97,21 +100,27 @@ def _count_dtype(xp: Any, count: int) -> Any:
     return xp.int32 if count < 2**31 else xp.int64
 
 
-def in_range_points(xp: Any, scratch: Scratch, points: Any, grid: Any) -> Any:
-    """``[V]`` int64 positions (increasing) of the points inside the grid.
+def in_range_points(xp: Any, scratch: Scratch, points: Any, grid: Any) -> tuple[Any, list[Any]]:
+    """The points inside the grid, and every point's offset in voxels.
 
     A point is inside when ``min <= x < max`` and ``(x - min) / size < grid_size``
     on every axis (the second test drops points that round-off pushes into
     cell ``grid_size``), computed in the points' dtype. NaN is never inside.
+
+    Returns:
+        ``(kept, offsets)``: ``[V]`` int64 positions of the inside points
+        (increasing), and per axis (xyz) the ``[P]`` offsets ``(x - min) / size``;
+        on kept points ``0 <= offset < grid_size``, so truncation is the floor.
     """
     num_points, dtype = int(points.shape[0]), points.dtype.type
     grid_xyz = tuple(reversed(grid.grid_size))
     inside, ok = scratch.empty(num_points, bool), scratch.empty(num_points, bool)
-    offset = scratch.empty(num_points, points.dtype)
+    offsets = []
     for axis in range(grid.ndim):  # one axis at a time: 1-D passes are the fast ones
         column = points[:, axis]
         lower = dtype(grid.lower[axis])
         target = inside if axis == 0 else ok
+        offset = scratch.empty(num_points, points.dtype)
         xp.greater_equal(column, lower, out=target)
         xp.subtract(column, lower, out=offset)
         offset /= dtype(grid.voxel_size[axis])
@@ -119,23 +128,19 @@ def in_range_points(xp: Any, scratch: Scratch, points: Any, grid: Any) -> Any:
         target &= column < dtype(grid.upper[axis])
         if axis:
             inside &= ok
-    return xp.flatnonzero(inside)
+        offsets.append(offset)
+    return xp.flatnonzero(inside), offsets
 
 
-def voxel_keys(xp: Any, scratch: Scratch, points: Any, kept: Any, grid: Any,
+def voxel_keys(xp: Any, scratch: Scratch, offsets: list[Any], kept: Any, grid: Any,
                cloud_sizes: tuple[int, ...]) -> Any:
-    """``[V]`` int64 keys of the kept points, row-major over ``(cloud, z, y, x)``.
-
-    The voxel coordinate is ``floor((x - min) / size)`` in the points' dtype, the
-    expression :func:`in_range_points` tested; it is non-negative on kept points,
-    so truncation to int is the floor.
-    """
+    """``[V]`` int64 keys of the kept points, row-major over ``(cloud, z, y, x)``."""
     count = int(kept.shape[0])
     grid_xyz = tuple(reversed(grid.grid_size))
     keys, cells = scratch.empty(count, xp.int64), scratch.empty(count, xp.int64)
-    offset = scratch.empty(count, points.dtype)
+    offset = scratch.empty(count, offsets[0].dtype)
     for axis in range(grid.ndim - 1, -1, -1):
-        voxel_offset(xp, points, kept, grid, axis, out=offset)
+        take(xp, offsets[axis], kept, out=offset)
         if axis == grid.ndim - 1:
             keys[...] = offset
         else:
@@ -148,15 +153,6 @@ def voxel_keys(xp: Any, scratch: Scratch, points: Any, kept: Any, grid: Any,
         cloud *= cell_count(grid.grid_size)
         keys += cloud
     return keys
-
-
-def voxel_offset(xp: Any, points: Any, rows: Any, grid: Any, axis: int, out: Any) -> Any:
-    """``(points[rows, axis] - min) / size`` in the points' dtype, into ``out``."""
-    dtype = points.dtype.type
-    take(xp, points[:, axis], rows, out=out)
-    out -= dtype(grid.lower[axis])
-    out /= dtype(grid.voxel_size[axis])
-    return out
 
 
 def sorted_runs(xp: Any, scratch: Scratch, keys: Any, kept: Any, num_points: int,
@@ -270,12 +266,12 @@ def voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: An
     ndim, batch_size = grid.ndim, len(cloud_sizes)
     cells = cell_count(grid.grid_size)
     # An upper bound on the temporaries (V, G, M <= P); untouched pages cost nothing.
-    scratch = Scratch(xp, num_points * (6 + 4 * points.dtype.itemsize + 13 * 8 + 3 * 4) + 64 * 32)
-    kept = in_range_points(xp, scratch, points, grid)
+    scratch = Scratch(xp, num_points * (6 + (ndim + 3) * points.dtype.itemsize + 13 * 8 + 3 * 4) + 64 * 32)
+    kept, offsets = in_range_points(xp, scratch, points, grid)
     num_kept = int(kept.shape[0])
     if num_kept == 0:
         return empty_result(xp, num_points, num_features, ndim, max_points, points.dtype)
-    keys = voxel_keys(xp, scratch, points, kept, grid, cloud_sizes)
+    keys = voxel_keys(xp, scratch, offsets, kept, grid, cloud_sizes)
     point_of_sorted, run_start, group_start, group_key = sorted_runs(
         xp, scratch, keys, kept, num_points, batch_size * cells - 1
     )
@@ -294,8 +290,8 @@ def voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: An
     voxel_first = take(xp, group_first, voxel_group, out=scratch.empty(num_voxels, xp.int64))
     indices = xp.empty((num_voxels, ndim), dtype=xp.int32)
     offset = scratch.empty(num_voxels, points.dtype)
-    for axis in range(ndim):  # recomputed exactly as the keys were
-        indices[:, ndim - 1 - axis] = voxel_offset(xp, points, voxel_first, grid, axis, out=offset)
+    for axis in range(ndim):  # truncated like the keys: the floor of a non-negative offset
+        indices[:, ndim - 1 - axis] = take(xp, offsets[axis], voxel_first, out=offset)
     batch = xp.zeros((num_voxels,), dtype=xp.int32)
     if group_cloud is not None:
         batch[...] = group_cloud[voxel_group]
@@ -308,24 +304,27 @@ def voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: An
     point_voxel_id = xp.full((num_points,), -1, dtype=xp.int64)
     point_voxel_id[point_of_sorted] = voxel_of_sorted
 
-    voxels = xp.zeros((num_voxels * max_points, num_features), dtype=points.dtype)
     if max_points == 1:  # only first points are stored: a gather in row order
+        voxels = xp.empty((num_voxels, num_features), dtype=points.dtype)
         copy_rows(xp, scratch, voxels, None, points, voxel_first)
-    else:  # slot = position within the run; store slots < max_points of kept voxels
+    else:
+        # Row of every kept point: voxel * max_points + slot (its place in the run).
+        # Points not stored (slot >= max_points, or a dropped voxel) go to one extra
+        # trash row past the end, so no compaction pass is needed.
         slot = scratch.empty(num_kept, count_dtype)
         take(xp, group_start.astype(count_dtype), group_of_sorted, out=slot)
         xp.subtract(xp.arange(num_kept, dtype=count_dtype), slot, out=slot)
-        stored_mask = run_start  # reused: run_start is no longer needed
-        xp.less(slot, max_points, out=stored_mask)
+        not_stored = run_start  # reused: run_start is no longer needed
+        xp.greater_equal(slot, max_points, out=not_stored)
         if num_voxels != num_groups:
-            stored_mask &= voxel_of_sorted >= 0
-        stored = xp.flatnonzero(stored_mask)
-        num_stored = int(stored.shape[0])
-        rows = take(xp, voxel_of_sorted, stored, out=scratch.empty(num_stored, xp.int64))
+            not_stored |= voxel_of_sorted < 0
+        rows = voxel_of_sorted  # reused: the ids are in point_voxel_id already
         rows *= max_points
-        rows += slot[stored]
-        source = take(xp, point_of_sorted, stored, out=scratch.empty(num_stored, xp.int64))
-        copy_rows(xp, scratch, voxels, rows, points, source)
+        rows += slot
+        xp.copyto(rows, num_voxels * max_points, where=not_stored)
+        voxels = xp.zeros((num_voxels * max_points + 1, num_features), dtype=points.dtype)
+        copy_rows(xp, scratch, voxels, rows, points, point_of_sorted)
+        voxels = voxels[:-1]
     voxels = voxels.reshape(num_voxels, max_points, num_features)
     if empty_mean and max_points > 1:
         voxels = fill_empty_with_mean(xp, voxels, num_per_voxel)
@@ -336,18 +335,29 @@ def copy_rows(xp: Any, scratch: Scratch, destination: Any, rows: Any, source: An
               source_rows: Any) -> None:
     """``destination[rows] = source[source_rows]`` for 2-D arrays (``rows`` None: all rows).
 
-    NumPy's fancy indexing is several times faster on 1-D columns than on short
-    rows, so narrow arrays go column by column; CuPy takes one kernel either way.
+    NumPy's fancy indexing is slow on short rows, so each row is moved as one
+    opaque ``void`` item when its bytes are contiguous, else column by column;
+    CuPy takes one kernel either way. ``destination`` is C-contiguous.
     """
-    width = int(source.shape[1])
-    if width > 16 or xp.__name__ != "numpy":
+    if xp.__name__ != "numpy":
         if rows is None:
             destination[...] = source[source_rows]
         else:
             destination[rows] = source[source_rows]
         return
-    values = scratch.empty(int(source_rows.shape[0]), source.dtype)
-    for column in range(width):
+    count = int(source_rows.shape[0])
+    if source.strides[1] == source.itemsize:
+        row_type = xp.dtype((xp.void, int(source.shape[1]) * source.itemsize))
+        source_items = source.view(row_type)[:, 0]
+        destination_items = destination.view(row_type)[:, 0]
+        if rows is None:
+            xp.take(source_items, source_rows, out=destination_items, mode="clip")
+        else:
+            values = xp.take(source_items, source_rows, out=scratch.empty(count, row_type), mode="clip")
+            xp.put(destination_items, rows, values, mode="clip")
+        return
+    values = scratch.empty(count, source.dtype)
+    for column in range(int(source.shape[1])):
         take(xp, source[:, column], source_rows, out=values)
         if rows is None:
             destination[:, column] = values

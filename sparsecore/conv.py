@@ -100,7 +100,7 @@ def _grouped_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) ->
 
 
 def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,
-                 groups: int = 1) -> Any:
+                 groups: int = 1, *, backend: ArrayBackend | None = None) -> Any:
     """Sparse convolution forward: ``out[o] += features[i] @ W_k`` for each pair ``(i, o)`` of offset ``k``.
 
     Args:
@@ -109,6 +109,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
         rulebook: the layer's `Rulebook` or `PairMap` (``num_input == N_in``).
         bias: optional ``[C_out]``.
         groups: channel groups (``C_in`` and ``C_out`` divisible by it).
+        backend: the primitives to run on; by default the backend of ``features``.
 
     Returns:
         ``[N_out, C_out]`` in the features' dtype.
@@ -120,7 +121,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape [{weight.shape[0]}] (out_channels), got {tuple(bias.shape)}")
     check_same_device(features=features, weight=weight, bias=bias, indices=rulebook.pair_input)
-    backend = backend_for(features)
+    backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
     dtype = compute_dtype(xp, features.dtype)
     source = features.astype(dtype, copy=False)
@@ -143,7 +144,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
 
 
 def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebook | PairMap,
-                  groups: int = 1) -> tuple[Any, Any]:
+                  groups: int = 1, *, backend: ArrayBackend | None = None) -> tuple[Any, Any]:
     """Gradients of `conv_forward` with respect to the features and the weight.
 
     Args:
@@ -152,6 +153,7 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         weight: ``[C_out, *kernel_size, C_in // groups]``.
         rulebook: the layer's rulebook.
         groups: channel groups.
+        backend: the primitives to run on; by default the backend of ``features``.
 
     Returns:
         ``(grad_features [N_in, C_in], grad_weight [C_out, *kernel_size, C_in // groups])``
@@ -160,14 +162,15 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     """
     features = as_features(features, rulebook.num_input)
     weight = check_conv_weight(weight, rulebook, features.shape[1], groups)
-    grad_output = as_features(grad_output, rulebook.num_output, name="grad_output")
+    grad_output = as_features(grad_output, rulebook.num_output, name="grad_output",
+                              rows_meaning="output site of the rulebook")
     if grad_output.shape[1] != weight.shape[0]:
         raise ValueError(
             f"grad_output has {grad_output.shape[1]} channels but the weight has "
             f"{weight.shape[0]} output channels"
         )
     check_same_device(grad_output=grad_output, features=features, weight=weight)
-    backend = backend_for(features)
+    backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
     dtype = compute_dtype(xp, features.dtype)
     source = features.astype(dtype, copy=False)

@@ -34,7 +34,21 @@ def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_si
     check_indices_in_range(indices, shape, batch)
     xp = array_module(features)
     dense = xp.zeros((batch,) + shape + (features.shape[1],), dtype=features.dtype)
-    dense[tuple(indices[:, axis] for axis in range(indices.shape[1]))] = features
+    sites = tuple(indices[:, axis] for axis in range(indices.shape[1]))
+    if indices.shape[0] > 1:
+        # one int per cell (the dense grid costs C of these anyway) finds duplicates
+        owner = xp.full((batch,) + shape, -1, dtype=xp.int64)
+        owner[sites] = xp.arange(indices.shape[0])
+        kept = owner[sites]
+        lost = xp.nonzero(kept != xp.arange(indices.shape[0]))[0]
+        if lost.shape[0]:
+            row = int(lost[0])
+            raise ValueError(
+                f"indices contain duplicate sites: rows {row} and {int(kept[row])} are both "
+                f"{indices[row].tolist()}; a dense grid holds one feature vector per site. "
+                "Merge duplicates first (sparsecore.voxelize or summing their features)"
+            )
+    dense[sites] = features
     if channels_first:
         dense = xp.ascontiguousarray(xp.moveaxis(dense, -1, 1))
     return dense

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
-from .backends import backend_for
+from .backends import ArrayBackend, backend_for
 from .conv import compute_dtype
 from .rulebook import PairMap, Rulebook
 
@@ -29,7 +29,8 @@ __all__ = [
 ]
 
 
-def max_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> tuple[Any, Any]:
+def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
+                     backend: ArrayBackend | None = None) -> tuple[Any, Any]:
     """Maximum over each output's active inputs.
 
     Args:
@@ -42,7 +43,7 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> tuple[Any, 
     """
     features = as_features(features, rulebook.num_input)
     check_same_device(features=features, indices=rulebook.pair_input)
-    xp = array_module(features)
+    xp = (backend if backend is not None else backend_for(features)).xp
     channels = features.shape[1]
     out = xp.full((rulebook.num_output, channels), -xp.inf, dtype=features.dtype)
     argmax = xp.full((rulebook.num_output, channels), -1, dtype=xp.int32)
@@ -59,7 +60,7 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> tuple[Any, 
     return out, argmax
 
 
-def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int) -> Any:
+def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int, backend: ArrayBackend) -> Any:
     xp = array_module(grad_output)
     channels = grad_output.shape[1]
     if num_input == 0 or grad_output.shape[0] == 0:
@@ -67,11 +68,12 @@ def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int) -> Any:
     valid = argmax >= 0
     flat_index = (argmax.astype(xp.int64) * channels + xp.arange(channels, dtype=xp.int64))[valid]
     values = grad_output[valid].astype(xp.float64)
-    summed = backend_for(grad_output).index_add(num_input * channels, flat_index, values)
+    summed = backend.index_add(num_input * channels, flat_index, values)
     return summed.reshape(num_input, channels).astype(grad_output.dtype)
 
 
-def max_pool_backward(grad_output: Any, argmax: Any, num_input: int) -> Any:
+def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
+                      backend: ArrayBackend | None = None) -> Any:
     """Gradient of `max_pool_forward`: each output's gradient goes to its argmax row.
 
     Args:
@@ -95,7 +97,8 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int) -> Any:
             f"{num_input} input rows (valid: -1 for none, 0 to {num_input - 1}); pass the "
             "argmax returned by the forward with the forward's num_input"
         )
-    return _scatter_by_argmax(grad_output, argmax, num_input)
+    backend = backend if backend is not None else backend_for(grad_output)
+    return _scatter_by_argmax(grad_output, argmax, num_input, backend)
 
 
 def _window_counts(rulebook: Rulebook | PairMap, xp: Any) -> Any:
@@ -103,7 +106,8 @@ def _window_counts(rulebook: Rulebook | PairMap, xp: Any) -> Any:
     return xp.maximum(counts, 1)[:, None]
 
 
-def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> Any:
+def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
+                     backend: ArrayBackend | None = None) -> Any:
     """Mean over each output's active inputs.
 
     Args:
@@ -115,7 +119,7 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> Any:
     """
     features = as_features(features, rulebook.num_input)
     check_same_device(features=features, indices=rulebook.pair_input)
-    backend = backend_for(features)
+    backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
     dtype = compute_dtype(xp, features.dtype)
     source = features.astype(dtype, copy=False)
@@ -128,7 +132,8 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap) -> Any:
     return out.astype(features.dtype, copy=False)
 
 
-def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap) -> Any:
+def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
+                      backend: ArrayBackend | None = None) -> Any:
     """Gradient of `avg_pool_forward`.
 
     Args:
@@ -138,8 +143,9 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap) -> Any:
     Returns:
         ``[N_in, C]``.
     """
-    grad_output = as_features(grad_output, rulebook.num_output, name="grad_output")
-    backend = backend_for(grad_output)
+    grad_output = as_features(grad_output, rulebook.num_output, name="grad_output",
+                              rows_meaning="output site of the rulebook")
+    backend = backend if backend is not None else backend_for(grad_output)
     xp = backend.xp
     dtype = compute_dtype(xp, grad_output.dtype)
     scaled = grad_output.astype(dtype) / _window_counts(rulebook, xp).astype(dtype)
@@ -196,9 +202,10 @@ def global_max_pool_forward(features: Any, indices: Any, batch_size: int) -> tup
     return out, argmax
 
 
-def global_max_pool_backward(grad_output: Any, argmax: Any, num_input: int) -> Any:
+def global_max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
+                             backend: ArrayBackend | None = None) -> Any:
     """Gradient of `global_max_pool_forward`: ``[B, C]`` to ``[N, C]``."""
-    return max_pool_backward(grad_output, argmax, num_input)
+    return max_pool_backward(grad_output, argmax, num_input, backend=backend)
 
 
 def global_avg_pool_forward(features: Any, indices: Any, batch_size: int) -> Any:
@@ -221,7 +228,8 @@ def global_avg_pool_forward(features: Any, indices: Any, batch_size: int) -> Any
 
 def global_avg_pool_backward(grad_output: Any, indices: Any, batch_size: int) -> Any:
     """Gradient of `global_avg_pool_forward`: ``[B, C]`` to ``[N, C]``."""
-    grad_output = as_features(grad_output, batch_size, name="grad_output")
+    grad_output = as_features(grad_output, batch_size, name="grad_output",
+                              rows_meaning="batch element (the forward's output is [B, C])")
     indices = to_core_array(indices, "indices")
     xp = array_module(grad_output)
     batch = indices[:, 0].astype(xp.int64)

@@ -301,7 +301,8 @@ def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeo
 
 
 def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
-                   geometry: ConvGeometry, *, assume_unique: bool = False) -> Rulebook:
+                   geometry: ConvGeometry, *, assume_unique: bool = False,
+                   backend: ArrayBackend | None = None) -> Rulebook:
     """Builds the rulebook of a subm, regular or transposed layer.
 
     Args:
@@ -311,6 +312,7 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
         geometry: a `ConvGeometry` of kind ``"subm"``, ``"regular"`` or ``"transposed"``.
         assume_unique: skip the range and duplicate-site checks, for sites the
             library produced itself (outputs of a previous layer).
+        backend: the primitives to run on; by default the backend of ``indices``.
 
     Returns:
         The `Rulebook`.
@@ -322,7 +324,7 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
     if not isinstance(geometry, ConvGeometry):
         raise TypeError(f"geometry must be a ConvGeometry, got {type(geometry).__name__}")
     indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim, assume_unique)
-    backend = backend_for(indices)
+    backend = backend if backend is not None else backend_for(indices)
     if geometry.kind == "subm":
         return _submanifold(indices, shape, batch, geometry, backend)
     if geometry.kind in ("regular", "transposed"):
@@ -336,7 +338,8 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
 def build_pool_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
                         kernel_size: PerAxis, stride: PerAxis | None = None, padding: PerAxis = 0,
                         dilation: PerAxis = 1, *, subm: bool = False,
-                        assume_unique: bool = False) -> Rulebook:
+                        assume_unique: bool = False,
+                        backend: ArrayBackend | None = None) -> Rulebook:
     """The rulebook of a pooling window (stride defaults to the kernel size, as in spconv).
 
     With ``subm=True`` the outputs are the input sites (odd kernels only).
@@ -346,7 +349,8 @@ def build_pool_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: 
         ndim, kernel_size, kernel_size if stride is None else stride, padding, dilation,
         kind="subm" if subm else "regular",
     )
-    return build_rulebook(indices, spatial_shape, batch_size, geometry, assume_unique=assume_unique)
+    return build_rulebook(indices, spatial_shape, batch_size, geometry, assume_unique=assume_unique,
+                          backend=backend)
 
 
 def inverse_rulebook(rulebook: Rulebook) -> Rulebook:
