@@ -272,5 +272,5 @@ def test_to_dense_rejects_duplicate_sites():
     rng = do.make_rng(41)
     indices = np.array([[0, 1, 2], [0, 3, 0], [0, 1, 2]], np.int32)
     features = do.random_features(rng, 3, 2, np.float64)
-    with pytest.raises(ValueError, match="rows 2 and 0 are both \\[0, 1, 2\\]"):
+    with pytest.raises(ValueError, match="rows 0 and 2 are both \\[0, 1, 2\\]"):
         sc.to_dense(features, indices, (4, 4), 1)
