@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ._sorting import unique_inverse
+
 __all__ = ["NumpyBackend", "SortedTable"]
 
 
@@ -85,17 +87,7 @@ class NumpyBackend:
         return table.keys[:-1], table.values[:-1]
 
     def unique_inverse(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if keys.shape[0] == 0:
-            return keys.copy(), np.zeros(0, dtype=np.int64)
-        order = np.argsort(keys)  # equal keys get one rank whatever their order
-        sorted_keys = keys[order]
-        is_new = np.empty(sorted_keys.shape[0], dtype=bool)
-        is_new[0] = True
-        np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=is_new[1:])
-        rank = np.cumsum(is_new) - 1
-        inverse = np.empty(keys.shape[0], dtype=np.int64)
-        inverse[order] = rank
-        return sorted_keys[is_new], inverse
+        return unique_inverse(np, keys)
 
     def gather_rows(self, source: np.ndarray, rows: np.ndarray) -> np.ndarray:
         # take() with intp indices is ~2.5x faster than with int32 ones, conversion included

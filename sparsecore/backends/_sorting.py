@@ -1,0 +1,49 @@
+"""Sort-based helpers written once against ``xp`` (NumPy or CuPy), shared by the backends.
+
+Both the NumPy backend and the kernel backend compute sorted uniques the same
+way (``xp.argsort`` and ``xp.cumsum`` run well on either library); keeping the
+code here means there is one copy of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["run_starts", "unique_inverse"]
+
+
+def run_starts(xp: Any, sorted_values: Any) -> Any:
+    """Marks the first element of every run of equal values.
+
+    Args:
+        xp: the array module of ``sorted_values``.
+        sorted_values: ``[M]`` values, sorted (equal values adjacent), ``M >= 1``.
+
+    Returns:
+        bool ``[M]``: True where ``sorted_values[i] != sorted_values[i - 1]``, and at 0.
+    """
+    is_new = xp.empty(sorted_values.shape[0], dtype=bool)
+    is_new[0] = True
+    xp.not_equal(sorted_values[1:], sorted_values[:-1], out=is_new[1:])
+    return is_new
+
+
+def unique_inverse(xp: Any, keys: Any) -> tuple[Any, Any]:
+    """Sorted unique keys and the position of each input key among them.
+
+    Args:
+        xp: the array module of ``keys``.
+        keys: int64 ``[M]``.
+
+    Returns:
+        ``(unique int64 [U], inverse int64 [M])`` with ``unique[inverse] == keys``.
+    """
+    if keys.shape[0] == 0:
+        return keys.copy(), xp.zeros(0, dtype=xp.int64)
+    order = xp.argsort(keys)  # equal keys get one rank whatever their order
+    sorted_keys = keys[order]
+    is_new = run_starts(xp, sorted_keys)
+    rank = xp.cumsum(is_new) - 1
+    inverse = xp.empty(keys.shape[0], dtype=xp.int64)
+    inverse[order] = rank
+    return sorted_keys[is_new], inverse

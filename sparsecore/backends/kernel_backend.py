@@ -1,0 +1,291 @@
+"""`KernelBackend`: every `ArrayBackend` primitive out of the ``sc_*`` kernels and ``xp``.
+
+The GPU backend implements primitives only, never an algorithm: the core's
+rulebook builders and feature passes drive it exactly as they drive the NumPy
+backend. It is built from an array module ``xp`` and a `KernelLauncher` that
+runs a registered kernel instantiation:
+
+- ``KernelBackend(cupy, CupyLauncher())`` is the GPU backend (`cupy_backend`);
+- ``KernelBackend(numpy, <emulated launcher>)`` runs the very same kernels,
+  compiled by g++ against ``tests/cuda_emulation/cuda_shim.h``, on NumPy
+  arrays: that is how CI, without a GPU, runs the whole core through them.
+
+Each wrapper makes its inputs contiguous (a RawKernel ignores strides), checks
+dtypes and shapes, sizes the grid, never launches zero blocks (empty inputs
+give empty outputs), and does nothing else. Sorting, scans and compaction of
+flags use ``xp`` (CuPy's are CUB/Thrust kernels); matrix products are
+``xp.matmul`` (cuBLAS on CuPy, where float32 uses TF32 only when asked with
+``CUPY_TF32=1``). Feature dtypes: float32, float64, float16 and bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _launch
+from ._launch import INT64_MAX, KernelLauncher, check_float, check_integer_vector, check_row_count
+from ._sorting import run_starts, unique_inverse
+
+__all__ = ["KernelBackend", "KernelHashTable", "KernelLauncher"]
+
+_MAX_BLOCK_THREADS = 1024  # sc::kMaxBlockThreads of kernels_cu/sc_common.cuh
+
+
+@dataclass(frozen=True, eq=False)
+class KernelHashTable:
+    """An open-addressing hash table on the device (layout of ``kernels_cu/hash_table.cu``).
+
+    Attributes:
+        table_keys: int64 ``[capacity]``, the key stored in each slot, -1 where empty.
+        table_values: int64 ``[capacity]``, the value of each slot (the minimum of
+            the values inserted for its key; int64 max where empty).
+        capacity: a power of two, at least twice the number of keys, and at least 2.
+        keys: int64 ``[N]``, the inserted keys (contiguous), for `KernelBackend.hash_items`.
+        values: int64 ``[N]``, the inserted values.
+    """
+
+    table_keys: Any
+    table_values: Any
+    capacity: int
+    keys: Any
+    values: Any
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """Primitives from the ``sc_*`` kernels (see `sparsecore.backends.base.ArrayBackend`).
+
+    Attributes:
+        xp: the array module of the arrays the kernels run on (``cupy``, or
+            ``numpy`` for the CPU emulation).
+        launcher: the `KernelLauncher` that runs a kernel instantiation.
+        name: the backend's name (``"cupy"`` for the GPU backend).
+        block_threads: threads per block of every launch, 1 to 1024.
+        max_blocks: most blocks of a launch; the kernels' grid-stride loops
+            cover larger inputs.
+    """
+
+    xp: Any
+    launcher: KernelLauncher
+    name: str = "kernels"
+    block_threads: int = 256
+    max_blocks: int = 4096
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.launcher, KernelLauncher):
+            raise TypeError(
+                f"launcher must have a launch(expression, grid, block, args) method, got "
+                f"{type(self.launcher).__name__}"
+            )
+        if not 1 <= self.block_threads <= _MAX_BLOCK_THREADS:
+            raise ValueError(f"block_threads must be in [1, {_MAX_BLOCK_THREADS}], got {self.block_threads}")
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {self.max_blocks}")
+
+    def _run(self, kernel: str, type_names: tuple[str, ...], work: int, args: tuple[Any, ...]) -> None:
+        _launch.launch(self.launcher, kernel, type_names, work, args, self.block_threads, self.max_blocks)
+
+    # ------------------------------------------------------------------ hashing
+
+    def hash_build(self, keys: Any, values: Any) -> tuple[KernelHashTable, tuple[int, int] | None]:
+        """Inserts ``keys -> values`` with ``sc_hash_insert<long long>``.
+
+        Args:
+            keys: integer ``[N]``, non-negative (a negative key is not stored).
+            values: integer ``[N]``.
+
+        Returns:
+            ``(table, duplicate)``: ``duplicate`` is None when the keys are unique,
+            else the values of two entries sharing the smallest repeated key
+            (in input order).
+        """
+        xp = self.xp
+        check_integer_vector(keys, "keys", "hash_build")
+        check_integer_vector(values, "values", "hash_build", keys.shape[0])
+        keys = xp.ascontiguousarray(keys, dtype=xp.int64)
+        values = xp.ascontiguousarray(values, dtype=xp.int64)
+        count = int(keys.shape[0])
+        capacity = _launch.hash_capacity(count)
+        table = KernelHashTable(xp.full(capacity, -1, dtype=xp.int64),
+                                xp.full(capacity, INT64_MAX, dtype=xp.int64), capacity, keys, values)
+        self._run("sc_hash_insert", ("int64",), count,
+                  (keys, values, np.int64(count), table.table_keys, table.table_values, np.int64(capacity)))
+        return table, (self._find_duplicate(table) if count > 1 else None)
+
+    def _find_duplicate(self, table: KernelHashTable) -> tuple[int, int] | None:
+        xp = self.xp
+        # One slot per distinct key: fewer occupied slots than keys means repeats.
+        # A single reduction on the happy path; the pair is only searched for on error.
+        missing = int(xp.count_nonzero(table.keys >= 0) - xp.count_nonzero(table.table_keys >= 0))
+        if missing == 0:
+            return None
+        order = xp.argsort(table.keys, kind="stable")
+        sorted_keys = table.keys[order]
+        repeats = xp.nonzero((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_keys[1:] >= 0))[0]
+        first = int(repeats[0])
+        pair = table.values[order[first:first + 2]].tolist()
+        return int(pair[0]), int(pair[1])
+
+    def hash_lookup(self, table: KernelHashTable, queries: Any) -> Any:
+        """Values of integer ``queries`` (any shape) with ``sc_hash_lookup<long long>``; -1 where absent.
+
+        Returns:
+            int64, shaped like ``queries``.
+        """
+        xp = self.xp
+        if queries.dtype.kind not in "iu":
+            raise TypeError(f"hash_lookup: queries must be an integer array, got dtype {queries.dtype}")
+        flat = xp.ascontiguousarray(queries, dtype=xp.int64).reshape(-1)
+        count = int(flat.shape[0])
+        out = xp.empty(count, dtype=xp.int64)
+        self._run("sc_hash_lookup", ("int64",), count,
+                  (flat, np.int64(count), table.table_keys, table.table_values, np.int64(table.capacity), out))
+        return out.reshape(queries.shape)
+
+    def hash_lookup_window(self, table: KernelHashTable, queries: Any, width: int, step: int) -> Any:
+        """Values of ``queries + j * step`` for ``j < width``, with ``sc_hash_lookup_offsets<long long>``.
+
+        Args:
+            table: from `hash_build`.
+            queries: integer ``[M]``, non-negative (padded-grid keys, as the rulebook
+                builders pass): a negative query answers -1 across its whole window.
+            width: window length, >= 0.
+            step: key distance between window positions.
+
+        Returns:
+            int64 ``[width, M]``, -1 where absent.
+        """
+        xp = self.xp
+        check_integer_vector(queries, "queries", "hash_lookup_window")
+        width, step = int(width), int(step)
+        if width < 0:
+            raise ValueError(f"hash_lookup_window: width must be >= 0, got {width}")
+        if width > np.iinfo(np.int32).max:
+            raise ValueError(f"hash_lookup_window: width {width} exceeds the kernel's int32 offset count")
+        queries = xp.ascontiguousarray(queries, dtype=xp.int64)
+        count = int(queries.shape[0])
+        deltas = xp.arange(width, dtype=xp.int64) * np.int64(step)
+        out = xp.empty((width, count), dtype=xp.int64)
+        self._run("sc_hash_lookup_offsets", ("int64",), count * width,
+                  (queries, np.int64(count), deltas, np.int32(width), table.table_keys, table.table_values,
+                   np.int64(table.capacity), out))
+        return out
+
+    def hash_items(self, table: KernelHashTable) -> tuple[Any, Any]:
+        """``(keys, values)`` int64 ``[N]`` each, sorted by key (``xp.argsort`` on the device)."""
+        order = self.xp.argsort(table.keys)
+        return table.keys[order], table.values[order]
+
+    def unique_inverse(self, keys: Any) -> tuple[Any, Any]:
+        """Sorted unique int64 keys ``[U]`` and each key's position among them, int64 ``[M]``."""
+        check_integer_vector(keys, "keys", "unique_inverse")
+        return unique_inverse(self.xp, keys)
+
+    # --------------------------------------------------------- feature passes
+
+    def gather_rows(self, source: Any, rows: Any) -> Any:
+        """``source[rows]`` with ``sc_gather_rows<T>``.
+
+        Args:
+            source: ``[N, C]`` float32/float64/float16/bfloat16.
+            rows: integer ``[M]`` in ``[0, N)`` (not range-checked: rulebook rows).
+
+        Returns:
+            ``[M, C]`` in ``source``'s dtype.
+        """
+        xp = self.xp
+        dtype_name = check_float(source, "source", "gather_rows")
+        check_integer_vector(rows, "rows", "gather_rows")
+        check_row_count(int(source.shape[0]), "source", "gather_rows")
+        source = xp.ascontiguousarray(source)
+        rows = xp.ascontiguousarray(rows, dtype=xp.int32)
+        count, channels = int(rows.shape[0]), int(source.shape[1])
+        out = xp.empty((count, channels), dtype=source.dtype)
+        self._run("sc_gather_rows", (dtype_name,), count * channels,
+                  (source, rows, np.int64(count), np.int64(channels), out))
+        return out
+
+    def scatter_add_rows(self, target: Any, rows: Any, values: Any) -> None:
+        """``target[rows] += values`` in place with ``sc_scatter_add_rows_unique<T>``.
+
+        Args:
+            target: ``[N, C]`` float32/float64/float16/bfloat16, updated in place
+                (a non-contiguous target is updated through a contiguous copy).
+            rows: integer ``[M]`` in ``[0, N)``, unique within the call.
+            values: ``[M, C]``, cast to ``target``'s dtype.
+        """
+        xp = self.xp
+        dtype_name = check_float(target, "target", "scatter_add_rows")
+        check_integer_vector(rows, "rows", "scatter_add_rows")
+        check_row_count(int(target.shape[0]), "target", "scatter_add_rows")
+        count, channels = int(rows.shape[0]), int(target.shape[1])
+        if tuple(values.shape) != (count, channels):
+            raise ValueError(
+                f"scatter_add_rows: values must have shape [{count}, {channels}] (one row per entry "
+                f"of rows, target's channels), got {tuple(values.shape)}"
+            )
+        contiguous_target = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
+        values = xp.ascontiguousarray(values, dtype=target.dtype)
+        rows = xp.ascontiguousarray(rows, dtype=xp.int32)
+        self._run("sc_scatter_add_rows_unique", (dtype_name,), count * channels,
+                  (values, rows, np.int64(count), np.int64(channels), contiguous_target))
+        if contiguous_target is not target:
+            target[...] = contiguous_target
+
+    def index_add(self, size: int, index: Any, values: Any) -> Any:
+        """Deterministic float64 sums of ``values`` into ``size`` bins by ``index``.
+
+        A stable ``xp.argsort`` groups equal indices in input order, and
+        ``sc_segment_sum_rows<double, double>`` (one channel) sums each group in
+        that order, so the result is bitwise reproducible (and equals NumPy's
+        ``bincount``, which adds in input order too).
+
+        Args:
+            size: number of bins.
+            index: integer ``[M]`` in ``[0, size)``.
+            values: real ``[M]``.
+
+        Returns:
+            float64 ``[size]``.
+
+        Raises:
+            ValueError: when an index lies outside ``[0, size)``.
+        """
+        xp = self.xp
+        check_integer_vector(index, "index", "index_add")
+        if values.ndim != 1 or values.shape[0] != index.shape[0]:
+            raise ValueError(
+                f"index_add: values must be 1-D like index ({index.shape[0]} entries), got shape "
+                f"{tuple(values.shape)}"
+            )
+        size, count = int(size), int(index.shape[0])
+        if size < 0:
+            raise ValueError(f"index_add: size must be >= 0, got {size}")
+        check_row_count(size, "the output (size)", "index_add")
+        check_row_count(count, "index", "index_add")
+        out = xp.zeros((size, 1), dtype=xp.float64)
+        if count == 0:
+            return out.reshape(size)
+        order = xp.argsort(index, kind="stable")
+        sorted_index = index[order]
+        low, high = (int(value) for value in sorted_index[[0, count - 1]].tolist())
+        if low < 0 or high >= size:
+            raise ValueError(f"index_add: index holds values from {low} to {high}, outside [0, {size})")
+        starts = xp.nonzero(run_starts(xp, sorted_index))[0]
+        num_segments = int(starts.shape[0])
+        segment_starts = xp.empty(num_segments + 1, dtype=xp.int64)
+        segment_starts[:-1] = starts
+        segment_starts[-1] = count
+        segment_rows = xp.ascontiguousarray(sorted_index[starts], dtype=xp.int32)
+        source = xp.ascontiguousarray(values, dtype=xp.float64).reshape(count, 1)
+        self._run("sc_segment_sum_rows", ("float64",), num_segments,
+                  (source, xp.ascontiguousarray(order, dtype=xp.int32), segment_starts, segment_rows,
+                   np.int64(num_segments), np.int64(1), out))
+        return out.reshape(size)
+
+    def matmul(self, left: Any, right: Any) -> Any:
+        """``xp.matmul`` (cuBLAS on CuPy; float32 without TF32 unless ``CUPY_TF32=1``)."""
+        return self.xp.matmul(left, right)

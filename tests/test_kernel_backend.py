@@ -1,0 +1,599 @@
+"""`KernelBackend` against `NumpyBackend`: its primitives, then the core's algorithms run on it.
+
+``KernelBackend(numpy, EmulatedLauncher())`` launches the very ``kernels_cu``
+sources the GPU runs, compiled by g++ with ``cuda_emulation/cuda_shim.h``, so
+these tests drive the whole core (rulebook builders, conv forward and backward,
+pooling) through the GPU backend's launch wrappers and kernels without a GPU.
+The emulated backend uses 32-thread blocks and at most 2 blocks per launch,
+so every kernel's grid-stride loop goes round several times; the production
+launch configuration is tested separately on inputs that span several blocks.
+
+Integer results (rulebooks, hash lookups, argmax) must be exactly equal; float
+results of the primitives too (same operations in the same order), those of
+the algorithms within a float tolerance (matrix products may differ by BLAS).
+
+The ``cupy`` variant (marked ``gpu``, skipped without a GPU) runs the same
+tests with `CUPY_BACKEND` on CuPy arrays, plus a stream-capture test showing
+that kernels launch on CuPy's current stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sparsecore as sc
+from sparsecore import conv, pool
+from sparsecore.backends import NUMPY_BACKEND, ArrayBackend, kernel_registry
+from sparsecore.backends.kernel_backend import KernelBackend, KernelLauncher
+
+try:
+    from cuda_emulation import harness
+    from cuda_emulation.emulated_launcher import EmulatedLauncher, RecordingLauncher
+except ImportError:  # tests/ imported as a package
+    from tests.cuda_emulation import harness
+    from tests.cuda_emulation.emulated_launcher import EmulatedLauncher, RecordingLauncher
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes comes with the test dependencies
+    BFLOAT16 = None
+
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a test runs: a kernel backend, its array module and host/device transfers.
+
+    Attributes:
+        name: ``"emulated"`` or ``"cupy"``.
+        xp: ``numpy`` or ``cupy``.
+        backend: small blocks and a capped grid (grid-stride loops in every launch).
+        base_launcher: the target's plain launcher (emulated, or ``CupyLauncher``).
+    """
+
+    name: str
+    xp: Any
+    backend: KernelBackend
+    base_launcher: Any
+
+    def put(self, array: Any) -> Any:
+        return self.xp.asarray(array)
+
+    def get(self, array: Any) -> Any:
+        return array if self.xp is np else self.xp.asnumpy(array)
+
+    def with_launcher(self, launcher: Any, **config: Any) -> KernelBackend:
+        """This target's backend with another launcher and launch configuration."""
+        return dataclasses.replace(self.backend, launcher=launcher, **config)
+
+    def recording(self, **config: Any) -> tuple[KernelBackend, RecordingLauncher]:
+        launcher = RecordingLauncher(self.base_launcher)
+        return self.with_launcher(launcher, **config), launcher
+
+    def dtype(self, dtype_name: str) -> np.dtype:
+        if dtype_name == "bfloat16":
+            if BFLOAT16 is None or self.xp is not np:
+                pytest.skip("bfloat16 arrays need ml_dtypes on NumPy (CuPy has no bfloat16 dtype)")
+            return BFLOAT16
+        return np.dtype(dtype_name)
+
+
+@pytest.fixture(scope="module", params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+def target(request) -> Target:
+    if request.param == "emulated":
+        if harness.compiler_path() is None:
+            pytest.skip("g++ is not installed")
+        harness.build_libraries([entry.file for entry in kernel_registry.KERNEL_FILES])
+        launcher = EmulatedLauncher()
+        backend = KernelBackend(np, launcher, name="emulated", block_threads=32, max_blocks=2)
+        return Target("emulated", np, backend, launcher)
+    import cupy
+
+    from sparsecore.backends.cupy_backend import CUPY_BACKEND
+
+    backend = dataclasses.replace(CUPY_BACKEND, block_threads=32, max_blocks=2)
+    return Target("cupy", cupy, backend, CUPY_BACKEND.launcher)
+
+
+def _rng(*seed: int) -> np.random.Generator:
+    return np.random.default_rng([20261215, *seed])
+
+
+def _random_sites(rng: np.random.Generator, count: int, shape: tuple[int, ...], batch_size: int) -> np.ndarray:
+    """``count`` distinct int32 sites ``[count, 1 + D]`` of a ``batch_size x shape`` grid, in random order."""
+    cells = rng.choice(batch_size * int(np.prod(shape)), size=count, replace=False)
+    columns = np.unravel_index(cells, (batch_size, *shape))
+    return np.stack(columns, axis=1).astype(np.int32).reshape(count, 1 + len(shape))
+
+
+def _random_floats(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return rng.uniform(-2.0, 2.0, size=shape).astype(dtype)
+
+
+def _assert_equal(actual: Any, expected: Any, what: str) -> None:
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.tobytes() == expected.tobytes(), f"{what}: values differ"
+
+
+# =================================================================== primitives
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 150])
+def test_hash_build_lookup_and_items(target, count):
+    rng = _rng(1, count)
+    keys = rng.choice(10 * count + 10, size=count, replace=False).astype(np.int64)
+    keys[: count // 5] += 2**50  # large keys too
+    values = rng.permutation(count).astype(np.int64) * 3 - 7
+    expected_table, expected_duplicate = NUMPY_BACKEND.hash_build(keys, values)
+    table, duplicate = target.backend.hash_build(target.put(keys), target.put(values))
+    assert duplicate is None and expected_duplicate is None
+    queries = np.concatenate([keys, rng.integers(0, 10 * count + 20, size=40), [2**50 + 3, 2**62]])
+    _assert_equal(target.get(target.backend.hash_lookup(table, target.put(queries))),
+                  NUMPY_BACKEND.hash_lookup(expected_table, queries), "hash_lookup")
+    for actual, expected, what in zip(target.backend.hash_items(table), NUMPY_BACKEND.hash_items(expected_table),
+                                      ("keys", "values")):
+        _assert_equal(target.get(actual), expected, f"hash_items {what}")
+    assert table.capacity >= max(2, 2 * count) and table.capacity & (table.capacity - 1) == 0
+
+
+def test_hash_lookup_keeps_the_query_shape(target):
+    keys = np.array([4, 9, 100], dtype=np.int64)
+    table, _ = target.backend.hash_build(target.put(keys), target.put(np.arange(3, dtype=np.int64)))
+    found = target.get(target.backend.hash_lookup(table, target.put(np.array([[9, 5], [100, 4]], np.int64))))
+    _assert_equal(found, np.array([[1, -1], [2, 0]], dtype=np.int64), "2-D queries")
+    empty = target.get(target.backend.hash_lookup(table, target.put(np.zeros(0, np.int64))))
+    _assert_equal(empty, np.zeros(0, np.int64), "no queries")
+
+
+@pytest.mark.parametrize("keys,values", [
+    ([5, 8, 2, 8, 11], [0, 1, 2, 3, 4]),  # one repeated key
+    ([7, 7], [3, 3]),  # a repeated entry with equal values
+    ([40, 3, 3, 40, 40, 9], [10, 11, 12, 13, 14, 15]),  # several repeats
+])
+def test_hash_build_reports_duplicates(target, keys, values):
+    keys, values = np.array(keys, np.int64), np.array(values, np.int64)
+    _, duplicate = target.backend.hash_build(target.put(keys), target.put(values))
+    _, expected = NUMPY_BACKEND.hash_build(keys, values)
+    assert duplicate is not None and expected is not None
+    # Both report two entries sharing the smallest repeated key (order within the pair may differ).
+    assert sorted(duplicate) == sorted(expected)
+
+
+@pytest.mark.parametrize("count,width,step", [(0, 3, 1), (60, 0, 1), (1, 1, 1), (90, 3, 1), (120, 5, 7)])
+def test_hash_lookup_window(target, count, width, step):
+    rng = _rng(2, count, width, step)
+    keys = rng.choice(4 * count + 40, size=count, replace=False).astype(np.int64)
+    values = rng.permutation(count).astype(np.int64)
+    queries = np.sort(rng.integers(0, 4 * count + 40, size=count + 5)).astype(np.int64)
+    expected = NUMPY_BACKEND.hash_lookup_window(NUMPY_BACKEND.hash_build(keys, values)[0], queries, width, step)
+    table, _ = target.backend.hash_build(target.put(keys), target.put(values))
+    actual = target.backend.hash_lookup_window(table, target.put(queries), width, step)
+    _assert_equal(target.get(actual), expected, "hash_lookup_window")
+
+
+@pytest.mark.parametrize("count", [0, 1, 230])
+def test_unique_inverse(target, count):
+    keys = _rng(3, count).integers(0, max(count // 3, 1), size=count).astype(np.int64)
+    for actual, expected, what in zip(target.backend.unique_inverse(target.put(keys)),
+                                      NUMPY_BACKEND.unique_inverse(keys), ("unique", "inverse")):
+        _assert_equal(target.get(actual), expected, what)
+
+
+@pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
+@pytest.mark.parametrize("count,channels", [(0, 4), (5, 0), (1, 1), (70, 3), (33, 16)])
+def test_gather_rows(target, dtype_name, count, channels):
+    rng = _rng(4, count, channels)
+    source = _random_floats(rng, (25, channels), target.dtype(dtype_name))
+    rows = rng.integers(0, 25, size=count).astype(np.int32)
+    _assert_equal(target.get(target.backend.gather_rows(target.put(source), target.put(rows))),
+                  NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
+    few = rows[rows < 13].astype(np.int64)
+    strided = target.put(source)[::2]  # a non-contiguous source on the device
+    _assert_equal(target.get(target.backend.gather_rows(strided, target.put(few))),
+                  NUMPY_BACKEND.gather_rows(source[::2], few), "gather_rows, strided source, int64 rows")
+
+
+@pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
+@pytest.mark.parametrize("count", [0, 1, 45])
+def test_scatter_add_rows(target, dtype_name, count):
+    rng = _rng(5, count)
+    dtype = target.dtype(dtype_name)
+    start = _random_floats(rng, (60, 5), dtype)
+    rows = rng.permutation(60)[:count].astype(np.int32)
+    values = _random_floats(rng, (count, 5), dtype)
+    expected = start.copy()
+    NUMPY_BACKEND.scatter_add_rows(expected, rows, values)
+    device_target = target.put(start.copy())
+    target.backend.scatter_add_rows(device_target, target.put(rows), target.put(values))
+    _assert_equal(target.get(device_target), expected, "scatter_add_rows")
+    fortran = target.xp.asfortranarray(target.put(start.copy()))  # non-contiguous: written back
+    target.backend.scatter_add_rows(fortran, target.put(rows), target.put(values))
+    _assert_equal(target.get(target.xp.ascontiguousarray(fortran)), expected, "scatter_add_rows, Fortran target")
+
+
+@pytest.mark.parametrize("size,count", [(0, 0), (7, 0), (1, 5), (40, 300), (500, 120)])
+def test_index_add_is_bincount_bit_for_bit(target, size, count):
+    rng = _rng(6, size, count)
+    index = rng.integers(0, max(size, 1), size=count).astype(np.int64)
+    values = rng.standard_normal(count) * 10.0 ** rng.integers(-8, 8, size=count)  # cancellations
+    # (NumPy's bincount answers int64 zeros when there are no values; the sums are float64.)
+    expected = NUMPY_BACKEND.index_add(size, index, values).astype(np.float64, copy=False)
+    first = target.get(target.backend.index_add(size, target.put(index), target.put(values)))
+    second = target.get(target.backend.index_add(size, target.put(index), target.put(values)))
+    _assert_equal(first, expected, "index_add")
+    _assert_equal(second, first, "index_add, second run")
+
+
+def test_kernel_backend_implements_the_protocol(target):
+    assert isinstance(target.backend, ArrayBackend)
+    assert isinstance(target.backend.launcher, KernelLauncher)
+
+
+def test_matmul(target):
+    rng = _rng(7)
+    left, right = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 4, 2))
+    np.testing.assert_allclose(target.get(target.backend.matmul(target.put(left), target.put(right))),
+                               NUMPY_BACKEND.matmul(left, right), rtol=1e-12, atol=1e-12)
+
+
+def test_production_launch_configuration_spans_several_blocks(target):
+    """Default 256-thread blocks: hashing 1,500 keys and gathering 3,000 x 3 values need several blocks."""
+    backend, launcher = target.recording(block_threads=256, max_blocks=4096)
+    rng = _rng(8)
+    keys = rng.choice(10**6, size=1500, replace=False).astype(np.int64)
+    values = np.arange(1500, dtype=np.int64)
+    table, duplicate = backend.hash_build(target.put(keys), target.put(values))
+    assert duplicate is None
+    queries = rng.integers(0, 10**6, size=2000).astype(np.int64)
+    queries[:700] = keys[:700]
+    expected_table, _ = NUMPY_BACKEND.hash_build(keys, values)
+    _assert_equal(target.get(backend.hash_lookup(table, target.put(queries))),
+                  NUMPY_BACKEND.hash_lookup(expected_table, queries), "hash_lookup")
+    source = rng.standard_normal((1500, 3)).astype(np.float32)
+    rows = rng.integers(0, 1500, size=3000).astype(np.int32)
+    _assert_equal(target.get(backend.gather_rows(target.put(source), target.put(rows))),
+                  NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
+    grids = {record.expression.split("<")[0]: record.grid for record in launcher.records}
+    assert grids == {"sc_hash_insert": 6, "sc_hash_lookup": 8, "sc_gather_rows": 36}, grids
+    assert all(record.block == 256 for record in launcher.records)
+
+
+def test_empty_inputs_launch_nothing(target):
+    backend, launcher = target.recording()
+    empty_keys = target.put(np.zeros(0, np.int64))
+    table, duplicate = backend.hash_build(empty_keys, empty_keys)
+    assert duplicate is None and table.capacity == 2
+    assert target.get(backend.hash_lookup(table, empty_keys)).shape == (0,)
+    assert target.get(backend.hash_lookup_window(table, empty_keys, 3, 1)).shape == (3, 0)
+    assert [target.get(part).shape for part in backend.hash_items(table)] == [(0,), (0,)]
+    source = target.put(np.zeros((4, 3), np.float32))
+    no_rows = target.put(np.zeros(0, np.int32))
+    assert target.get(backend.gather_rows(source, no_rows)).shape == (0, 3)
+    backend.scatter_add_rows(source, no_rows, target.put(np.zeros((0, 3), np.float32)))
+    _assert_equal(target.get(backend.index_add(5, empty_keys, target.put(np.zeros(0)))), np.zeros(5), "index_add")
+    assert launcher.records == []
+
+
+def test_bad_arguments_raise_naming_them(target):
+    backend = target.backend
+    source = target.put(np.zeros((4, 3), np.float32))
+    rows = target.put(np.zeros(2, np.int32))
+    with pytest.raises(TypeError, match="source must have dtype float32"):
+        backend.gather_rows(target.put(np.zeros((4, 3), np.int32)), rows)
+    with pytest.raises(ValueError, match="source must have 2 axes"):
+        backend.gather_rows(target.put(np.zeros(4, np.float32)), rows)
+    with pytest.raises(TypeError, match="rows must be an integer array"):
+        backend.gather_rows(source, target.put(np.zeros(2, np.float32)))
+    with pytest.raises(ValueError, match=r"values must have shape \[2, 3\]"):
+        backend.scatter_add_rows(source, rows, target.put(np.zeros((2, 4), np.float32)))
+    with pytest.raises(ValueError, match="values has 1 entries, expected 2"):
+        backend.hash_build(target.put(np.zeros(2, np.int64)), target.put(np.zeros(1, np.int64)))
+    with pytest.raises(ValueError, match=r"index holds values from 0 to 9, outside \[0, 5\)"):
+        backend.index_add(5, target.put(np.array([0, 9])), target.put(np.ones(2)))
+    with pytest.raises(ValueError, match="block_threads"):
+        dataclasses.replace(backend, block_threads=2048)
+    with pytest.raises(TypeError, match="launcher must have a launch"):
+        KernelBackend(target.xp, object())
+
+
+# ============================================================ rulebook builders
+
+
+RULEBOOK_CASES = [
+    # kind, spatial shape, kernel size, stride, padding, dilation, output padding
+    ("subm", (300,), 3, 1, 0, 1, 0),
+    ("subm", (15, 17), (3, 5), 1, 0, (1, 2), 0),
+    ("subm", (8, 10, 9), 3, 1, 0, 1, 0),
+    ("subm", (8, 10, 9), (1, 3, 3), 1, 0, 2, 0),
+    ("regular", (300,), 3, 2, 1, 1, 0),
+    ("regular", (15, 17), (2, 3), (2, 1), (0, 1), (1, 2), 0),
+    ("regular", (8, 10, 9), 3, 2, 1, 1, 0),
+    ("regular", (8, 10, 9), 2, 2, 0, 1, 0),
+    ("transposed", (300,), 3, 2, 1, 1, 1),
+    ("transposed", (15, 17), 3, 2, 0, 1, 0),
+    ("transposed", (6, 7, 5), (2, 2, 3), (2, 2, 1), 0, 1, 0),
+]
+
+
+def _geometry(case: tuple) -> sc.ConvGeometry:
+    kind, shape, kernel_size, stride, padding, dilation, output_padding = case
+    if kind == "subm":
+        return sc.ConvGeometry.create(len(shape), kernel_size, dilation=dilation, kind="subm")
+    return sc.ConvGeometry.create(len(shape), kernel_size, stride=stride, padding=padding, dilation=dilation,
+                                  output_padding=output_padding, kind=kind)
+
+
+def _assert_same_rulebook(actual: sc.Rulebook, expected: sc.Rulebook, target: Target) -> None:
+    assert actual.offset_starts == expected.offset_starts
+    assert actual.identity_offset == expected.identity_offset
+    assert actual.output_spatial_shape == expected.output_spatial_shape
+    for field_name in ("input_indices", "output_indices", "pair_input", "pair_output"):
+        _assert_equal(target.get(getattr(actual, field_name)), getattr(expected, field_name), field_name)
+
+
+@pytest.mark.parametrize("count", [0, 180])
+@pytest.mark.parametrize("case", RULEBOOK_CASES, ids=lambda case: f"{case[0]}-{len(case[1])}d-k{case[2]}")
+def test_build_rulebook_equals_numpy_exactly(target, case, count):
+    shape, batch_size = case[1], 2
+    indices = _random_sites(_rng(9, len(shape), count), count, shape, batch_size)
+    geometry = _geometry(case)
+    expected = sc.build_rulebook(indices, shape, batch_size, geometry, backend=NUMPY_BACKEND)
+    actual = sc.build_rulebook(target.put(indices), shape, batch_size, geometry, backend=target.backend)
+    _assert_same_rulebook(actual, expected, target)
+
+
+@pytest.mark.parametrize("subm", [False, True])
+def test_build_pool_rulebook_equals_numpy_exactly(target, subm):
+    shape = (8, 10, 9)
+    indices = _random_sites(_rng(10, int(subm)), 200, shape, 2)
+    kernel_size = 3 if subm else 2
+    expected = sc.build_pool_rulebook(indices, shape, 2, kernel_size, subm=subm, backend=NUMPY_BACKEND)
+    actual = sc.build_pool_rulebook(target.put(indices), shape, 2, kernel_size, subm=subm, backend=target.backend)
+    _assert_same_rulebook(actual, expected, target)
+
+
+@pytest.mark.parametrize("kind", ["subm", "regular"])
+def test_duplicate_sites_raise_the_same_error(target, kind):
+    shape = (6, 7, 5)
+    indices = _random_sites(_rng(11), 50, shape, 1)
+    indices[31] = indices[12]
+    geometry = _geometry((kind, shape, 3, 2 if kind == "regular" else 1, 1 if kind == "regular" else 0, 1, 0))
+    with pytest.raises(ValueError, match="duplicate sites") as expected:
+        sc.build_rulebook(indices, shape, 1, geometry, backend=NUMPY_BACKEND)
+    with pytest.raises(ValueError, match="duplicate sites") as actual:
+        sc.build_rulebook(target.put(indices), shape, 1, geometry, backend=target.backend)
+    assert str(actual.value) == str(expected.value)
+
+
+def test_rulebook_builders_run_the_kernels(target):
+    backend, launcher = target.recording()
+    indices = target.put(_random_sites(_rng(12), 100, (6, 7, 5), 1))
+    sc.build_rulebook(indices, (6, 7, 5), 1, _geometry(RULEBOOK_CASES[2]), backend=backend)
+    assert launcher.kernel_names() == {"sc_hash_insert", "sc_hash_lookup_offsets"}
+
+
+# ============================================================== feature passes
+
+
+CONV_CASES = [
+    # name, rulebook case, in channels, out channels, groups, bias, dtype
+    ("subm3d", RULEBOOK_CASES[2], 4, 6, 1, True, "float32"),
+    ("regular3d-groups2", RULEBOOK_CASES[6], 4, 6, 2, False, "float32"),
+    ("transposed2d", RULEBOOK_CASES[9], 3, 5, 1, True, "float32"),
+    ("subm1d-float64", RULEBOOK_CASES[0], 2, 4, 2, True, "float64"),
+    ("subm2d-float16", RULEBOOK_CASES[1], 4, 4, 1, False, "float16"),
+    ("inverse3d-groups2", RULEBOOK_CASES[6], 6, 4, 2, True, "float32"),
+]
+TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "float16": 2e-3}
+
+
+def _conv_setup(target: Target, case: tuple, count: int = 200):
+    name, rulebook_case, in_channels, out_channels, groups, with_bias, dtype_name = case
+    shape, batch_size = rulebook_case[1], 2
+    rng = _rng(13, len(name), count)
+    indices = _random_sites(rng, count, shape, batch_size)
+    geometry = _geometry(rulebook_case)
+    expected_rb = sc.build_rulebook(indices, shape, batch_size, geometry, backend=NUMPY_BACKEND)
+    actual_rb = sc.build_rulebook(target.put(indices), shape, batch_size, geometry, backend=target.backend)
+    if name.startswith("inverse"):
+        expected_rb, actual_rb = sc.inverse_rulebook(expected_rb), sc.inverse_rulebook(actual_rb)
+    dtype = np.dtype(dtype_name)
+    features = _random_floats(rng, (expected_rb.num_input, in_channels), dtype)
+    weight = _random_floats(rng, (out_channels, *geometry.kernel_size, in_channels // groups), dtype)
+    bias = _random_floats(rng, (out_channels,), dtype) if with_bias else None
+    grad_output = _random_floats(rng, (expected_rb.num_output, out_channels), dtype)
+    return expected_rb, actual_rb, features, weight, bias, grad_output, groups
+
+
+def _assert_close(actual: Any, expected: np.ndarray, dtype_name: str, what: str) -> None:
+    actual = np.asarray(actual)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    tolerance = TOLERANCE[dtype_name]
+    scale = max(float(np.abs(expected.astype(np.float64)).max(initial=0.0)), 1.0)
+    np.testing.assert_allclose(actual.astype(np.float64), expected.astype(np.float64), rtol=tolerance,
+                               atol=tolerance * scale, err_msg=what)
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda case: case[0])
+def test_conv_forward_and_backward_match_numpy(target, case):
+    expected_rb, actual_rb, features, weight, bias, grad_output, groups = _conv_setup(target, case)
+    dtype_name = case[-1]
+    expected = conv.conv_forward(features, weight, expected_rb, bias, groups, backend=NUMPY_BACKEND)
+    actual = conv.conv_forward(target.put(features), target.put(weight), actual_rb,
+                               None if bias is None else target.put(bias), groups, backend=target.backend)
+    _assert_close(target.get(actual), expected, dtype_name, "conv_forward")
+    expected_grads = conv.conv_backward(grad_output, features, weight, expected_rb, groups, backend=NUMPY_BACKEND)
+    actual_grads = conv.conv_backward(target.put(grad_output), target.put(features), target.put(weight),
+                                      actual_rb, groups, backend=target.backend)
+    for actual_grad, expected_grad, what in zip(actual_grads, expected_grads, ("grad_features", "grad_weight")):
+        _assert_close(target.get(actual_grad), expected_grad, dtype_name, what)
+
+
+def test_conv_runs_the_kernels_and_is_deterministic(target):
+    backend, launcher = target.recording()
+    _, actual_rb, features, weight, bias, grad_output, groups = _conv_setup(target, CONV_CASES[0], count=120)
+    args = (target.put(grad_output), target.put(features), target.put(weight), actual_rb, groups)
+    first = [target.get(grad) for grad in conv.conv_backward(*args, backend=backend)]
+    second = [target.get(grad) for grad in conv.conv_backward(*args, backend=backend)]
+    for one, two in zip(first, second):
+        _assert_equal(two, one, "second run")
+    assert launcher.kernel_names() == {"sc_gather_rows", "sc_scatter_add_rows_unique"}
+
+
+@pytest.mark.parametrize("kind", ["subm", "regular", "transposed"])
+def test_empty_conv(target, kind):
+    case = next(case for case in RULEBOOK_CASES if case[0] == kind and len(case[1]) == 3)
+    backend, launcher = target.recording()
+    indices = target.put(np.zeros((0, 4), np.int32))
+    rulebook = sc.build_rulebook(indices, case[1], 1, _geometry(case), backend=backend)
+    weight = target.put(np.ones((5, *rulebook.kernel_size, 3), np.float32))
+    out = conv.conv_forward(target.put(np.zeros((0, 3), np.float32)), weight, rulebook, backend=backend)
+    assert tuple(out.shape) == (0, 5) and launcher.records == []
+
+
+POOL_CASES = [("regular3d", False, 2), ("subm3d", True, 3)]
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda case: case[0])
+def test_pooling_matches_numpy(target, case):
+    _, subm, kernel_size = case
+    shape = (8, 10, 9)
+    rng = _rng(14, int(subm))
+    indices = _random_sites(rng, 220, shape, 2)
+    expected_rb = sc.build_pool_rulebook(indices, shape, 2, kernel_size, subm=subm, backend=NUMPY_BACKEND)
+    actual_rb = sc.build_pool_rulebook(target.put(indices), shape, 2, kernel_size, subm=subm, backend=target.backend)
+    features = _random_floats(rng, (220, 3), np.dtype(np.float32))
+    features[:40] = features[40:80]  # ties between rows
+    grad_output = _random_floats(rng, (expected_rb.num_output, 3), np.dtype(np.float32))
+
+    out, argmax = pool.max_pool_forward(features, expected_rb, backend=NUMPY_BACKEND)
+    actual_out, actual_argmax = pool.max_pool_forward(target.put(features), actual_rb, backend=target.backend)
+    _assert_equal(target.get(actual_out), out, "max_pool_forward")
+    _assert_equal(target.get(actual_argmax), argmax, "max_pool_forward argmax")
+    expected = pool.max_pool_backward(grad_output, argmax, 220, backend=NUMPY_BACKEND)
+    actual = pool.max_pool_backward(target.put(grad_output), actual_argmax, 220, backend=target.backend)
+    _assert_equal(target.get(actual), expected, "max_pool_backward")
+
+    expected = pool.avg_pool_forward(features, expected_rb, backend=NUMPY_BACKEND)
+    actual = pool.avg_pool_forward(target.put(features), actual_rb, backend=target.backend)
+    _assert_close(target.get(actual), expected, "float32", "avg_pool_forward")
+    expected = pool.avg_pool_backward(grad_output, expected_rb, backend=NUMPY_BACKEND)
+    actual = pool.avg_pool_backward(target.put(grad_output), actual_rb, backend=target.backend)
+    _assert_close(target.get(actual), expected, "float32", "avg_pool_backward")
+
+
+def test_global_max_pool_backward_matches_numpy(target):
+    rng = _rng(15)
+    indices = _random_sites(rng, 90, (5, 6), 3)
+    features = _random_floats(rng, (90, 4), np.dtype(np.float64))
+    _, argmax = pool.global_max_pool_forward(features, indices, 3)
+    grad_output = _random_floats(rng, (3, 4), np.dtype(np.float64))
+    expected = pool.global_max_pool_backward(grad_output, argmax, 90, backend=NUMPY_BACKEND)
+    actual = pool.global_max_pool_backward(target.put(grad_output), target.put(argmax), 90, backend=target.backend)
+    _assert_equal(target.get(actual), expected, "global_max_pool_backward")
+
+
+# ============================================================== cupy_backend.py
+
+
+def test_cupy_launcher_with_a_stand_in_cupy(monkeypatch):
+    """cupy_backend.py on the CPU: a stand-in ``cupy`` module and emulated RawKernels.
+
+    Checks what can be checked without a GPU: the module imports CuPy only by
+    name, asks the registry for the kernel of the current device, and calls it
+    the way a ``cupy.RawKernel`` is called (``kernel((grid,), (block,), args)``).
+    """
+    if harness.compiler_path() is None:
+        pytest.skip("g++ is not installed")
+    import sparsecore.backends as backends_package
+
+    module_name = "sparsecore.backends.cupy_backend"
+    saved_module, saved_attribute = sys.modules.get(module_name), backends_package.__dict__.get("cupy_backend")
+    stand_in = types.ModuleType("cupy")
+    stand_in.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 3))
+    requested = []
+
+    def get_kernel(expression, device_id):
+        requested.append((expression, device_id))
+        file = kernel_registry.file_of_kernel(expression.split("<", 1)[0])
+        return harness.load_module(file).get_function(expression)
+
+    monkeypatch.setitem(sys.modules, "cupy", stand_in)
+    monkeypatch.setattr(kernel_registry, "get_kernel", get_kernel)
+    sys.modules.pop(module_name, None)
+    try:
+        cupy_backend = importlib.import_module(module_name)
+        assert cupy_backend.CUPY_BACKEND.xp is stand_in and cupy_backend.CUPY_BACKEND.name == "cupy"
+        backend = KernelBackend(np, cupy_backend.CupyLauncher(), block_threads=32, max_blocks=2)
+        source = np.arange(12, dtype=np.float32).reshape(4, 3)
+        rows = np.array([3, 0, 3], dtype=np.int32)
+        _assert_equal(backend.gather_rows(source, rows), source[rows], "gather_rows")
+        assert requested == [("sc_gather_rows<float>", 3)]
+    finally:
+        sys.modules.pop(module_name, None)
+        if saved_module is not None:
+            sys.modules[module_name] = saved_module
+        if saved_attribute is not None:
+            backends_package.cupy_backend = saved_attribute
+        elif "cupy_backend" in backends_package.__dict__:
+            del backends_package.cupy_backend
+
+
+# ===================================================================== GPU only
+
+
+@pytest.mark.gpu
+def test_cupy_kernels_launch_on_the_current_stream(target):
+    """Captured into a CUDA graph on a new stream, a scatter runs only when the graph is replayed.
+
+    Had the kernel gone to another stream, the capture (global mode) would have
+    failed, or the update would have happened at once.
+    """
+    if target.name != "cupy":
+        pytest.skip("CuPy streams only")
+    import cupy
+
+    from sparsecore.backends.cupy_backend import CUPY_BACKEND
+
+    rng = _rng(16)
+    rows = cupy.asarray(rng.permutation(50)[:30].astype(np.int32))
+    values = cupy.asarray(rng.standard_normal((30, 4)).astype(np.float32))
+    buffer = cupy.zeros((50, 4), dtype=np.float32)
+    CUPY_BACKEND.scatter_add_rows(cupy.zeros((50, 4), np.float32), rows, values)  # compiles the kernel
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        CUPY_BACKEND.scatter_add_rows(buffer, rows, values)  # no allocation, no host sync inside
+        graph = stream.end_capture()
+    cupy.cuda.Device().synchronize()
+    assert float(cupy.abs(buffer).sum()) == 0.0, "the kernel ran outside the captured stream"
+    graph.launch(stream)
+    stream.synchronize()
+    expected = np.zeros((50, 4), np.float32)
+    expected[cupy.asnumpy(rows)] = cupy.asnumpy(values)
+    _assert_equal(cupy.asnumpy(buffer), expected, "replayed scatter")
+
+
+@pytest.mark.gpu
+def test_cupy_backend_is_picked_for_cupy_arrays(target):
+    if target.name != "cupy":
+        pytest.skip("CuPy only")
+    from sparsecore.backends import backend_for
+    from sparsecore.backends.cupy_backend import CUPY_BACKEND
+
+    assert backend_for(target.put(np.zeros(3))) is CUPY_BACKEND
+    assert CUPY_BACKEND.name == "cupy"
