@@ -39,6 +39,7 @@ from .rulebook import (
     inverse_rulebook,
 )
 from .tensor import RulebookCache, SparseTensor
+from .voxelize import BatchedVoxels, VoxelGrid, Voxels, gather_voxel_features, voxel_means, voxelize, voxelize_batch
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,9 @@ __all__ = [
     "Rulebook",
     "RulebookCache",
     "SparseTensor",
+    "BatchedVoxels",
+    "VoxelGrid",
+    "Voxels",
     "avg_pool_backward",
     "avg_pool_forward",
     "build_pool_rulebook",
@@ -59,6 +63,7 @@ __all__ = [
     "conv_backward",
     "conv_forward",
     "from_dense",
+    "gather_voxel_features",
     "global_avg_pool",
     "global_avg_pool_backward",
     "global_avg_pool_forward",
@@ -77,4 +82,7 @@ __all__ = [
     "to_dense",
     "union_sites",
     "unpack_keys",
+    "voxel_means",
+    "voxelize",
+    "voxelize_batch",
 ]

@@ -36,19 +36,24 @@ Semantics
 * **Batches.** :func:`voxelize_batch` voxelizes each cloud as :func:`voxelize`
   would (``max_num_voxels`` applies per cloud) and stacks the rows cloud after
   cloud, with the cloud's index in column 0 of ``indices``.
+* **Back to points.** :func:`voxel_means` gives each voxel's mean stored point;
+  :func:`gather_voxel_features` hands any per-voxel rows back to the points
+  through ``point_voxel_id`` (dropped points get ``invalid_value``).
 * **Memory** is O(points): voxels are found by sorting packed int64 keys,
   never by allocating a dense grid of ``prod(grid_size)`` cells (spconv's CPU
-  build allocates one, 781 MB for a 0.1 m grid over 160 m x 160 m x 8 m).
+  build allocates one, 781 MiB for a 0.1 m grid over 160 m x 160 m x 8 m).
+  ``batch_size * prod(grid_size)`` must fit in int64 and every axis in int32.
 * **Empty input** (no points, or none in range) gives ``M = 0`` outputs of the
   right shapes and dtypes.
+* **Errors.** Malformed points or parameters raise ``ValueError`` or
+  ``TypeError`` naming the argument, what was expected and what was given.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import _voxel_math
@@ -66,14 +71,6 @@ __all__ = [
 
 _AXIS_NAMES = ("x", "y", "z", "w")
 _INT32_MAX = 2**31 - 1
-
-
-def _float32(value: float) -> float:
-    """``value`` rounded to float32, as a Python float."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
 
 
 def _as_float_tuple(value: Any, name: str) -> tuple[float, ...]:
@@ -101,6 +98,7 @@ class VoxelGrid:
 
     voxel_size: tuple[float, ...]
     coordinate_range: tuple[float, ...]
+    _grid_size: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         size = _as_float_tuple(self.voxel_size, "voxel_size")
@@ -111,7 +109,7 @@ class VoxelGrid:
                 f"voxel_size must have 1 to 4 entries (one per spatial axis, xyz), got {ndim}: {size}."
             )
         for axis, edge in enumerate(size):
-            if not (math.isfinite(edge) and edge > 0 and _float32(edge) > 0):
+            if not (math.isfinite(edge) and edge > 0 and _voxel_math.float32(edge) > 0):
                 raise ValueError(
                     f"voxel_size must be {ndim} positive finite numbers (xyz), got {size}: "
                     f"axis {_AXIS_NAMES[axis]} is {edge}."
@@ -124,7 +122,7 @@ class VoxelGrid:
                 f"{ndim}-D voxel_size {size}, got {len(bounds)}: {bounds}."
             )
         for name, bound in zip(names, bounds):
-            if not math.isfinite(_float32(bound)):
+            if not math.isfinite(_voxel_math.float32(bound)):
                 raise ValueError(
                     f"coordinate_range must be finite numbers within float32 range, got {bounds}: "
                     f"{name} is {bound}."
@@ -138,7 +136,9 @@ class VoxelGrid:
                 )
         object.__setattr__(self, "voxel_size", size)
         object.__setattr__(self, "coordinate_range", bounds)
-        for axis, cells in enumerate(reversed(self.grid_size)):
+        cells_xyz = _voxel_math.grid_cells(size, bounds)
+        object.__setattr__(self, "_grid_size", tuple(reversed(cells_xyz)))
+        for axis, cells in enumerate(cells_xyz):
             name = _AXIS_NAMES[axis]
             if cells < 1:
                 raise ValueError(
@@ -170,11 +170,7 @@ class VoxelGrid:
     @property
     def grid_size(self) -> tuple[int, ...]:
         """Cells per axis in **zyx** order: ``round((max - min) / size)`` in float32, like spconv."""
-        cells = []
-        for lo, hi, edge in zip(self.lower, self.upper, self.voxel_size):
-            span = _float32(_float32(hi) - _float32(lo))
-            cells.append(int(math.floor(_float32(span / _float32(edge)) + 0.5)))
-        return tuple(reversed(cells))
+        return self._grid_size
 
     def check_key_capacity(self, batch_size: int = 1) -> None:
         """Raises ValueError when ``batch_size * prod(grid_size)`` keys overflow int64."""

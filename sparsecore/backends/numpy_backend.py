@@ -73,14 +73,16 @@ class NumpyBackend:
         out = np.empty((width, queries.shape[0]), dtype=np.int64)
         position = np.searchsorted(table.keys, queries)
         np.minimum(position, table.keys.shape[0] - 1, out=position)
+        current = table.keys[position]
         target = queries.copy()
         for column in range(width):
             if column:
                 target += step
                 for _ in range(step):
-                    position += table.keys[position] < target
+                    position += current < target
+                    current = table.keys[position]
             np.copyto(out[column], table.values[position])
-            out[column][table.keys[position] != target] = -1
+            out[column][current != target] = -1
         return out
 
     def hash_items(self, table: SortedTable) -> tuple[np.ndarray, np.ndarray]:
