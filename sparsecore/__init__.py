@@ -29,15 +29,8 @@ from .pool import (
     max_pool_backward,
     max_pool_forward,
 )
-from .rulebook import (
-    PairMap,
-    Rulebook,
-    build_pool_rulebook,
-    build_rulebook,
-    check_inverse_fits,
-    check_rulebook_fits,
-    inverse_rulebook,
-)
+from .reuse import check_inverse_fits, check_rulebook_fits
+from .rulebook import PairMap, Rulebook, build_pool_rulebook, build_rulebook, inverse_rulebook
 from .tensor import RulebookCache, SparseTensor
 from .voxelize import BatchedVoxels, VoxelGrid, Voxels, gather_voxel_features, voxel_means, voxelize, voxelize_batch
 

@@ -14,13 +14,8 @@ from .conv import conv_forward
 from .dense import union_sites
 from .geometry import ConvGeometry, PerAxis
 from .pool import avg_pool_forward, global_avg_pool_forward, global_max_pool_forward, max_pool_forward
-from .rulebook import (
-    Rulebook,
-    build_rulebook,
-    check_inverse_fits,
-    check_rulebook_fits,
-    inverse_rulebook,
-)
+from .reuse import check_inverse_fits, check_rulebook_fits
+from .rulebook import Rulebook, build_rulebook, inverse_rulebook
 from .tensor import SparseTensor
 
 __all__ = [
