@@ -1,0 +1,125 @@
+"""torch tensors <-> core arrays, without copies, on the right device and stream.
+
+CPU tensors become NumPy views (``numpy.from_dlpack``); CUDA tensors become
+CuPy views through DLPack, inside `core_context`, which makes torch's current
+stream CuPy's current stream and routes CuPy's allocations to torch's caching
+allocator, so the core's kernels are ordered with torch's work and a training
+loop keeps one memory pool. CuPy is imported only when a CUDA tensor arrives:
+on CPU this module never touches it.
+
+bfloat16 has no NumPy or CuPy dtype: such features are upcast to float32 for
+the core (which accumulates in float32 anyway) and results are cast back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from sparsecore._dispatch import is_cupy_array, to_core_array
+
+__all__ = [
+    "core_context",
+    "core_view",
+    "core_float_view",
+    "to_torch",
+    "check_same_device",
+    "FLOAT_DTYPES",
+]
+
+#: Feature dtypes the frontend accepts (bfloat16 is computed in float32).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_local = threading.local()
+
+
+def _torch_backed_allocator(cupy: Any) -> Any:
+    """A CuPy allocator that takes memory from torch's caching allocator on torch's current stream."""
+    allocator = getattr(_local, "allocator", None)
+    if allocator is None:
+
+        def malloc(size: int, device_id: int) -> int:
+            stream = torch.cuda.current_stream(device_id)
+            return torch.cuda.caching_allocator_alloc(size, device_id, stream)
+
+        def free(pointer: int, device_id: int) -> None:
+            torch.cuda.caching_allocator_delete(pointer)
+
+        allocator = cupy.cuda.memory.PythonFunctionAllocator(malloc, free)
+        _local.allocator = allocator
+    return allocator
+
+
+@contextlib.contextmanager
+def core_context(device: torch.device) -> Iterator[None]:
+    """Runs the core on ``device``: for CUDA, on torch's current stream and memory pool.
+
+    On CPU this does nothing (and imports nothing).
+    """
+    if device.type != "cuda":
+        yield
+        return
+    import cupy  # a CUDA tensor exists, so the CuPy engine is wanted
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    with torch.cuda.device(index), cupy.cuda.Device(index):
+        external = cupy.cuda.Stream.from_external(stream)
+        with external, cupy.cuda.using_allocator(_torch_backed_allocator(cupy).malloc):
+            yield
+
+
+def core_view(tensor: torch.Tensor, name: str) -> Any:
+    """A NumPy (CPU) or CuPy (CUDA) view of ``tensor``; contiguous, detached, no copy when possible.
+
+    Call inside `core_context` for CUDA tensors.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise TypeError(
+            f"{name} is on device {tensor.device}; sparsecore computes on the CPU or on CUDA GPUs. "
+            f"Move it first, e.g. {name}.to('cuda') or {name}.cpu()."
+        )
+    return to_core_array(tensor, name)
+
+
+def core_float_view(tensor: torch.Tensor, name: str) -> Any:
+    """Like `core_view` for float tensors; bfloat16 is upcast to float32 (a copy)."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return core_view(tensor, name)
+
+
+def to_torch(array: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A torch tensor sharing the memory of a core (NumPy / CuPy) array; cast to ``dtype`` if given."""
+    if is_cupy_array(array):
+        tensor = torch.from_dlpack(array)
+    else:
+        array = np.asarray(array)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array).copy()
+        tensor = torch.from_numpy(array)
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor
+
+
+def check_same_device(layer: str, **tensors: torch.Tensor | None) -> torch.device:
+    """Raises a ValueError naming every tensor and its device when they are not on one device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(
+            f"{layer}: tensors are on different devices ({listing}). sparsecore does not move "
+            "data between devices implicitly; move the module and the input to one device "
+            "(module.to(device), features.to(device), indices.to(device))."
+        )
+    return next(iter(devices.values()))

@@ -1,0 +1,173 @@
+"""Sparse pooling layers with spconv 2.x's names and arguments.
+
+``SparseMaxPool{1,2,3,4}d`` and ``SparseAvgPool{1,2,3,4}d`` pool over the
+*active* sites of each window (the average divides by the number of active
+inputs, "real point count" as spconv documents); ``stride`` defaults to the
+kernel size. The average pool works on the CPU and in 4D (spconv's needs CUDA
+and has no 4D class). `SparseGlobalMaxPool` / `SparseGlobalAvgPool` return a
+dense ``[B, C]`` tensor (an empty batch element gives 0); the average is taken
+over every channel (spconv 2.3.8 keeps only the first, issue #708).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+import sparsecore as sc
+
+from ._convert import check_same_device
+from ._geometry import check_input, layer_indice_data
+from .modules import SparseModule, start_benchmark
+from .ops import avg_pool_features, global_avg_pool_features, global_max_pool_features, max_pool_features
+from .tensor import SparseConvTensor, expand_nd
+
+__all__ = [
+    "SparseMaxPool", "SparseMaxPool1d", "SparseMaxPool2d", "SparseMaxPool3d", "SparseMaxPool4d",
+    "SparseAvgPool", "SparseAvgPool1d", "SparseAvgPool2d", "SparseAvgPool3d", "SparseAvgPool4d",
+    "SparseGlobalMaxPool", "SparseGlobalAvgPool",
+]
+
+MAX_NUM_VOXELS_DURING_TRAINING = "max_num_voxels_during_training"
+
+
+class _SparsePool(SparseModule):
+    _pool_pass = staticmethod(max_pool_features)
+    _kind = "SparseMaxPool"
+
+    def __init__(self, ndim: int, kernel_size: Any = 3, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+                 indice_key: Optional[str] = None, subm: bool = False, algo: Any = None,
+                 record_voxel_count: bool = False, name: Optional[str] = None) -> None:
+        super().__init__(name=name)
+        self.ndim = ndim
+        self.kernel_size = expand_nd(ndim, kernel_size, "kernel_size")
+        self.stride = list(self.kernel_size) if stride is None else expand_nd(ndim, stride, "stride")
+        self.padding = expand_nd(ndim, padding, "padding")
+        self.dilation = expand_nd(ndim, dilation, "dilation")
+        self.subm = subm
+        self.indice_key = indice_key
+        self.algo = algo
+        self.record_voxel_count = record_voxel_count
+        self._geometry = sc.ConvGeometry.create(ndim, self.kernel_size, self.stride, self.padding, self.dilation,
+                                                kind="subm" if subm else "regular")
+        if record_voxel_count and not subm:
+            self.register_buffer(MAX_NUM_VOXELS_DURING_TRAINING, torch.zeros(1, dtype=torch.int32))
+
+    def get_max_num_voxels(self) -> Optional[torch.Tensor]:
+        """The ``max_num_voxels_during_training`` buffer, or None without ``record_voxel_count``."""
+        return getattr(self, MAX_NUM_VOXELS_DURING_TRAINING, None)
+
+    def extra_repr(self) -> str:
+        text = f"kernel_size={self.kernel_size}, stride={self.stride}"
+        if any(self.padding):
+            text += f", padding={self.padding}"
+        if any(d != 1 for d in self.dilation):
+            text += f", dilation={self.dilation}"
+        if self.subm:
+            text += ", subm=True"
+        return text
+
+    def _benchmark_params(self) -> dict:
+        return {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,
+                "dilation": self.dilation}
+
+    def forward(self, input: SparseConvTensor) -> SparseConvTensor:
+        layer = type(self).__name__
+        check_input(layer, input, ndim=self.ndim)
+        check_same_device(layer, features=input.features, indices=input.indices)
+        record = start_benchmark(self, input, self._kind, self._benchmark_params) if input.benchmark else None
+        data, indice_dict = layer_indice_data(layer, input, self._geometry, self.indice_key, self.algo)
+        if record is not None:
+            record.indices_done()
+        out_features = type(self)._pool_pass(input.features, data)
+        if record is not None:
+            record.done(input.features.shape[0], out_features.shape[0])
+        if hasattr(self, MAX_NUM_VOXELS_DURING_TRAINING):
+            buffer = getattr(self, MAX_NUM_VOXELS_DURING_TRAINING)
+            with torch.no_grad():
+                buffer.clamp_(min=data.num_output)
+        return SparseConvTensor._derived(input, out_features, data.out_indices, data.out_spatial_shape,
+                                         indice_dict, core_indices=data.out_core_indices)
+
+
+class SparseMaxPool(_SparsePool):
+    """Max over the active sites of each window (spconv ``SparseMaxPool``)."""
+
+
+class SparseAvgPool(_SparsePool):
+    """Mean over the active sites of each window (spconv ``SparseAvgPool``)."""
+
+    _pool_pass = staticmethod(avg_pool_features)
+    _kind = "SparseAvgPool"
+
+
+def _nd_init(ndim: int):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None, algo=None,
+                 record_voxel_count=False, name=None):
+        _SparsePool.__init__(self, ndim, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                             algo=algo, record_voxel_count=record_voxel_count, name=name)
+    return __init__
+
+
+class SparseMaxPool1d(SparseMaxPool):
+    """1-D sparse max pool (stride defaults to kernel_size)."""
+    __init__ = _nd_init(1)
+
+
+class SparseMaxPool2d(SparseMaxPool):
+    """2-D sparse max pool."""
+    __init__ = _nd_init(2)
+
+
+class SparseMaxPool3d(SparseMaxPool):
+    """3-D sparse max pool."""
+    __init__ = _nd_init(3)
+
+
+class SparseMaxPool4d(SparseMaxPool):
+    """4-D sparse max pool."""
+    __init__ = _nd_init(4)
+
+
+class SparseAvgPool1d(SparseAvgPool):
+    """1-D sparse average pool (mean over active inputs; stride defaults to kernel_size)."""
+    __init__ = _nd_init(1)
+
+
+class SparseAvgPool2d(SparseAvgPool):
+    """2-D sparse average pool."""
+    __init__ = _nd_init(2)
+
+
+class SparseAvgPool3d(SparseAvgPool):
+    """3-D sparse average pool."""
+    __init__ = _nd_init(3)
+
+
+class SparseAvgPool4d(SparseAvgPool):
+    """4-D sparse average pool (spconv has none)."""
+    __init__ = _nd_init(4)
+
+
+class _SparseGlobalPool(SparseModule):
+    _pool_pass = staticmethod(global_max_pool_features)
+
+    def __init__(self, name: Optional[str] = None) -> None:
+        super().__init__(name=name)
+
+    def forward(self, input: SparseConvTensor) -> torch.Tensor:
+        layer = type(self).__name__
+        check_input(layer, input)
+        check_same_device(layer, features=input.features, indices=input.indices)
+        return type(self)._pool_pass(input.features, input.indices, input.batch_size)
+
+
+class SparseGlobalMaxPool(_SparseGlobalPool):
+    """Channel-wise max over each batch element's sites: dense ``[B, C]``."""
+
+
+class SparseGlobalAvgPool(_SparseGlobalPool):
+    """Channel-wise mean over each batch element's sites: dense ``[B, C]``."""
+
+    _pool_pass = staticmethod(global_avg_pool_features)

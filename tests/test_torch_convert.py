@@ -1,0 +1,79 @@
+"""torch <-> core conversion: zero-copy views on the CPU, and no CuPy import on the CPU path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+spconv = pytest.importorskip("sparsecore.torch")
+from sparsecore.torch import _convert  # noqa: E402
+
+
+def test_core_view_shares_memory():
+    t = torch.randn(5, 3, dtype=torch.float64)
+    view = _convert.core_view(t, "t")
+    assert isinstance(view, np.ndarray)
+    assert view.__array_interface__["data"][0] == t.data_ptr()
+    t[0, 0] = 42.0
+    assert view[0, 0] == 42.0
+
+
+def test_core_view_detaches_and_makes_contiguous():
+    t = torch.randn(4, 6, requires_grad=True)
+    assert _convert.core_view(t, "t").__array_interface__["data"][0] == t.data_ptr()
+    strided = t.detach()[:, ::2]
+    view = _convert.core_view(strided, "strided")
+    np.testing.assert_array_equal(view, strided.numpy())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        _convert.core_view(np.zeros(3), "x")
+
+
+def test_to_torch_shares_memory():
+    array = np.arange(12, dtype=np.int32).reshape(3, 4)
+    tensor = _convert.to_torch(array)
+    assert tensor.data_ptr() == array.__array_interface__["data"][0]
+    assert _convert.to_torch(array, torch.float64).dtype == torch.float64
+
+
+def test_layer_outputs_view_the_core_rulebook():
+    rng = np.random.default_rng(0)
+    flat = rng.choice(6 * 6 * 6, 40, replace=False)
+    indices = np.column_stack([np.zeros(40, np.int32), *np.unravel_index(flat, (6, 6, 6))]).astype(np.int32)
+    x = spconv.SparseConvTensor(torch.randn(40, 2), torch.from_numpy(indices), [6, 6, 6], 1)
+    y = spconv.SparseConv3d(2, 2, 3, 2, 1, indice_key="d")(x)
+    data = y.find_indice_pair("d")
+    assert data.pair_input.data_ptr() == data.rulebook.pair_input.__array_interface__["data"][0]
+    assert y.indices.data_ptr() == data.rulebook.output_indices.__array_interface__["data"][0]
+    assert data.rulebook.input_indices.__array_interface__["data"][0] == x.indices.data_ptr()
+    assert y.core_indices() is data.rulebook.output_indices, "the output keeps the core view (no re-conversion)"
+    z = spconv.SubMConv3d(2, 2, 3)(y)
+    assert z.indices is y.indices and z.core_indices() is y.core_indices()
+
+
+def test_cpu_path_never_imports_cupy():
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        import sparsecore.torch as spconv
+        indices = torch.tensor([[0, 1, 1, 1], [0, 2, 2, 2], [1, 0, 3, 1]], dtype=torch.int32)
+        x = spconv.SparseConvTensor(torch.randn(3, 2, requires_grad=True), indices, [4, 4, 4], 2)
+        model = spconv.SparseSequential(spconv.SubMConv3d(2, 3, 3, indice_key="s"),
+                                        spconv.SparseConv3d(3, 3, 3, 2, 1, indice_key="d"),
+                                        spconv.SparseInverseConv3d(3, 2, 3, indice_key="d"),
+                                        spconv.SparseMaxPool3d(2))
+        model(x).dense().sum().backward()
+        table = spconv.HashTable(torch.device("cpu"), torch.int64, torch.int64)
+        table.insert(torch.tensor([3, 4]))
+        print("LOADED:" + ",".join(sorted(n for n in sys.modules if n.split(".")[0] in ("cupy", "cupy_backends"))))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("LOADED:")]
+    assert line == "LOADED:", f"the CPU path imported {line}"

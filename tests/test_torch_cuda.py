@@ -1,0 +1,155 @@
+"""sparsecore.torch on CUDA tensors (skipped without a GPU and CuPy).
+
+The CPU results (tested against dense torch and spconv elsewhere) are the
+oracle: every layer kind on CUDA must give them, forward and backward, also
+on a non-default stream; tensors reach the core as zero-copy CuPy views;
+CuPy's allocations inside an op come from torch's caching allocator; autocast
+float16 / bfloat16 runs with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+spconv = pytest.importorskip("sparsecore.torch")
+from torch import nn  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+try:
+    from . import dense_oracle as do
+except ImportError:
+    import dense_oracle as do
+
+SHAPE = [10, 12, 9]
+
+
+def _input(device, seed=0, channels=4, dtype=torch.float32):
+    rng = do.make_rng(99000, seed)
+    indices = do.random_indices(rng, SHAPE, 2, 0.2)
+    features = torch.tensor(do.random_features(rng, indices.shape[0], channels), dtype=dtype, device=device,
+                            requires_grad=True)
+    return spconv.SparseConvTensor(features, torch.from_numpy(indices).to(device), SHAPE, 2)
+
+
+def _model():
+    torch.manual_seed(0)
+    return spconv.SparseSequential(
+        spconv.SubMConv3d(4, 8, 3, indice_key="subm1"), nn.BatchNorm1d(8), nn.ReLU(),
+        spconv.SparseConv3d(8, 16, 3, 2, 1, indice_key="down1", groups=2), nn.ReLU(),
+        spconv.SubMConv3d(16, 16, 3, indice_key="subm2"),
+        spconv.SparseInverseConv3d(16, 8, 3, indice_key="down1"),
+        spconv.SparseConvTranspose3d(8, 4, 2, 2),
+        spconv.SparseMaxPool3d(2), spconv.SparseAvgPool3d(2, 1),
+    )
+
+
+def _run(model, x):
+    out = model(x)
+    loss = out.dense().square().sum() + spconv.SparseGlobalAvgPool()(out).sum() + spconv.SparseGlobalMaxPool()(
+        out).sum()
+    loss.backward()
+    return out, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _compare(cuda_out, cpu_out, cuda_grads, cpu_grads, rtol=1e-4, atol=1e-5):
+    torch.testing.assert_close(cuda_out.dense().cpu(), cpu_out.dense(), rtol=rtol, atol=atol)
+    for name, grad in cpu_grads.items():
+        torch.testing.assert_close(cuda_grads[name].cpu(), grad, rtol=rtol, atol=atol, msg=name)
+
+
+def test_cuda_matches_cpu():
+    cpu_model = _model()
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    x_cpu, x_cuda = _input("cpu"), _input("cuda")
+    cpu_out, cpu_grads = _run(cpu_model, x_cpu)
+    cuda_out, cuda_grads = _run(cuda_model, x_cuda)
+    assert cuda_out.features.is_cuda and cuda_out.indices.is_cuda
+    _compare(cuda_out, cpu_out, cuda_grads, cpu_grads)
+    torch.testing.assert_close(x_cuda.features.grad.cpu(), x_cpu.features.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_on_a_side_stream():
+    cpu_model = _model()
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    cpu_out, cpu_grads = _run(cpu_model, _input("cpu", 1))
+    stream = torch.cuda.Stream()
+    x = _input("cuda", 1)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cuda_out, cuda_grads = _run(cuda_model, x)
+        dense = cuda_out.dense()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(dense.cpu(), cpu_out.dense(), rtol=1e-4, atol=1e-5)
+    _compare(cuda_out, cpu_out, cuda_grads, cpu_grads)
+
+
+def test_zero_copy_and_torch_allocator():
+    import cupy
+
+    from sparsecore.torch import _convert
+
+    t = torch.randn(100, 8, device="cuda")
+    with _convert.core_context(t.device):
+        view = _convert.core_view(t, "t")
+        assert isinstance(view, cupy.ndarray) and view.data.ptr == t.data_ptr()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        scratch = cupy.empty(1 << 20, dtype=cupy.float32)
+        after = torch.cuda.memory_stats()["allocation.all.allocated"]
+        back = _convert.to_torch(scratch)
+    assert after > before, "CuPy allocated from torch's caching allocator"
+    assert back.data_ptr() == scratch.data.ptr
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast(dtype):
+    model = spconv.SparseSequential(spconv.SubMConv3d(4, 16, 3, indice_key="s"), nn.ReLU(),
+                                    spconv.SparseConv3d(16, 8, 3, 2, 1)).cuda()
+    x = _input("cuda", 2)
+    reference = model(x).features
+    with torch.autocast("cuda", dtype=dtype):
+        out = model(x)
+    assert out.features.dtype == dtype
+    torch.testing.assert_close(out.features.float(), reference, rtol=3e-2, atol=3e-2)
+    out.features.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_gpu():
+    cpu_model = _model()
+    cuda_model = copy.deepcopy(cpu_model).to("cuda:1")
+    cpu_out, cpu_grads = _run(cpu_model, _input("cpu", 3))
+    cuda_out, cuda_grads = _run(cuda_model, _input("cuda:1", 3))
+    assert cuda_out.features.device == torch.device("cuda:1")
+    _compare(cuda_out, cpu_out, cuda_grads, cpu_grads)
+
+
+def test_mixed_devices_error():
+    x = _input("cuda")
+    with pytest.raises(ValueError, match="different devices"):
+        spconv.SubMConv3d(4, 4, 3)(x)
+    with pytest.raises(ValueError, match="features is on cuda"):
+        spconv.SparseConvTensor(x.features.detach(), x.indices.cpu(), SHAPE, 2)
+
+
+def test_cuda_point_to_voxel_and_hash_table():
+    rng = np.random.default_rng(5)
+    points = torch.tensor(rng.random((500, 4)) * 2, dtype=torch.float32)
+    cpu = spconv.utils.PointToVoxel([0.2, 0.2, 0.2], [0, 0, 0, 2, 2, 2], 4, 1000, 5)
+    gpu = spconv.utils.PointToVoxel([0.2, 0.2, 0.2], [0, 0, 0, 2, 2, 2], 4, 1000, 5, device=torch.device("cuda"))
+    for a, b in zip(cpu.generate_voxel_with_id(points), gpu.generate_voxel_with_id(points.cuda())):
+        assert torch.equal(a, b.cpu())
+    table = spconv.HashTable(torch.device("cuda"), torch.int32, torch.int64, max_size=64)
+    table.insert(torch.tensor([5, 3, 7], dtype=torch.int32, device="cuda"),
+                 torch.tensor([1, 2, 3], device="cuda"))
+    values, empty = table.query(torch.tensor([7, 4], dtype=torch.int32, device="cuda"))
+    assert values[0].item() == 3 and empty.tolist() == [False, True]
