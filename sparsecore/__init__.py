@@ -32,7 +32,7 @@ from .pool import (
 from .reuse import check_inverse_fits, check_rulebook_fits
 from .rulebook import PairMap, Rulebook, build_pool_rulebook, build_rulebook, inverse_rulebook
 from .tensor import RulebookCache, SparseTensor
-from .voxelize import BatchedVoxels, VoxelGrid, Voxels, gather_voxel_features, voxel_means, voxelize, voxelize_batch
+from .voxelization import BatchedVoxels, VoxelGrid, Voxels, gather_voxel_features, voxel_means, voxelize, voxelize_batch
 
 __version__ = "0.1.0"
 

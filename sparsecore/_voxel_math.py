@@ -1,4 +1,4 @@
-"""The array algorithm behind :mod:`sparsecore.voxelize`, written once against ``xp``.
+"""The array algorithm behind :mod:`sparsecore.voxelization`, written once against ``xp``.
 
 Everything here runs unchanged on NumPy and on CuPy: it uses only functions
 both provide with the same meaning (``flatnonzero``, ``ndarray.sort``,
@@ -281,7 +281,7 @@ def voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: An
         xp: ``numpy`` or ``cupy``.
         points: ``[P, F]`` float32/float64, the clouds one after another.
         cloud_sizes: number of points of each cloud (sums to ``P``).
-        grid: a validated :class:`sparsecore.voxelize.VoxelGrid`.
+        grid: a validated :class:`sparsecore.voxelization.VoxelGrid`.
         max_points: cap on the points stored per voxel (>= 1).
         max_voxels: cap on the voxels kept per cloud, in first-seen order (>= 1).
         empty_mean: fill the empty slots of each voxel with its mean point.

@@ -1,4 +1,10 @@
-"""Command line of the benchmark: ``python -m sparsecore.benchmark cpu [options]``."""
+"""Command line of the benchmark: ``python -m sparsecore.benchmark {cpu,network,gpu} [options]``.
+
+``cpu`` times single layers on the NumPy engine; ``network`` times spconv's
+reference network (``--device cpu`` or ``cuda``); ``gpu`` is ``network
+--device cuda`` on both reference scenes in float32, float16 and TF32, with the
+peak memory of one layer.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +54,63 @@ def build_parser() -> argparse.ArgumentParser:
     cpu.add_argument("--no-spconv", action="store_true", help="skip the comparison with spconv")
     cpu.add_argument("--seed", type=int, default=0, help="random seed for features and weights")
     cpu.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH")
+    network_parser = suites.add_parser(
+        "network",
+        help="spconv's reference network (14 SubMConv3d, 6 SparseMaxPool3d) on the CPU or the GPU",
+        description=(
+            "Forward (rulebook builds included) and backward of spconv's reference network, per stage "
+            "(rulebooks, gather, GEMM, scatter, pooling) and per layer, beside spconv where it is "
+            "importable. Scenes: basic (lidar_voxels_125k.npz), large (913,903 voxels from "
+            "lidar_points_198k.npz), or synthetic (--scale)."
+        ),
+    )
+    _add_network_arguments(network_parser, gpu_suite=False)
+    gpu = suites.add_parser(
+        "gpu",
+        help="the network on the GPU: both scenes, float32, float16 and TF32, and peak memory",
+        description=(
+            "network --device cuda on the basic and large scenes in float32, float16 and TF32 "
+            "(TF32 runs in a child process with CUPY_TF32=1), with the peak memory of a "
+            "SubMConv3d 64->64 on the basic scan, beside spconv where it is importable."
+        ),
+    )
+    _add_network_arguments(gpu, gpu_suite=True)
     return parser
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _add_network_arguments(parser: argparse.ArgumentParser, gpu_suite: bool) -> None:
+    """The options of ``network`` and ``gpu`` (defaults of None are resolved per device)."""
+    if not gpu_suite:
+        parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                            help="cpu: NumPy arrays; cuda: CuPy arrays and the kernel backend (default cpu)")
+    parser.add_argument("--scene", type=_comma_list, default=("basic", "large") if gpu_suite else None,
+                        help="comma-separated scenes: basic, large, synthetic (default: "
+                        + ("basic,large" if gpu_suite else "basic, or synthetic when --scale is given") + ")")
+    parser.add_argument("--scale", choices=sorted(scenes.SYNTHETIC_SCALES), default=None,
+                        help="size of the synthetic scene; alone, it selects the synthetic scene (default small)")
+    parser.add_argument("--dtype", type=_comma_list, default=None,
+                        help="comma-separated: float32, float16, tf32 (default: float32 on cpu, all three on cuda)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed runs per measurement, at most (cpu 3, cuda 30)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (cpu 1, cuda 3)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="time budget per measurement; fewer runs (at least 3) beyond it (cpu 60, cuda 6)")
+    parser.add_argument("--profile-runs", type=int, default=None,
+                        help="instrumented runs for the stage and layer rows (cpu 1, cuda 3)")
+    parser.add_argument("--spconv-algo", type=_comma_list, default=None,
+                        help="spconv algorithms: native, implicit_gemm (default: native on cpu, both on cuda)")
+    parser.add_argument("--threads", type=int, default=1, help="BLAS threads for NumPy on the cpu (default 1)")
+    parser.add_argument("--no-spconv", action="store_true", help="skip the comparison with spconv")
+    parser.add_argument("--no-layers", action="store_true", help="leave out the per-layer rows")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory row (cuda)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for weights, gradients, synthetic scene")
+    parser.add_argument("--child-timeout", type=float, default=300.0,
+                        help="seconds for the child process that runs the other TF32 setting (default 300)")
+    parser.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH")
+    parser.add_argument("--markdown", metavar="PATH", help="also write a short Markdown table (no layer rows) to PATH")
 
 
 @contextlib.contextmanager
@@ -143,6 +205,10 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     arguments = build_parser().parse_args(argv)
+    if arguments.suite in ("network", "gpu"):
+        from sparsecore.benchmark.network_command import run_network_command
+
+        return run_network_command(arguments, argv, allow_reexec)
     if arguments.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, got {arguments.repeat}")
     with thread_limit(arguments.threads, argv, allow_reexec) as threads_applied:

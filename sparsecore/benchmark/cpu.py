@@ -202,7 +202,7 @@ def run_voxelize(spec: VoxelizeSpec, points: np.ndarray, repeat: int, spconv_tor
     Returns:
         The voxelize row.
     """
-    from sparsecore.voxelize import voxelize
+    from sparsecore.voxelization import voxelize
 
     subset = np.ascontiguousarray(points[: spec.num_points], dtype=np.float32)
 

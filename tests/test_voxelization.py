@@ -1,4 +1,4 @@
-"""Tests for sparsecore.voxelize: a per-point Python oracle, spconv's PointToVoxel, and errors."""
+"""Tests for sparsecore.voxelization: a per-point Python oracle, spconv's PointToVoxel, and errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from sparsecore.voxelize import (
+from sparsecore.voxelization import (
     BatchedVoxels,
     VoxelGrid,
     Voxels,
