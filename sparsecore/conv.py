@@ -124,7 +124,9 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
     backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
     dtype = compute_dtype(xp, features.dtype)
-    source = features.astype(dtype, copy=False)
+    # contiguous operands keep the GEMMs on BLAS (a stride-0 or strided view,
+    # e.g. an expanded autograd gradient, drops NumPy to a slow generic loop)
+    source = xp.ascontiguousarray(features, dtype=dtype)
     matrices = _offset_matrices(weight, groups, dtype)
     identity = rulebook.identity_offset
     if identity >= 0 and rulebook.num_input:
@@ -173,8 +175,8 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
     dtype = compute_dtype(xp, features.dtype)
-    source = features.astype(dtype, copy=False)
-    grad = grad_output.astype(dtype, copy=False)
+    source = xp.ascontiguousarray(features, dtype=dtype)
+    grad = xp.ascontiguousarray(grad_output, dtype=dtype)
     matrices = _offset_matrices(weight, groups, dtype)
     transposed = matrices.transpose(0, 1, 3, 2)
     grad_matrices = xp.zeros(matrices.shape, dtype=dtype)

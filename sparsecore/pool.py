@@ -122,7 +122,7 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
     dtype = compute_dtype(xp, features.dtype)
-    source = features.astype(dtype, copy=False)
+    source = xp.ascontiguousarray(features, dtype=dtype)
     out = xp.zeros((rulebook.num_output, features.shape[1]), dtype=dtype)
     for offset in range(rulebook.kernel_volume):
         input_rows, output_rows = rulebook.pairs(offset)
@@ -148,7 +148,7 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
     backend = backend if backend is not None else backend_for(grad_output)
     xp = backend.xp
     dtype = compute_dtype(xp, grad_output.dtype)
-    scaled = grad_output.astype(dtype) / _window_counts(rulebook, xp).astype(dtype)
+    scaled = xp.ascontiguousarray(grad_output, dtype=dtype) / _window_counts(rulebook, xp).astype(dtype)
     grad = xp.zeros((rulebook.num_input, grad_output.shape[1]), dtype=dtype)
     for offset in range(rulebook.kernel_volume):
         input_rows, output_rows = rulebook.pairs(offset)
