@@ -109,7 +109,10 @@ def _add_network_arguments(parser: argparse.ArgumentParser, gpu_suite: bool) -> 
     parser.add_argument("--seed", type=int, default=0, help="random seed for weights, gradients, synthetic scene")
     parser.add_argument("--child-timeout", type=float, default=300.0,
                         help="seconds for the child process that runs the other TF32 setting (default 300)")
-    parser.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds after which no further case starts; the rest are listed as skipped")
+    parser.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH "
+                        "(rewritten after every case, so a stopped run leaves its finished cases)")
     parser.add_argument("--markdown", metavar="PATH", help="also write a short Markdown table (no layer rows) to PATH")
 
 

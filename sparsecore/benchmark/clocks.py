@@ -1,0 +1,258 @@
+"""Clocks for the network benchmark: host timers on the CPU, CUDA events on the GPU.
+
+A clock hands out marks (a ``time.perf_counter`` reading, or a CUDA event
+recorded on the current stream) and turns two marks into milliseconds once
+the device has caught up. Three clocks share that shape: `HostClock` (NumPy),
+`CupyEventClock` (sparsecore on CuPy arrays) and `TorchEventClock` (spconv on
+torch CUDA tensors). `StageRecorder` sums marked intervals per label, and
+`InstrumentedBackend` wraps an array backend so that its gather, matrix
+product and scatter primitives are recorded as stages: that is how the
+benchmark splits a convolution into gather, GEMM and scatter time without
+touching the core.
+
+On the GPU an interval between two events is the stream's time between
+them, idle gaps included: while the host is still launching (the usual case
+for many small launches), it measures launch-bound wall time, which is
+where such a network's time goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+from sparsecore.benchmark.timing import median_seconds_with_setup
+
+__all__ = [
+    "Clock",
+    "HostClock",
+    "CupyEventClock",
+    "TorchEventClock",
+    "measure_median_ms",
+    "StageRecorder",
+    "NULL_RECORDER",
+    "InstrumentedBackend",
+]
+
+
+class Clock(Protocol):
+    """Marks points in time on one device and measures between them."""
+
+    def mark(self) -> Any:
+        """A mark of the present moment (a host reading, or a recorded event)."""
+
+    def synchronize(self) -> None:
+        """Waits until the device has done all the work issued so far."""
+
+    def elapsed_ms(self, start: Any, stop: Any) -> float:
+        """Milliseconds between two marks (call `synchronize` first)."""
+
+
+@dataclass(frozen=True)
+class HostClock:
+    """``time.perf_counter`` marks, for work that runs synchronously on the CPU."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_ms(self, start: float, stop: float) -> float:
+        return (stop - start) * 1000.0
+
+
+@dataclass(frozen=True)
+class CupyEventClock:
+    """CUDA events recorded on CuPy's current stream.
+
+    Attributes:
+        cupy: the ``cupy`` module.
+    """
+
+    cupy: Any
+
+    def mark(self) -> Any:
+        event = self.cupy.cuda.Event()
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    def elapsed_ms(self, start: Any, stop: Any) -> float:
+        return float(self.cupy.cuda.get_elapsed_time(start, stop))
+
+
+@dataclass(frozen=True)
+class TorchEventClock:
+    """CUDA events recorded on torch's current stream (for spconv).
+
+    Attributes:
+        torch: the ``torch`` module.
+    """
+
+    torch: Any
+
+    def mark(self) -> Any:
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def elapsed_ms(self, start: Any, stop: Any) -> float:
+        return float(start.elapsed_time(stop))
+
+
+def measure_median_ms(clock: Clock, function: Callable[[Any], Any], setup: Callable[[], Any],
+                      repeat: int, warmup: int, max_seconds: float) -> tuple[float, int]:
+    """Median time of ``function(setup())`` after warm-up, timing ``function`` only.
+
+    The number of timed runs is ``repeat``, fewer when the last warm-up run
+    (the first may compile kernels) shows that ``repeat`` runs would take
+    longer than ``max_seconds`` (at least 3 then, or ``repeat`` if smaller).
+
+    Args:
+        clock: the device's clock.
+        function: the work to time, given what ``setup`` returned.
+        setup: builds one run's argument (not timed), e.g. a fresh autograd graph.
+        repeat: timed runs wanted (at least 1).
+        warmup: untimed runs first (at least 1: it sizes the repeat count).
+        max_seconds: time budget for the timed runs.
+
+    Returns:
+        ``(median milliseconds, number of timed runs)``.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+    per_run = 0.0
+    for _ in range(max(warmup, 1)):
+        argument = setup()
+        clock.synchronize()
+        started = time.perf_counter()
+        function(argument)
+        clock.synchronize()
+        per_run = time.perf_counter() - started
+    runs = repeat
+    if per_run * repeat > max_seconds:
+        runs = max(min(repeat, 3), int(max_seconds / max(per_run, 1e-9)))
+    if isinstance(clock, HostClock):
+        return median_seconds_with_setup(setup, function, runs, warmup=0) * 1000.0, runs
+    durations = []
+    for _ in range(runs):
+        argument = setup()
+        clock.synchronize()
+        start = clock.mark()
+        function(argument)
+        stop = clock.mark()
+        clock.synchronize()
+        durations.append(clock.elapsed_ms(start, stop))
+    return statistics.median(durations), runs
+
+
+@dataclass
+class StageRecorder:
+    """Sums the intervals marked under each label.
+
+    Labels are free strings; intervals may nest (a layer's interval holds its
+    rulebook's). Marks are kept until `totals_ms`, so on the GPU no interval
+    forces a synchronization while the work runs.
+
+    Attributes:
+        clock: the device's clock.
+        intervals: ``(label, start mark, stop mark)`` in the order they closed.
+    """
+
+    clock: Clock
+    intervals: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def interval(self, label: str) -> Iterator[None]:
+        """Marks the time spent inside the ``with`` block under ``label``."""
+        start = self.clock.mark()
+        try:
+            yield
+        finally:
+            self.intervals.append((label, start, self.clock.mark()))
+
+    def totals_ms(self) -> dict[str, float]:
+        """Milliseconds per label, summed over its intervals (synchronizes first)."""
+        self.clock.synchronize()
+        totals: dict[str, float] = {}
+        for label, start, stop in self.intervals:
+            totals[label] = totals.get(label, 0.0) + self.clock.elapsed_ms(start, stop)
+        return totals
+
+
+@dataclass(frozen=True)
+class _NullRecorder:
+    """A recorder that records nothing (for the timed runs)."""
+
+    @contextlib.contextmanager
+    def interval(self, label: str) -> Iterator[None]:
+        yield
+
+
+NULL_RECORDER = _NullRecorder()
+
+
+@dataclass(frozen=True)
+class InstrumentedBackend:
+    """An `ArrayBackend` that records its feature primitives as stages.
+
+    ``gather_rows`` is recorded as ``"gather"``, ``matmul`` as ``"GEMM"``,
+    ``scatter_add_rows`` as ``"scatter"``, ``index_add`` as ``"index add"``;
+    hashing and sorting pass through unrecorded (rulebook builds are timed
+    as a whole by the caller).
+
+    Attributes:
+        inner: the backend that does the work.
+        recorder: where the intervals go.
+    """
+
+    inner: Any
+    recorder: StageRecorder
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def xp(self) -> Any:
+        return self.inner.xp
+
+    def hash_build(self, keys: Any, values: Any) -> Any:
+        return self.inner.hash_build(keys, values)
+
+    def hash_lookup(self, table: Any, queries: Any) -> Any:
+        return self.inner.hash_lookup(table, queries)
+
+    def hash_lookup_window(self, table: Any, queries: Any, width: int, step: int) -> Any:
+        return self.inner.hash_lookup_window(table, queries, width, step)
+
+    def hash_items(self, table: Any) -> Any:
+        return self.inner.hash_items(table)
+
+    def unique_inverse(self, keys: Any) -> Any:
+        return self.inner.unique_inverse(keys)
+
+    def gather_rows(self, source: Any, rows: Any) -> Any:
+        with self.recorder.interval("gather"):
+            return self.inner.gather_rows(source, rows)
+
+    def scatter_add_rows(self, target: Any, rows: Any, values: Any) -> None:
+        with self.recorder.interval("scatter"):
+            self.inner.scatter_add_rows(target, rows, values)
+
+    def index_add(self, size: int, index: Any, values: Any) -> Any:
+        with self.recorder.interval("index add"):
+            return self.inner.index_add(size, index, values)
+
+    def matmul(self, left: Any, right: Any) -> Any:
+        with self.recorder.interval("GEMM"):
+            return self.inner.matmul(left, right)

@@ -1,0 +1,199 @@
+"""Checks beside the network timings: agreement with spconv, and the peak-memory row.
+
+Agreement: the two networks' outputs are compared on the same sites (sorted),
+and the gradients of the input features row by row, by the relative error
+``|ours - theirs| / |theirs|`` (Frobenius norms), with the largest element
+difference and the count of elements off by more than 1e-3 of the largest
+value shown beside it. The norm decides, against a tolerance per dtype
+(`TOLERANCES`). Gradients get more room than outputs: a max pool whose two
+best inputs differ by rounding alone may pick either, and the gradient of
+that output then goes to another input row and spreads back through every
+layer below. On the basic scan at one BLAS thread that gave a gradient error
+of 7.4e-4 in float32 (134 of 376,686 elements off by more than 1e-3 of the
+largest), against 9e-7 at two threads; the outputs agreed to 7e-7 either way.
+float16 rounds every stored activation, so ties and such flips are common
+there, and spconv's backward sends a tied maximum's gradient to every tied
+input where sparsecore sends it to the first: its tolerances are loose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sparsecore.benchmark.cases import LayerSpec, Row
+from sparsecore.benchmark.cpu import layer_weight
+
+__all__ = [
+    "TOLERANCES",
+    "MEMORY_CHANNELS",
+    "compare_network_arrays",
+    "compare_with_spconv",
+    "core_subm_memory_row",
+]
+
+# dtype -> (outputs, input gradient) relative tolerances
+TOLERANCES = {"float32": (1e-4, 5e-3), "tf32": (2e-2, 1e-1), "float16": (2e-2, 1e-1)}
+MEMORY_CHANNELS = 64
+_MEBIBYTE = 2.0**20
+
+
+def compare_network_arrays(name: str, ours: np.ndarray, theirs: np.ndarray, dtype_name: str,
+                           gradient: bool = False) -> str:
+    """The agreement cell for two arrays that should hold the same values.
+
+    Args:
+        name: what is compared, for the message.
+        ours: sparsecore's array (host).
+        theirs: spconv's array (host), rows aligned with ``ours``.
+        dtype_name: the benchmark dtype, which sets the tolerance.
+        gradient: whether the arrays are gradients (the second tolerance of `TOLERANCES`).
+
+    Returns:
+        ``"ok (rel ...)"`` or ``"MISMATCH: ..."``.
+    """
+    if ours.shape != theirs.shape:
+        return f"MISMATCH: {name} shapes {ours.shape} vs {theirs.shape}"
+    if ours.size == 0:
+        return "ok (empty)"
+    ours64, theirs64 = ours.astype(np.float64), theirs.astype(np.float64)
+    if not np.all(np.isfinite(ours64)):
+        return f"MISMATCH: {name} of sparsecore hold {int(np.sum(~np.isfinite(ours64)))} non-finite values"
+    difference = ours64 - theirs64
+    reference = max(float(np.linalg.norm(theirs64)), 1e-30)
+    relative = float(np.linalg.norm(difference)) / reference
+    worst = float(np.max(np.abs(difference)))
+    scale = float(np.max(np.abs(theirs64)))
+    tolerance = TOLERANCES[dtype_name][1 if gradient else 0]
+    far = int(np.count_nonzero(np.abs(difference) > 1e-3 * scale))
+    summary = f"rel {relative:.1e}, max {worst:.1e} of {scale:.1e}, {far} of {difference.size} off > 1e-3"
+    if not relative <= tolerance:
+        return f"MISMATCH: {name} {summary} (tolerance {tolerance:.0e})"
+    return f"ok ({summary})"
+
+
+def compare_with_spconv(torch: Any, device_name: str, dtype_name: str, scene: Any, sorted_indices: np.ndarray,
+                         sorted_output: np.ndarray, grad_features: np.ndarray, grad_sorted: np.ndarray,
+                         forward_row: Row, backward_row: Row, options: Any) -> list[Row]:
+    """Runs spconv's network for every algorithm of the options and checks it against sparsecore's.
+
+    Args:
+        torch: from an open `network_spconv.spconv_network_session`.
+        device_name: ``"cpu"`` or ``"cuda"``.
+        dtype_name: the benchmark dtype.
+        scene: the `scenes.VoxelScene` (host arrays).
+        sorted_indices: sparsecore's output sites, sorted.
+        sorted_output: sparsecore's output (with spconv's pool floor) on those sites.
+        grad_features: sparsecore's gradient of the input features for that network.
+        grad_sorted: the output gradient on the sorted sites.
+        forward_row: the case's forward row, filled from the first algorithm.
+        backward_row: the case's backward row, likewise.
+        options: the suite's `NetworkOptions`.
+
+    Returns:
+        Forward and backward rows for each further algorithm.
+    """
+    from sparsecore.benchmark import network
+    from sparsecore.benchmark.network_spconv import run_spconv_network
+
+    extra_rows: list[Row] = []
+    for position, algorithm in enumerate(options.spconv_algorithms):
+        if position == 0:
+            forward, backward = forward_row, backward_row
+        else:
+            forward = Row(forward_row.case, f"forward, spconv {algorithm}", forward_row.sparsecore_ms)
+            backward = Row(backward_row.case, f"backward, spconv {algorithm}", backward_row.sparsecore_ms)
+            extra_rows += [forward, backward]
+        forward.notes.append(f"spconv {algorithm}; checked with spconv's max-pool floor at 0 (spconv#754)"
+                             if position == 0 else f"spconv {algorithm}")
+        try:
+            peer = run_spconv_network(
+                torch, device_name, dtype_name, algorithm, network.REFERENCE_NETWORK,
+                network.network_weights(network.REFERENCE_NETWORK, options.seed), scene.features, scene.indices,
+                tuple(scene.spatial_shape), sorted_indices, grad_sorted, options.repeat, options.warmup,
+                options.max_seconds)
+        except Exception as error:  # report spconv's failure, keep sparsecore's numbers
+            message = f"spconv failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            forward.notes.append(message)
+            if isinstance(error, ValueError):
+                forward.agreement = "MISMATCH: output sites"
+            continue
+        forward.spconv_ms, backward.spconv_ms = peer.forward_ms, peer.backward_ms
+        backward.notes.append(f"spconv median of {peer.backward_runs}")
+        peer_order = np.lexsort(peer.output_indices.T[::-1])
+        forward.agreement = compare_network_arrays("outputs", sorted_output, peer.output_features[peer_order],
+                                                   dtype_name)
+        backward.agreement = compare_network_arrays("input gradient", grad_features, peer.grad_features,
+                                                    dtype_name, gradient=True)
+    return extra_rows
+
+
+def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: str, seed: int,
+                         spconv_algorithms: tuple[str, ...]) -> Row:
+    """Peak device memory of one SubMConv3d 64->64: rulebook build, forward and backward.
+
+    The values go in the row's time columns, in MiB (the stage says so), with
+    their ratio; the notes say how each was measured.
+
+    Args:
+        device: a cuda `network.Device`.
+        scene: the sites (the basic scan: 125,562 voxels).
+        scene_name: its name in the table.
+        dtype_name: the benchmark dtype.
+        seed: seed of the features, weight and output gradient.
+        spconv_algorithms: spconv algorithms to measure beside it (the first is
+            reported; empty to skip spconv).
+
+    Returns:
+        The memory row.
+    """
+    import sparsecore as sc
+    from sparsecore.benchmark import network
+    from sparsecore.benchmark.gpu_memory import measure_pool_peak
+
+    storage = network.storage_dtype(dtype_name)
+    count = len(scene.indices)
+    generator = np.random.default_rng(seed + 2000)
+    host_features = generator.standard_normal((count, MEMORY_CHANNELS)).astype(np.float32)
+    host_grad = generator.standard_normal((count, MEMORY_CHANNELS)).astype(np.float32)
+    host_weight = layer_weight(LayerSpec("memory", "subm", MEMORY_CHANNELS, MEMORY_CHANNELS), seed)
+    features, grad, weight = (device.put(array, storage) for array in (host_features, host_grad, host_weight))
+    indices = device.put(scene.indices)
+    geometry = sc.ConvGeometry.create(3, 3, kind="subm")
+    shape = tuple(scene.spatial_shape)
+
+    def layer() -> Any:
+        rulebook = sc.build_rulebook(indices, shape, 1, geometry)
+        output = sc.conv_forward(features, weight, rulebook)
+        return output, sc.conv_backward(grad, features, weight, rulebook)
+
+    row = Row(f"memory SubMConv3d {MEMORY_CHANNELS}->{MEMORY_CHANNELS} {scene_name} ({count} voxels)",
+              f"{dtype_name} peak MiB (not ms)")
+    try:
+        layer()  # compiles the kernels and creates the cuBLAS handle outside the measurement
+        peak = measure_pool_peak(device.xp, layer)
+    except Exception as error:  # keep the row, say what broke
+        row.agreement = "FAILED"
+        row.notes.append(f"sparsecore failed: {type(error).__name__}: {error}")
+        return row
+    row.sparsecore_ms = peak.peak_bytes / _MEBIBYTE
+    row.notes.append(f"sparsecore: CuPy pool peak in use, inputs excluded; pool reservation "
+                     f"+{peak.reserved_growth_bytes / _MEBIBYTE:.1f} MiB, {peak.blocks} allocations")
+    if not spconv_algorithms:
+        return row
+    try:
+        from sparsecore.benchmark.network_spconv import spconv_network_session, spconv_subm_peak_bytes
+
+        with spconv_network_session("cuda", dtype_name) as torch:
+            spconv_algorithm = spconv_algorithms[0]
+            spconv_subm_peak_bytes(torch, dtype_name, spconv_algorithm, host_features, scene.indices, shape,
+                                   host_weight, host_grad)  # warm-up
+            peak_bytes = spconv_subm_peak_bytes(torch, dtype_name, spconv_algorithm, host_features,
+                                                scene.indices, shape, host_weight, host_grad)
+    except Exception as error:  # spconv's failure does not hide sparsecore's number
+        row.notes.append(f"spconv failed: {type(error).__name__}: {error}")
+        return row
+    row.spconv_ms = peak_bytes / _MEBIBYTE
+    row.notes.append(f"spconv {spconv_algorithm}: torch max_memory_allocated above start")
+    return row
