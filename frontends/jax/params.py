@@ -1,0 +1,78 @@
+"""Parameters as plain pytrees: init functions and checkpoint loading.
+
+Weights use the spconv 2.x layout ``[out_channels, *kernel_size, in_channels // groups]``,
+so tensors from a spconv or ``sparsecore.torch`` ``state_dict`` load unchanged.
+Initialisation follows spconv's ``reset_parameters``: kaiming-uniform with
+``a = sqrt(5)``, i.e. ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` with
+``fan_in = in_channels // groups * prod(kernel_size)``, for the weight and the bias.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["init_conv", "conv_weight_shape", "params_from_state_dict"]
+
+
+def conv_weight_shape(in_channels: int, out_channels: int, kernel_size: int | Sequence[int], ndim: int = 3,
+                      groups: int = 1) -> tuple[int, ...]:
+    """``(out_channels, *kernel_size, in_channels // groups)``."""
+    for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups),
+                        ("ndim", ndim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    kernel = (kernel_size,) * ndim if isinstance(kernel_size, int) else tuple(int(k) for k in kernel_size)
+    if len(kernel) != ndim or min(kernel) < 1:
+        raise ValueError(f"kernel_size must be a positive int or {ndim} positive ints, got {kernel_size!r}")
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(f"groups={groups} must divide in_channels ({in_channels}) and out_channels ({out_channels})")
+    return (out_channels,) + kernel + (in_channels // groups,)
+
+
+def init_conv(key: Any, in_channels: int, out_channels: int, kernel_size: int | Sequence[int], *, ndim: int = 3,
+              groups: int = 1, bias: bool = False, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """``{"weight": [out, *k, in // groups]}`` (and ``"bias": [out]`` when ``bias``), spconv's init.
+
+    Args:
+        key: a ``jax.random`` key.
+        in_channels, out_channels, kernel_size, ndim, groups: the layer's shape.
+        bias: whether to include a bias.
+        dtype: parameter dtype.
+    """
+    shape = conv_weight_shape(in_channels, out_channels, kernel_size, ndim, groups)
+    fan_in = shape[-1] * math.prod(shape[1:-1])
+    bound = 1.0 / math.sqrt(fan_in)
+    weight_key, bias_key = jax.random.split(key)
+    params = {"weight": jax.random.uniform(weight_key, shape, dtype, -bound, bound)}
+    if bias:
+        params["bias"] = jax.random.uniform(bias_key, (out_channels,), dtype, -bound, bound)
+    return params
+
+
+def _as_array(value: Any) -> Any:
+    if hasattr(value, "detach"):  # a torch tensor: no torch import needed
+        value = value.detach().cpu().numpy()
+    return jnp.asarray(np.asarray(value))
+
+
+def params_from_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested dict of jnp arrays from a flat ``state_dict`` (keys split on ``"."``).
+
+    ``{"net.0.weight": t}`` becomes ``{"net": {"0": {"weight": array}}}``; torch
+    tensors and NumPy arrays are accepted. Weights keep their layout.
+    """
+    tree: dict[str, Any] = {}
+    for name, value in state_dict.items():
+        node = tree
+        parts = str(name).split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"state_dict key {name!r} clashes with a tensor at {part!r}")
+        node[parts[-1]] = _as_array(value)
+    return tree

@@ -1,0 +1,366 @@
+"""sparsecore.jax ops against dense ``jax.lax`` oracles in float64: forward and gradients.
+
+Each case runs through the public API (plan built eagerly, the op jitted with
+``jax.value_and_grad``) with both feature-pass implementations, and compares
+with the dense computation on the densified input (`test_jax_oracle`) read at
+the output's active sites, which themselves come from the dense op on the
+occupancy mask. Covers 1-3 spatial axes, odd / even / anisotropic kernels,
+strides, paddings, dilations, output padding, groups, batches, empty inputs,
+and `jax.test_util.check_grads` on every op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zlib
+from jax.test_util import check_grads
+
+import sparsecore.jax as sj
+
+try:
+    from .test_jax_oracle import (
+        active_sites, as_tuple, dense_avg_pool, dense_conv, dense_conv_transpose, dense_max_pool, densify,
+        mask_of, ones_kernel, random_features, random_sites, read_sites, x64)  # noqa: F401 (x64: fixture)
+except ImportError:
+    from test_jax_oracle import (  # type: ignore[no-redef]
+        active_sites, as_tuple, dense_avg_pool, dense_conv, dense_conv_transpose, dense_max_pool, densify,
+        mask_of, ones_kernel, random_features, random_sites, read_sites, x64)  # noqa: F401 (x64: fixture)
+
+pytestmark = pytest.mark.usefixtures("x64")
+IMPLS = ["jnp", "callback"]
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+@dataclass(frozen=True)
+class ConvCase:
+    name: str
+    kind: str
+    shape: tuple
+    kernel: object
+    stride: object = 1
+    padding: object = 0
+    dilation: object = 1
+    output_padding: object = 0
+    groups: int = 1
+    batch: int = 2
+    num: int = 40
+    cin: int = 4
+    cout: int = 6
+    bias: bool = True
+    minimum: int = 8
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+CONV_CASES = [
+    ConvCase("1d-regular-k3s2p1", "regular", (23,), 3, 2, 1),
+    ConvCase("1d-subm-k5d2", "subm", (30,), 5, dilation=2, cin=3, cout=2),
+    ConvCase("1d-transposed-k4s3p1op2", "transposed", (9,), 4, 3, 1, output_padding=2, num=10),
+    ConvCase("2d-regular-k3d2g2", "regular", (9, 8), 3, 1, 0, 2, groups=2),
+    ConvCase("2d-regular-even-k2s2", "regular", (8, 7), 2, 2, 0, bias=False),
+    ConvCase("2d-regular-aniso", "regular", (9, 10), (3, 2), (2, 1), (1, 0), (1, 2), cin=2, cout=3),
+    ConvCase("2d-transposed-k3s2p1op1g2", "transposed", (5, 6), 3, 2, 1, 1, output_padding=1, groups=2, num=14),
+    ConvCase("2d-subm-depthwise", "subm", (8, 8), 3, groups=4, cin=4, cout=4),
+    ConvCase("2d-inverse-k2s2g2", "inverse", (8, 9), 2, 2, 0, groups=2),
+    ConvCase("3d-subm-k3", "subm", (6, 7, 5), 3, num=60, minimum=256),
+    ConvCase("3d-subm-1x1", "subm", (5, 5, 5), 1, num=30),
+    ConvCase("3d-subm-aniso-k(3,1,5)", "subm", (5, 6, 7), (3, 1, 5), dilation=(1, 1, 2), cin=3, cout=3),
+    ConvCase("3d-regular-k3s2p1", "regular", (7, 6, 8), 3, 2, 1, num=70),
+    ConvCase("3d-regular-k(3,1,2)s(2,1,1)d(1,2,1)", "regular", (6, 5, 6), (3, 1, 2), (2, 1, 1), (1, 0, 0),
+             (1, 2, 1), groups=2),
+    ConvCase("3d-transposed-k2s2", "transposed", (4, 3, 4), 2, 2, 0, num=12, bias=False),
+    ConvCase("3d-inverse-k3s2p1", "inverse", (7, 6, 6), 3, 2, 1, num=50),
+    ConvCase("3d-subm-empty", "subm", (4, 4, 4), 3, num=0),
+    ConvCase("3d-regular-empty", "regular", (4, 4, 4), 3, 2, 1, num=0),
+]
+
+
+def _weights(rng, case):
+    k = as_tuple(case.kernel, case.ndim)
+    weight = rng.uniform(-1, 1, (case.cout,) + k + (case.cin // case.groups,))
+    bias = rng.uniform(-1, 1, (case.cout,)) if case.bias else None
+    return jnp.asarray(weight), None if bias is None else jnp.asarray(bias)
+
+
+def _input(rng, case, channels):
+    indices = random_sites(rng, case.shape, case.batch, case.num)
+    features = random_features(rng, indices.shape[0], channels)
+    x = sj.SparseTensor.from_arrays(features, indices, case.shape, case.batch,
+                                    capacity=sj.Buckets(minimum=case.minimum))
+    return x, indices, features
+
+
+def _sparse_layer(case, impl):
+    def layer(x, weight, bias):
+        if case.kind == "inverse":
+            return sj.inverse_conv(x, weight, bias, groups=case.groups, impl=impl)
+        return sj.sparse_conv(x, weight, bias, kind=case.kind, stride=case.stride, padding=case.padding,
+                              dilation=case.dilation, output_padding=case.output_padding, groups=case.groups,
+                              impl=impl)
+    return layer
+
+
+def _prepare_conv(case, seed):
+    """(x on the layer's input sites, its true indices and features, input grid, output sites, oracle fn)."""
+    rng = np.random.default_rng(seed)
+    weight, bias = _weights(rng, case)
+    if case.kind == "inverse":
+        a, a_indices, _ = _input(rng, case, case.cin)
+        down = jnp.asarray(rng.uniform(-1, 1, (case.cin,) + as_tuple(case.kernel, case.ndim) + (case.cin,)))
+        b = sj.sparse_conv(a, down, stride=case.stride, padding=case.padding, dilation=case.dilation)
+        b_indices = b.valid_indices()
+        b_features = random_features(rng, b_indices.shape[0], case.cin)
+        x = b.replace(jnp.zeros((b.capacity, case.cin)).at[: b_indices.shape[0]].set(b_features))
+
+        def oracle(f, w, bb):
+            dense = densify(f, b_indices, b.spatial_shape, case.batch)
+            out = dense_conv_transpose(dense, w, case.stride, case.padding, case.dilation, groups=case.groups,
+                                       out_shape=case.shape)
+            out = read_sites(out, a_indices)
+            return out if bb is None else out + bb
+        return x, b_indices, b_features, a_indices, weight, bias, oracle
+
+    x, indices, features = _input(rng, case, case.cin)
+    mask = mask_of(indices, case.shape, case.batch)
+    ones = ones_kernel(case.ndim, case.kernel)
+    if case.kind == "subm":
+        k, d = as_tuple(case.kernel, case.ndim), as_tuple(case.dilation, case.ndim)
+        padding = tuple(di * (ki - 1) // 2 for ki, di in zip(k, d))
+        stride, out_sites = 1, indices
+    elif case.kind == "regular":
+        stride, padding = case.stride, case.padding
+        out_sites = active_sites(jax.jit(dense_conv, static_argnums=(2, 3, 4))(
+            mask, ones, case.stride, case.padding, case.dilation))
+    else:
+        out_sites = active_sites(jax.jit(dense_conv_transpose, static_argnums=(2, 3, 4, 5))(
+            mask, ones, case.stride, case.padding, case.dilation, case.output_padding))
+
+    def oracle(f, w, bb):
+        dense = densify(f, indices, case.shape, case.batch)
+        if case.kind == "transposed":
+            out = dense_conv_transpose(dense, w, case.stride, case.padding, case.dilation, case.output_padding,
+                                       case.groups)
+        else:
+            out = dense_conv(dense, w, stride, padding, case.dilation, case.groups)
+        out = read_sites(out, out_sites)
+        return out if bb is None else out + bb
+    return x, indices, features, out_sites, weight, bias, oracle
+
+
+def _check_layer(x, n_in, out_sites, layer, oracle, weight, bias, features, rng, args_for_grad):
+    """Runs ``layer`` jitted with value_and_grad and compares it with the dense oracle."""
+    x = x.with_plan(sj.plan(layer, x, weight, bias))  # eager geometry, no arithmetic
+    shape = jax.eval_shape(layer, x, weight, bias)
+    out_name = shape.sites_name
+    np.testing.assert_array_equal(x.plan.site(out_name).numpy_indices(), out_sites)
+    cotangent = random_features(rng, out_sites.shape[0], shape.features.shape[1])
+    padded_cotangent = jnp.zeros(shape.features.shape).at[: out_sites.shape[0]].set(cotangent)
+
+    def sparse_loss(f, w, b):
+        out = layer(x.replace(f), w, b).features
+        return jnp.vdot(out, padded_cotangent), out
+
+    (value, out), grads = jax.jit(jax.value_and_grad(sparse_loss, argnums=args_for_grad, has_aux=True))(
+        x.features, weight, bias)
+
+    def dense_loss(f, w, b):
+        out = oracle(f, w, b)
+        return jnp.vdot(out, jnp.asarray(cotangent)), out
+
+    (expected_value, expected_out), expected = jax.jit(
+        jax.value_and_grad(dense_loss, argnums=args_for_grad, has_aux=True))(jnp.asarray(features), weight, bias)
+    np.testing.assert_allclose(np.asarray(out[: out_sites.shape[0]]), np.asarray(expected_out), **TOL)
+    assert not np.any(np.asarray(out[out_sites.shape[0]:])), "padding rows must be zero"
+    np.testing.assert_allclose(float(value), float(expected_value), **TOL)
+    np.testing.assert_allclose(np.asarray(grads[0][:n_in]), np.asarray(expected[0]), **TOL)
+    assert not np.any(np.asarray(grads[0][n_in:])), "padding rows get no gradient"
+    for got, want in zip(grads[1:], expected[1:]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: c.name)
+def test_conv_matches_dense(case, impl):
+    seed = zlib.crc32(f"conv {case.name}".encode())
+    x, in_sites, features, out_sites, weight, bias, oracle = _prepare_conv(case, seed)
+    argnums = (0, 1, 2) if bias is not None else (0, 1)
+    layer = _sparse_layer(case, impl)
+    _check_layer(x, in_sites.shape[0], out_sites, layer, oracle, weight, bias, features,
+                 np.random.default_rng(seed + 1), argnums)
+
+
+@dataclass(frozen=True)
+class PoolCase:
+    name: str
+    which: str
+    shape: tuple
+    kernel: object
+    stride: object = None
+    padding: object = 0
+    dilation: object = 1
+    subm: bool = False
+    batch: int = 2
+    num: int = 40
+    channels: int = 3
+    minimum: int = 8
+    cin: int = field(default=3, repr=False)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+POOL_CASES = [
+    PoolCase("1d-max-k3s1p1d2", "max", (20,), 3, 1, 1, 2),
+    PoolCase("2d-max-k2", "max", (8, 9), 2),
+    PoolCase("2d-max-k3s2p1", "max", (9, 8), 3, 2, 1),
+    PoolCase("3d-max-k3s2p1", "max", (6, 7, 6), 3, 2, 1, num=60),
+    PoolCase("3d-max-subm-k3", "max", (5, 6, 5), 3, subm=True),
+    PoolCase("3d-max-aniso", "max", (6, 5, 6), (2, 1, 3), (2, 1, 2), (0, 0, 1)),
+    PoolCase("1d-avg-k2", "avg", (17,), 2),
+    PoolCase("2d-avg-k3s2p1", "avg", (9, 9), 3, 2, 1),
+    PoolCase("2d-avg-subm-k3d2", "avg", (8, 8), 3, dilation=2, subm=True),
+    PoolCase("3d-avg-k2", "avg", (6, 6, 6), 2, num=60, minimum=256),
+    PoolCase("3d-max-empty", "max", (4, 4, 4), 2, num=0),
+    PoolCase("3d-avg-empty", "avg", (4, 4, 4), 2, num=0),
+]
+
+
+def _prepare_pool(case, seed):
+    rng = np.random.default_rng(seed)
+    indices = random_sites(rng, case.shape, case.batch, case.num)
+    features = random_features(rng, indices.shape[0], case.channels)
+    x = sj.SparseTensor.from_arrays(features, indices, case.shape, case.batch,
+                                    capacity=sj.Buckets(minimum=case.minimum))
+    k, d = as_tuple(case.kernel, case.ndim), as_tuple(case.dilation, case.ndim)
+    if case.subm:
+        stride, padding, out_sites = 1, tuple(di * (ki - 1) // 2 for ki, di in zip(k, d)), indices
+    else:
+        stride = case.kernel if case.stride is None else case.stride
+        padding = case.padding
+        mask = mask_of(indices, case.shape, case.batch)
+        out_sites = active_sites(jax.jit(dense_conv, static_argnums=(2, 3, 4))(
+            mask, ones_kernel(case.ndim, case.kernel), stride, padding, d))
+
+    def oracle(f, w, b):
+        if case.which == "max":
+            dense = densify(f, indices, case.shape, case.batch, fill=-jnp.inf)
+            out = dense_max_pool(dense, case.kernel, stride, padding, case.dilation)
+        else:
+            dense = densify(f, indices, case.shape, case.batch)
+            out = dense_avg_pool(dense, mask_of(indices, case.shape, case.batch), case.kernel, stride, padding,
+                                 case.dilation)
+        return read_sites(out, out_sites)
+    return x, indices, features, out_sites, oracle
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: c.name)
+def test_pool_matches_dense(case, impl):
+    seed = zlib.crc32(f"pool {case.name}".encode())
+    x, indices, features, out_sites, oracle = _prepare_pool(case, seed)
+    run = sj.sparse_max_pool if case.which == "max" else sj.sparse_avg_pool
+
+    def layer(t, w, b):
+        return run(t, case.kernel, case.stride, case.padding, case.dilation, subm=case.subm, impl=impl)
+
+    _check_layer(x, indices.shape[0], out_sites, layer, oracle, None, None, features,
+                 np.random.default_rng(seed + 1), (0,))
+
+
+@pytest.mark.parametrize("which", ["max", "avg"])
+def test_global_pools_match_dense(which):
+    rng = np.random.default_rng(77 if which == "max" else 78)
+    shape, batch = (5, 6, 4), 3
+    indices = random_sites(rng, shape, batch, 40, empty_batches=(1,))
+    features = random_features(rng, indices.shape[0], 5)
+    x = sj.SparseTensor.from_arrays(features, indices, shape, batch)
+    pool = sj.global_max_pool if which == "max" else sj.global_avg_pool
+    cotangent = jnp.asarray(random_features(rng, batch, 5))
+
+    def sparse_loss(f):
+        return jnp.vdot(pool(x.replace(f)), cotangent)
+
+    def dense_pool(f):
+        axes = tuple(range(2, 2 + len(shape)))
+        if which == "max":
+            out = jnp.max(densify(f, indices, shape, batch, fill=-jnp.inf), axis=axes)
+            return jnp.where(jnp.isfinite(out), out, 0.0)
+        total = jnp.sum(densify(f, indices, shape, batch), axis=axes)
+        count = jnp.sum(mask_of(indices, shape, batch), axis=axes)
+        return total / jnp.maximum(count, 1)
+
+    out = jax.jit(pool)(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense_pool(jnp.asarray(features))), **TOL)
+    assert not np.any(np.asarray(out[1])), "an empty batch element pools to zeros"
+    grad = jax.jit(jax.grad(sparse_loss))(x.features)
+    expected = jax.grad(lambda f: jnp.vdot(dense_pool(f), cotangent))(jnp.asarray(features))
+    np.testing.assert_allclose(np.asarray(grad[: indices.shape[0]]), np.asarray(expected), **TOL)
+    assert not np.any(np.asarray(grad[indices.shape[0]:]))
+
+
+@pytest.mark.parametrize("channels_first", [True, False])
+def test_to_dense_matches_scatter(channels_first):
+    rng = np.random.default_rng(5)
+    shape = (4, 5)
+    indices = random_sites(rng, shape, 2, 13)
+    features = random_features(rng, 13, 3)
+    x = sj.SparseTensor.from_arrays(features, indices, shape, 2)
+    got = np.asarray(jax.jit(lambda t: sj.to_dense(t, channels_first))(x))
+    expected = np.zeros((2,) + shape + (3,))
+    expected[tuple(indices.T)] = features
+    if channels_first:
+        expected = np.moveaxis(expected, -1, 1)
+    np.testing.assert_array_equal(got, expected)
+    cotangent = jnp.asarray(rng.standard_normal(expected.shape))
+    grad = jax.grad(lambda f: jnp.vdot(sj.to_dense(x.replace(f), channels_first), cotangent))(x.features)
+    moved = np.moveaxis(np.asarray(cotangent), 1, -1) if channels_first else np.asarray(cotangent)
+    np.testing.assert_allclose(np.asarray(grad[:13]), moved[tuple(indices.T)])
+    assert not np.any(np.asarray(grad[13:]))
+
+
+# ---------------------------------------------------------------------------- check_grads on every op
+
+GRAD_CASES = [
+    ConvCase("subm-2d", "subm", (6, 6), 3, num=15, cin=2, cout=3),
+    ConvCase("regular-3d-g2", "regular", (4, 5, 4), 3, 2, 1, groups=2, num=20, cin=2, cout=2),
+    ConvCase("transposed-2d", "transposed", (4, 4), 3, 2, 1, 1, 1, num=6, cin=2, cout=2),
+    ConvCase("inverse-2d", "inverse", (6, 6), 3, 2, 1, num=14, cin=2, cout=2),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: c.name)
+def test_check_grads_conv(case, impl):
+    x, *_, weight, bias, _ = _prepare_conv(case, 11)
+    layer = _sparse_layer(case, impl)
+    x = x.with_plan(sj.plan(layer, x, weight, bias))
+    check_grads(jax.jit(lambda f, w, b: layer(x.replace(f), w, b).features), (x.features, weight, bias),
+                order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("which,subm", [("max", False), ("max", True), ("avg", False), ("avg", True)])
+def test_check_grads_pools(which, subm, impl):
+    case = PoolCase(f"{which}", which, (5, 6), 3, 2 if not subm else 1, 1, subm=subm, num=16)
+    x, *_ = _prepare_pool(case, 12)
+    run = sj.sparse_max_pool if which == "max" else sj.sparse_avg_pool
+    x = x.with_plan(sj.plan(lambda t: run(t, 3, case.stride, 1, subm=subm), x))
+    check_grads(jax.jit(lambda f: run(x.replace(f), 3, case.stride, 1, subm=subm, impl=impl).features),
+                (x.features,), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("op", ["global_max", "global_avg", "to_dense"])
+def test_check_grads_global_and_dense(op):
+    rng = np.random.default_rng(13)
+    indices = random_sites(rng, (4, 4), 2, 9)
+    x = sj.SparseTensor.from_arrays(random_features(rng, 9, 2), indices, (4, 4), 2)
+    fn = {"global_max": sj.global_max_pool, "global_avg": sj.global_avg_pool, "to_dense": sj.to_dense}[op]
+    check_grads(jax.jit(lambda f: fn(x.replace(f))), (x.features,), order=1, modes=["rev"])
