@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     cpu.add_argument("--no-spconv", action="store_true", help="skip the comparison with spconv")
     cpu.add_argument("--seed", type=int, default=0, help="random seed for features and weights")
     cpu.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH")
+    cpu.add_argument("--plot", metavar="PATH",
+                     help="also draw the rows as a PNG at PATH: bars per case and stage, sparsecore vs spconv "
+                     "(needs matplotlib)")
     network_parser = suites.add_parser(
         "network",
         help="spconv's reference network (14 SubMConv3d, 6 SparseMaxPool3d) on the CPU or the GPU",
@@ -114,6 +117,8 @@ def _add_network_arguments(parser: argparse.ArgumentParser, gpu_suite: bool) -> 
     parser.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH "
                         "(rewritten after every case, so a stopped run leaves its finished cases)")
     parser.add_argument("--markdown", metavar="PATH", help="also write a short Markdown table (no layer rows) to PATH")
+    parser.add_argument("--plot", metavar="PATH", help="also draw a PNG at PATH: the network's totals and the "
+                        "per-layer forward and backward times, sparsecore vs spconv (needs matplotlib)")
 
 
 @contextlib.contextmanager
@@ -235,5 +240,9 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
     print(report.format_table(header, rows), end="")
     if arguments.json:
         report.write_json(arguments.json, header, rows)
+    if arguments.plot:
+        from sparsecore.benchmark.plots import plot_cpu
+
+        plot_cpu(header, rows, arguments.plot)
     disagreements = [row for row in rows if row.agreement.startswith("MISMATCH")]
     return 1 if disagreements else 0

@@ -150,5 +150,9 @@ def run_network_command(arguments: argparse.Namespace, argv: Sequence[str], allo
         header = _full_header(options, threads_applied, suite_header)
     print(report.format_table(header, rows), end="")
     _write_files(arguments, header, rows)
+    if arguments.plot:
+        from sparsecore.benchmark.plots import plot_network
+
+        plot_network(header, rows, arguments.plot)
     failed = [row for row in rows if row.agreement.startswith(_FAILURE_MARKS)]
     return 1 if failed else 0
