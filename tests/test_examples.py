@@ -51,15 +51,6 @@ def test_demo_default_run(tmp_path: Path) -> None:
     assert "check passed" in out and "yes" in out.split("check passed", 1)[1].splitlines()[0], out
 
 
-def test_demo_jax_frontend_says_not_available(tmp_path: Path) -> None:
-    if (ROOT / "frontends" / "jax" / "demo.py").is_file():
-        pytest.skip("the JAX frontend provides its own demo")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "sparsecore.demo", "--frontend", "jax"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "not available" in result.stderr
-
-
 def test_voxelize_numpy(tmp_path: Path) -> None:
     out = _run([str(EXAMPLES / "voxelize_numpy.py"), "--clouds", "2"], tmp_path)
     assert "every point lies in its voxel" in out
@@ -80,3 +71,19 @@ def test_train_segmentation_torch(tmp_path: Path) -> None:
     assert "val mIoU" in out and "same outputs" in out
     assert (tmp_path / "run" / "training.png").stat().st_size > 0
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
+
+
+def test_demo_jax_frontend(tmp_path: Path) -> None:
+    _needs("jax")
+    out = _run(["-m", "sparsecore.demo", "--frontend", "jax"], tmp_path)
+    assert "check passed" in out and "yes" in out.split("check passed", 1)[1].splitlines()[0], out
+    assert "jax" in out.split("device", 1)[1].splitlines()[0], out
+
+
+def test_train_segmentation_jax(tmp_path: Path) -> None:
+    _needs("jax", "optax", "matplotlib", "tqdm")
+    out = _run([str(EXAMPLES / "train_segmentation_jax.py"), "--epochs", "1", "--scenes", "2",
+                "--val-scenes", "1", "--points", "3000", "--out", str(tmp_path / "run")], tmp_path)
+    assert "val mIoU" in out and "same outputs" in out
+    assert (tmp_path / "run" / "training.png").stat().st_size > 0
+    assert (tmp_path / "run" / "checkpoint.npz").is_file()
