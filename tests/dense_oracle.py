@@ -607,3 +607,40 @@ def assert_sites(actual, expected, what: str = "output indices") -> None:
             f"{what}: {bad.size} rows differ; first at row {bad[0]}: got {actual[bad[0]].tolist()}, "
             f"expected {expected[bad[0]].tolist()}"
         )
+
+
+# ------------------------------------------------------------ pooling oracles (core and torch tests)
+
+def pool_padding(case):
+    """Dense padding of a pooling case (a subm window is centred)."""
+    return subm_padding(case.kernel_size, case.dilation, case.ndim) if case.kind == "subm" else case.padding
+
+
+def pool_sites(case, indices):
+    """Expected output sites of a pooling case."""
+    if case.kind == "subm":
+        return indices
+    return regular_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
+                         case.padding, case.dilation)
+
+
+def max_pool_oracle(case, indices):
+    """Dense max over active sites only (inactive cells are -inf)."""
+    def fn(feats):
+        x = densify(feats, indices, case.spatial_shape, case.batch_size, fill=-math.inf)
+        return dense_max_pool(x, case.kernel_size, case.stride, pool_padding(case), case.dilation)
+
+    return fn
+
+
+def avg_pool_oracle(case, indices):
+    """Dense window sum divided by the active count in the window."""
+    mask = occupancy(indices, case.spatial_shape, case.batch_size)
+    count = dense_window_sum(mask, case.kernel_size, case.stride, pool_padding(case), case.dilation)
+
+    def fn(feats):
+        x = densify(feats, indices, case.spatial_shape, case.batch_size)
+        total = dense_window_sum(x, case.kernel_size, case.stride, pool_padding(case), case.dilation)
+        return total / count.clamp(min=1.0)
+
+    return fn

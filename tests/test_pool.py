@@ -12,7 +12,6 @@ sites, which are the dense positions with an active input in their window
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -35,41 +34,10 @@ def _geometry(case):
                                   dilation=case.dilation)
 
 
-def _padding(case):
-    return do.subm_padding(case.kernel_size, case.dilation, case.ndim) if case.kind == "subm" else case.padding
-
-
-def _sites(case, indices):
-    if case.kind == "subm":
-        return indices
-    return do.regular_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
-                            case.padding, case.dilation)
-
-
-def _max_fn(case, indices):
-    def fn(feats):
-        x = do.densify(feats, indices, case.spatial_shape, case.batch_size, fill=-math.inf)
-        return do.dense_max_pool(x, case.kernel_size, case.stride, _padding(case), case.dilation)
-
-    return fn
-
-
-def _avg_fn(case, indices):
-    mask = do.occupancy(indices, case.spatial_shape, case.batch_size)
-    count = do.dense_window_sum(mask, case.kernel_size, case.stride, _padding(case), case.dilation)
-
-    def fn(feats):
-        x = do.densify(feats, indices, case.spatial_shape, case.batch_size)
-        total = do.dense_window_sum(x, case.kernel_size, case.stride, _padding(case), case.dilation)
-        return total / count.clamp(min=1.0)
-
-    return fn
-
-
 def _setup(case):
     features, indices, _ = case.inputs()
     rb = sc.build_rulebook(indices, case.spatial_shape, case.batch_size, _geometry(case))
-    sites = _sites(case, indices)
+    sites = do.pool_sites(case, indices)
     do.assert_sites(rb.output_indices, sites)
     grad_out = do.random_features(do.make_rng(case.seed, 17), sites.shape[0], case.in_channels)
     return features, indices, rb, sites, grad_out
@@ -78,7 +46,7 @@ def _setup(case):
 @pytest.mark.parametrize("case", REGULAR + SUBM, ids=str)
 def test_max_pool(case):
     features, indices, rb, sites, grad_out = _setup(case)
-    oracle = do.evaluate(_max_fn(case, indices), features, sites, grad_output=grad_out)
+    oracle = do.evaluate(do.max_pool_oracle(case, indices), features, sites, grad_output=grad_out)
     out, argmax = sc.max_pool_forward(features, rb)
     do.assert_close(out, oracle.values, "max_pool_forward")
     assert argmax.shape == out.shape
@@ -92,7 +60,7 @@ def test_max_pool(case):
 @pytest.mark.parametrize("case", REGULAR + SUBM, ids=str)
 def test_avg_pool(case):
     features, indices, rb, sites, grad_out = _setup(case)
-    oracle = do.evaluate(_avg_fn(case, indices), features, sites, grad_output=grad_out)
+    oracle = do.evaluate(do.avg_pool_oracle(case, indices), features, sites, grad_output=grad_out)
     out = sc.avg_pool_forward(features, rb)
     do.assert_close(out, oracle.values, "avg_pool_forward")
     grad = sc.avg_pool_backward(grad_out, rb)
@@ -105,15 +73,15 @@ def test_pool_low_precision(case, dtype):
     f64, indices, _ = case.inputs()
     features = f64.astype(dtype)
     rb = sc.build_rulebook(indices, case.spatial_shape, case.batch_size, _geometry(case))
-    sites = _sites(case, indices)
+    sites = do.pool_sites(case, indices)
     out, _ = sc.max_pool_forward(features, rb)
     assert out.dtype == dtype
-    expected = do.evaluate(_max_fn(case, indices), features.astype(np.float64), sites).values
+    expected = do.evaluate(do.max_pool_oracle(case, indices), features.astype(np.float64), sites).values
     np.testing.assert_array_equal(out.astype(np.float64), expected)  # a max is exact
     avg = sc.avg_pool_forward(features, rb)
     assert avg.dtype == dtype
-    expected = do.evaluate(_avg_fn(case, indices), features.astype(np.float64), sites).values
-    scale = do.evaluate(_avg_fn(case, indices), np.abs(features).astype(np.float64), sites).values
+    expected = do.evaluate(do.avg_pool_oracle(case, indices), features.astype(np.float64), sites).values
+    scale = do.evaluate(do.avg_pool_oracle(case, indices), np.abs(features).astype(np.float64), sites).values
     rel = 1.5e-3 if dtype == np.float16 else 5e-6
     assert np.all(np.abs(avg.astype(np.float64) - expected) <= rel * scale + 1e-6)
 
@@ -149,9 +117,9 @@ def test_naive_pool_reference_matches_dense_torch(case):
     sites = naive.output_indices
     f = do.to_torch(features)
     do.assert_close(do.naive_max_pool(f, naive).numpy(),
-                    do.evaluate(_max_fn(case, indices), features, sites).values, "naive max")
+                    do.evaluate(do.max_pool_oracle(case, indices), features, sites).values, "naive max")
     do.assert_close(do.naive_avg_pool(f, naive).numpy(),
-                    do.evaluate(_avg_fn(case, indices), features, sites).values, "naive avg")
+                    do.evaluate(do.avg_pool_oracle(case, indices), features, sites).values, "naive avg")
 
 
 @pytest.mark.parametrize("ndim", [1, 2, 3])
@@ -184,12 +152,12 @@ def test_tensor_level_pools(case, subm):
         pc = case
         y_max = sc.sparse_max_pool(x, case.kernel_size, case.stride, case.padding, case.dilation)
         y_avg = sc.sparse_avg_pool(x, case.kernel_size, case.stride, case.padding, case.dilation)
-    sites = _sites(pc, indices)
+    sites = do.pool_sites(pc, indices)
     for y in (y_max, y_avg):
         do.assert_sites(y.indices, sites)
         assert y.batch_size == case.batch_size
-    do.assert_close(y_max.features, do.evaluate(_max_fn(pc, indices), features, sites).values, "sparse_max_pool")
-    do.assert_close(y_avg.features, do.evaluate(_avg_fn(pc, indices), features, sites).values, "sparse_avg_pool")
+    do.assert_close(y_max.features, do.evaluate(do.max_pool_oracle(pc, indices), features, sites).values, "sparse_max_pool")
+    do.assert_close(y_avg.features, do.evaluate(do.avg_pool_oracle(pc, indices), features, sites).values, "sparse_avg_pool")
 
 
 def test_pool_stride_defaults_to_kernel_size():
@@ -200,9 +168,9 @@ def test_pool_stride_defaults_to_kernel_size():
     x = sc.SparseTensor(features, indices, case.spatial_shape, case.batch_size)
     y = sc.sparse_max_pool(x, (3, 2))
     assert tuple(y.spatial_shape) == (3, 3)
-    sites = _sites(case, indices)
+    sites = do.pool_sites(case, indices)
     do.assert_sites(y.indices, sites)
-    do.assert_close(y.features, do.evaluate(_max_fn(case, indices), features, sites).values, "default stride")
+    do.assert_close(y.features, do.evaluate(do.max_pool_oracle(case, indices), features, sites).values, "default stride")
 
 
 def test_max_pool_backward_bad_argmax():

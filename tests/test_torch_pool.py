@@ -12,7 +12,6 @@ reductions, 4D pools against the brute-force pairs of ``dense_oracle``.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -31,37 +30,6 @@ CASES_4D = (do.sample_cases("regular", 3, ndims=(4,), base_seed=73000, grouped=F
             + do.sample_cases("subm", 1, ndims=(4,), base_seed=73100, grouped=False, max_kernel=3, max_dilation=2))
 
 
-def _padding(case):
-    return do.subm_padding(case.kernel_size, case.dilation, case.ndim) if case.kind == "subm" else case.padding
-
-
-def _sites(case, indices):
-    if case.kind == "subm":
-        return indices
-    return do.regular_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
-                            case.padding, case.dilation)
-
-
-def _max_fn(case, indices):
-    def fn(feats):
-        x = do.densify(feats, indices, case.spatial_shape, case.batch_size, fill=-math.inf)
-        return do.dense_max_pool(x, case.kernel_size, case.stride, _padding(case), case.dilation)
-
-    return fn
-
-
-def _avg_fn(case, indices):
-    mask = do.occupancy(indices, case.spatial_shape, case.batch_size)
-    count = do.dense_window_sum(mask, case.kernel_size, case.stride, _padding(case), case.dilation)
-
-    def fn(feats):
-        x = do.densify(feats, indices, case.spatial_shape, case.batch_size)
-        total = do.dense_window_sum(x, case.kernel_size, case.stride, _padding(case), case.dilation)
-        return total / count.clamp(min=1.0)
-
-    return fn
-
-
 def _pool(cls, case):
     return cls(case.ndim, case.kernel_size, case.stride, case.padding, case.dilation, subm=case.kind == "subm")
 
@@ -73,7 +41,7 @@ def _tensor(features, indices, case):
 
 def _check(cls, fn_factory, case):
     features, indices, _ = case.inputs()
-    sites = _sites(case, indices)
+    sites = do.pool_sites(case, indices)
     grad_out = do.random_features(do.make_rng(case.seed, 17), sites.shape[0], case.in_channels)
     oracle = do.evaluate(fn_factory(case, indices), features, sites, grad_output=grad_out)
     x = _tensor(features, indices, case)
@@ -88,12 +56,12 @@ def _check(cls, fn_factory, case):
 
 @pytest.mark.parametrize("case", REGULAR + SUBM, ids=str)
 def test_max_pool_layer(case):
-    _check(spconv.SparseMaxPool, _max_fn, case)
+    _check(spconv.SparseMaxPool, do.max_pool_oracle, case)
 
 
 @pytest.mark.parametrize("case", REGULAR + SUBM, ids=str)
 def test_avg_pool_layer(case):
-    _check(spconv.SparseAvgPool, _avg_fn, case)
+    _check(spconv.SparseAvgPool, do.avg_pool_oracle, case)
 
 
 @pytest.mark.parametrize("case", CASES_4D, ids=str)
