@@ -90,6 +90,16 @@ __device__ __forceinline__ TileRun tile_run(long long tile, long long tiles_per_
 
 }  // namespace sc
 
+// Number of values >= 0 in one thread's share of a tile. Both compaction
+// passes count with this, so pass c writes exactly where pass a counted.
+__device__ __forceinline__ int sc_count_valid(const int* row_values, const sc::TileRun& run) {
+  int count = 0;
+  for (long long column = run.first; column < run.last; ++column) {
+    count += row_values[column] >= 0 ? 1 : 0;
+  }
+  return count;
+}
+
 // Pass a: tile_counts[tile] = number of values >= 0 in the tile (int64
 // [num_rows * tiles_per_row]). Launch with any grid; blockDim.x <= 1024.
 __global__ void sc_compact_count(const int* __restrict__ values, long long num_rows,
@@ -101,10 +111,7 @@ __global__ void sc_compact_count(const int* __restrict__ values, long long num_r
   for (long long tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const sc::TileRun run = sc::tile_run(tile, tiles_per_row, row_length, tile_size);
     const int* row_values = values + run.row * row_length;
-    int count = 0;
-    for (long long column = run.first; column < run.last; ++column) {
-      count += row_values[column] >= 0 ? 1 : 0;
-    }
+    const int count = sc_count_valid(row_values, run);
     int block_total = 0;
     sc::block_inclusive_scan(count, scratch, &block_total);
     if (threadIdx.x == 0) {
@@ -125,10 +132,7 @@ __global__ void sc_compact_write(const int* __restrict__ values, long long num_r
   for (long long tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const sc::TileRun run = sc::tile_run(tile, tiles_per_row, row_length, tile_size);
     const int* row_values = values + run.row * row_length;
-    int count = 0;
-    for (long long column = run.first; column < run.last; ++column) {
-      count += row_values[column] >= 0 ? 1 : 0;
-    }
+    const int count = sc_count_valid(row_values, run);
     int block_total = 0;
     const int inclusive = sc::block_inclusive_scan(count, scratch, &block_total);
     long long position = tile_offsets[tile] + (inclusive - count);
