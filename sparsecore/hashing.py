@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-
 from ._dispatch import array_module, to_core_array
 from .backends import backend_for
 
