@@ -3,14 +3,21 @@
 Given a `Rulebook`, these are plain functions of (features, weight) with static
 output shapes: what PyTorch autograd and JAX ``custom_vjp`` wrap. Weights are
 ``[out_channels, *kernel_size, in_channels // groups]``; grouped and depthwise
-convolutions use a batched GEMM per kernel offset. float16 inputs are computed
-in float32 and returned as float16.
+convolutions use a batched GEMM per kernel offset.
+
+Dataflow: the kernel offsets are taken in chunks (`sparsecore._chunks`, sized
+by the backend): per chunk one gather of its input rows, one GEMM per offset
+on slices of the gathered rows, and one `scatter_add_pairs` of the products.
+A submanifold centre offset (every row to itself) is a plain GEMM that
+initialises the output. Products run in ``backend.compute_dtype``: float32 for
+float16 inputs on NumPy, float16 (cuBLAS, float32 accumulation) on the GPU.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ._chunks import PairChunk, pair_chunks
 from ._dispatch import check_same_device, to_core_array
 from ._validation import as_features
 from .backends import ArrayBackend, backend_for
@@ -19,9 +26,9 @@ from .rulebook import PairMap, Rulebook
 __all__ = ["conv_forward", "conv_backward", "compute_dtype", "check_conv_weight"]
 
 
-def compute_dtype(xp: Any, dtype: Any) -> Any:
-    """The dtype arithmetic runs in: float32 for float16 inputs, else the input's."""
-    return xp.float32 if dtype == xp.float16 else dtype
+def compute_dtype(backend: ArrayBackend, dtype: Any) -> Any:
+    """The dtype a backend's feature passes compute in for storage ``dtype`` (`ArrayBackend.compute_dtype`)."""
+    return backend.compute_dtype(dtype)
 
 
 def check_conv_weight(weight: Any, rulebook: Rulebook | PairMap, in_channels: int, groups: int) -> Any:
@@ -99,6 +106,32 @@ def _grouped_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) ->
     return backend.matmul(left_split, right_split)
 
 
+def _chunks(backend: ArrayBackend, rulebook: Rulebook | PairMap, in_channels: int,
+            out_channels: int) -> tuple[PairChunk, ...]:
+    """The backend's chunks of the rulebook's offsets, the identity offset left out."""
+    identity = rulebook.identity_offset if rulebook.num_input else -1
+    return pair_chunks(tuple(rulebook.offset_starts), max(in_channels, out_channels, 1),
+                       backend.chunk_elements, skip=identity)
+
+
+def _chunk_rows(rulebook: Rulebook | PairMap, chunk: PairChunk) -> tuple[Any, Any]:
+    return rulebook.pair_input[chunk.start:chunk.stop], rulebook.pair_output[chunk.start:chunk.stop]
+
+
+def _chunk_products(backend: ArrayBackend, chunk: PairChunk, gathered: Any, matrices: Any) -> Any:
+    """Each offset's slice of ``gathered [R, g * a]`` times its ``matrices[k] [g, a, b]``: ``[R, g * b]``."""
+    if len(chunk.offsets) == 1:
+        return _grouped_product(backend, gathered, matrices[chunk.offsets[0]])
+    groups, _, out_per_group = matrices.shape[1:]
+    products = backend.xp.empty((gathered.shape[0], groups * out_per_group), dtype=gathered.dtype)
+    for offset, first, last in chunk.slices():
+        if groups == 1:
+            backend.matmul(gathered[first:last], matrices[offset, 0], out=products[first:last])
+        else:
+            products[first:last] = _grouped_product(backend, gathered[first:last], matrices[offset])
+    return products
+
+
 def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,
                  groups: int = 1, *, backend: ArrayBackend | None = None) -> Any:
     """Sparse convolution forward: ``out[o] += features[i] @ W_k`` for each pair ``(i, o)`` of offset ``k``.
@@ -123,7 +156,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
     check_same_device(features=features, weight=weight, bias=bias, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
-    dtype = compute_dtype(xp, features.dtype)
+    dtype = backend.compute_dtype(features.dtype)
     # contiguous operands keep the GEMMs on BLAS (a stride-0 or strided view,
     # e.g. an expanded autograd gradient, drops NumPy to a slow generic loop)
     source = xp.ascontiguousarray(features, dtype=dtype)
@@ -134,12 +167,11 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
         out = xp.ascontiguousarray(_grouped_product(backend, source, matrices[identity]))
     else:
         out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
-    for offset in range(rulebook.kernel_volume):
-        input_rows, output_rows = rulebook.pairs(offset)
-        if input_rows.shape[0] == 0 or offset == identity:
-            continue
+    for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
+        input_rows, output_rows = _chunk_rows(rulebook, chunk)
         gathered = backend.gather_rows(source, input_rows)
-        backend.scatter_add_rows(out, output_rows, _grouped_product(backend, gathered, matrices[offset]))
+        products = _chunk_products(backend, chunk, gathered, matrices)
+        backend.scatter_add_pairs(out, output_rows, products, chunk.local_starts)
     if bias is not None:
         out += bias.astype(dtype, copy=False)
     return out.astype(features.dtype, copy=False)
@@ -174,7 +206,7 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     check_same_device(grad_output=grad_output, features=features, weight=weight)
     backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
-    dtype = compute_dtype(xp, features.dtype)
+    dtype = backend.compute_dtype(features.dtype)
     source = xp.ascontiguousarray(features, dtype=dtype)
     grad = xp.ascontiguousarray(grad_output, dtype=dtype)
     matrices = _offset_matrices(weight, groups, dtype)
@@ -186,15 +218,15 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         grad_matrices[identity] = _grouped_outer(backend, source, grad, groups)
     else:
         grad_features = xp.zeros(source.shape, dtype=dtype)
-    for offset in range(rulebook.kernel_volume):
-        input_rows, output_rows = rulebook.pairs(offset)
-        if input_rows.shape[0] == 0 or offset == identity:
-            continue
+    for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
+        input_rows, output_rows = _chunk_rows(rulebook, chunk)
         gathered_grad = backend.gather_rows(grad, output_rows)
         gathered_source = backend.gather_rows(source, input_rows)
-        backend.scatter_add_rows(grad_features, input_rows,
-                                 _grouped_product(backend, gathered_grad, transposed[offset]))
-        grad_matrices[offset] = _grouped_outer(backend, gathered_source, gathered_grad, groups)
+        products = _chunk_products(backend, chunk, gathered_grad, transposed)
+        backend.scatter_add_pairs(grad_features, input_rows, products, chunk.local_starts)
+        for offset, first, last in chunk.slices():
+            grad_matrices[offset] = _grouped_outer(backend, gathered_source[first:last],
+                                                   gathered_grad[first:last], groups)
     out_channels = weight.shape[0]
     grad_weight = grad_matrices.transpose(1, 3, 0, 2).reshape(
         (out_channels,) + tuple(weight.shape[1:-1]) + (weight.shape[-1],))

@@ -13,8 +13,8 @@ from typing import Any
 
 from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
+from ._chunks import pair_chunks
 from .backends import ArrayBackend, backend_for
-from .conv import compute_dtype
 from .rulebook import PairMap, Rulebook
 
 __all__ = [
@@ -27,6 +27,19 @@ __all__ = [
     "global_avg_pool_forward",
     "global_avg_pool_backward",
 ]
+
+
+def _sum_dtype(xp: Any, dtype: Any) -> Any:
+    """Pools sum float16 in float32 (no GEMM to speed up, so no reason to round more)."""
+    return xp.float32 if dtype == xp.float16 else dtype
+
+
+def _gather_scatter(backend: ArrayBackend, target: Any, source: Any, gather_from: Any, scatter_to: Any,
+                    offset_starts: tuple[int, ...]) -> None:
+    """``target[scatter_to[p]] += source[gather_from[p]]`` over every pair, a chunk of offsets at a time."""
+    for chunk in pair_chunks(offset_starts, max(int(source.shape[1]), 1), backend.chunk_elements):
+        gathered = backend.gather_rows(source, gather_from[chunk.start:chunk.stop])
+        backend.scatter_add_pairs(target, scatter_to[chunk.start:chunk.stop], gathered, chunk.local_starts)
 
 
 def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
@@ -43,21 +56,10 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     """
     features = as_features(features, rulebook.num_input)
     check_same_device(features=features, indices=rulebook.pair_input)
-    xp = (backend if backend is not None else backend_for(features)).xp
-    channels = features.shape[1]
-    out = xp.full((rulebook.num_output, channels), -xp.inf, dtype=features.dtype)
-    argmax = xp.full((rulebook.num_output, channels), -1, dtype=xp.int32)
-    for offset in range(rulebook.kernel_volume):
-        input_rows, output_rows = rulebook.pairs(offset)
-        if input_rows.shape[0] == 0:
-            continue
-        values = features[input_rows]
-        current = out[output_rows]
-        current_arg = argmax[output_rows]
-        better = (values > current) | (current_arg < 0)
-        out[output_rows] = xp.where(better, values, current)
-        argmax[output_rows] = xp.where(better, input_rows[:, None], current_arg)
-    return out, argmax
+    backend = backend if backend is not None else backend_for(features)
+    source = backend.xp.ascontiguousarray(features)
+    return backend.max_pool_pairs(source, rulebook.pair_input, rulebook.pair_output,
+                                  tuple(rulebook.offset_starts), rulebook.num_output)
 
 
 def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int, backend: ArrayBackend) -> Any:
@@ -121,13 +123,10 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     check_same_device(features=features, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
     xp = backend.xp
-    dtype = compute_dtype(xp, features.dtype)
+    dtype = _sum_dtype(xp, features.dtype)
     source = xp.ascontiguousarray(features, dtype=dtype)
     out = xp.zeros((rulebook.num_output, features.shape[1]), dtype=dtype)
-    for offset in range(rulebook.kernel_volume):
-        input_rows, output_rows = rulebook.pairs(offset)
-        if input_rows.shape[0]:
-            backend.scatter_add_rows(out, output_rows, backend.gather_rows(source, input_rows))
+    _gather_scatter(backend, out, source, rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts))
     out /= _window_counts(rulebook, xp).astype(dtype)
     return out.astype(features.dtype, copy=False)
 
@@ -147,13 +146,10 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
                               rows_meaning="output site of the rulebook")
     backend = backend if backend is not None else backend_for(grad_output)
     xp = backend.xp
-    dtype = compute_dtype(xp, grad_output.dtype)
+    dtype = _sum_dtype(xp, grad_output.dtype)
     scaled = xp.ascontiguousarray(grad_output, dtype=dtype) / _window_counts(rulebook, xp).astype(dtype)
     grad = xp.zeros((rulebook.num_input, grad_output.shape[1]), dtype=dtype)
-    for offset in range(rulebook.kernel_volume):
-        input_rows, output_rows = rulebook.pairs(offset)
-        if input_rows.shape[0]:
-            backend.scatter_add_rows(grad, input_rows, backend.gather_rows(scaled, output_rows))
+    _gather_scatter(backend, grad, scaled, rulebook.pair_output, rulebook.pair_input, tuple(rulebook.offset_starts))
     return grad.astype(grad_output.dtype, copy=False)
 
 
@@ -217,7 +213,7 @@ def global_avg_pool_forward(features: Any, indices: Any, batch_size: int) -> Any
     features = as_features(features)
     batch_size = as_batch_size(batch_size)
     xp = array_module(features)
-    dtype = compute_dtype(xp, features.dtype)
+    dtype = _sum_dtype(xp, features.dtype)
     _, rows_per_batch = _batch_rows(indices, batch_size, features.shape[0])
     out = xp.zeros((batch_size, features.shape[1]), dtype=dtype)
     for element, rows in enumerate(rows_per_batch):
@@ -234,6 +230,6 @@ def global_avg_pool_backward(grad_output: Any, indices: Any, batch_size: int) ->
     xp = array_module(grad_output)
     batch = indices[:, 0].astype(xp.int64)
     counts = xp.maximum(xp.bincount(batch, minlength=batch_size), 1)
-    dtype = compute_dtype(xp, grad_output.dtype)
+    dtype = _sum_dtype(xp, grad_output.dtype)
     grad = grad_output.astype(dtype)[batch] / counts[batch][:, None].astype(dtype)
     return grad.astype(grad_output.dtype, copy=False)

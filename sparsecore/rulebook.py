@@ -223,39 +223,28 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
     volume = geometry.kernel_volume
     centre = volume // 2
     last_size, last_step = geometry.kernel_size[-1], geometry.dilation[-1]
-    pieces: list[tuple[Any, Any] | None] = [None] * volume
+    # Offsets before the centre, looked up a run of the last kernel axis at a
+    # time (offsets that share all but the last axis are one windowed lookup),
+    # into one [centre, N] table of input rows, compacted in one pass.
+    found = xp.empty((centre, indices.shape[0]), dtype=xp.int64)
     for run_start in range(0, centre, last_size):
-        # offsets run_start.. share all but the last kernel axis: one windowed lookup
         width = min(last_size, centre - run_start)
-        found = backend.hash_lookup_window(table, sorted_keys + deltas[run_start], width, last_step)
-        for column in range(width):
-            offset = run_start + column
-            hit = xp.nonzero(found[column] >= 0)[0]
-            input_rows, output_rows = found[column][hit], sorted_rows[hit]
-            # offsets k and K-1-k are mirror images: (i, o) at k is (o, i) at K-1-k
-            pieces[offset] = (input_rows, output_rows)
-            pieces[volume - 1 - offset] = (output_rows, input_rows)
+        backend.hash_lookup_window(table, sorted_keys + deltas[run_start], width, last_step,
+                                   out=found[run_start:run_start + width])
+    columns, found_rows, row_starts = backend.compact_pairs(found)
+    matched_rows = xp.take(sorted_rows, columns).astype(xp.int32)
+    pieces: list[tuple[Any, Any] | None] = [None] * volume
+    for offset in range(centre):
+        start, stop = row_starts[offset], row_starts[offset + 1]
+        input_rows, output_rows = found_rows[start:stop], matched_rows[start:stop]
+        # offsets k and K-1-k are mirror images: (i, o) at k is (o, i) at K-1-k
+        pieces[offset] = (input_rows, output_rows)
+        pieces[volume - 1 - offset] = (output_rows, input_rows)
     identity = xp.arange(indices.shape[0], dtype=xp.int32)
     pieces[centre] = (identity, identity)
     pair_input, pair_output, starts = _concatenate_pairs(xp, pieces)  # type: ignore[arg-type]
     return Rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
                     starts, identity_offset=centre)
-
-
-def _axis_candidate(coordinate: Any, geometry: ConvGeometry, axis: int, k: int,
-                    output_size: int) -> tuple[Any, Any]:
-    """Output coordinates (int64) reached through kernel index ``k`` on one axis, and their validity."""
-    s, p, d = geometry.stride[axis], geometry.padding[axis], geometry.dilation[axis]
-    if geometry.kind == "regular":
-        numerator = coordinate + (p - k * d)
-        out = numerator // s
-        valid = (numerator >= 0) & (out < output_size)
-        if s > 1:
-            valid &= numerator - out * s == 0
-    else:
-        out = coordinate * s + (k * d - p)
-        valid = (out >= 0) & (out < output_size)
-    return out, valid
 
 
 def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
@@ -274,29 +263,11 @@ def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeo
         _, duplicate = backend.hash_build(keys, xp.arange(indices.shape[0], dtype=xp.int64))
         if duplicate is not None:
             _raise_duplicate(indices, duplicate, "indices")
-    strides = key_strides(out_shape)
-    # Expand one axis at a time, keeping only valid (row, partial key) candidates:
-    # the list index after the last axis is the row-major flattened kernel offset.
-    candidates = [(xp.arange(indices.shape[0], dtype=xp.int32),
-                   indices[:, 0].astype(xp.int64) * strides[0])]
-    for axis in range(geometry.ndim):
-        coordinate = indices[:, axis + 1].astype(xp.int64)
-        expanded = []
-        for rows, keys in candidates:
-            coordinate_rows = coordinate[rows]
-            for k in range(geometry.kernel_size[axis]):
-                out, valid = _axis_candidate(coordinate_rows, geometry, axis, k, out_shape[axis])
-                selected = xp.nonzero(valid)[0]
-                expanded.append((rows[selected], keys[selected] + out[selected] * strides[axis + 1]))
-        candidates = expanded
-    pair_input = xp.concatenate([rows for rows, _ in candidates])
-    output_keys, inverse = backend.unique_inverse(xp.concatenate([keys for _, keys in candidates]))
-    starts = [0]
-    for rows, _ in candidates:
-        starts.append(starts[-1] + int(rows.shape[0]))
+    pair_input, candidate_keys, starts = backend.conv_candidate_pairs(indices, geometry, out_shape)
+    output_keys, inverse = backend.unique_inverse(candidate_keys)
     output_indices = unpack_keys(output_keys, out_shape)
     return Rulebook(geometry, shape, out_shape, batch, indices, output_indices,
-                    pair_input, inverse.astype(xp.int32), tuple(starts))
+                    pair_input, inverse.astype(xp.int32), starts)
 
 
 def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,

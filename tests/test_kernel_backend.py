@@ -23,7 +23,6 @@ import dataclasses
 import importlib
 import sys
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,104 +35,19 @@ from sparsecore.backends.kernel_backend import KernelBackend, KernelLauncher
 
 try:
     from cuda_emulation import harness
-    from cuda_emulation.emulated_launcher import EmulatedLauncher, RecordingLauncher
+    from kernel_targets import (FLOAT_DTYPES, Target, assert_equal, random_floats, random_sites, rng_for,  # noqa: F401
+                                target)
 except ImportError:  # tests/ imported as a package
     from tests.cuda_emulation import harness
-    from tests.cuda_emulation.emulated_launcher import EmulatedLauncher, RecordingLauncher
-
-try:
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes comes with the test dependencies
-    BFLOAT16 = None
-
-FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a test runs: a kernel backend, its array module and host/device transfers.
-
-    Attributes:
-        name: ``"emulated"`` or ``"cupy"``.
-        xp: ``numpy`` or ``cupy``.
-        backend: small blocks and a capped grid (grid-stride loops in every launch).
-        base_launcher: the target's plain launcher (emulated, or ``CupyLauncher``).
-    """
-
-    name: str
-    xp: Any
-    backend: KernelBackend
-    base_launcher: Any
-
-    def put(self, array: Any) -> Any:
-        return self.xp.asarray(array)
-
-    def get(self, array: Any) -> Any:
-        return array if self.xp is np else self.xp.asnumpy(array)
-
-    def with_launcher(self, launcher: Any, **config: Any) -> KernelBackend:
-        """This target's backend with another launcher and launch configuration."""
-        return dataclasses.replace(self.backend, launcher=launcher, **config)
-
-    def recording(self, **config: Any) -> tuple[KernelBackend, RecordingLauncher]:
-        launcher = RecordingLauncher(self.base_launcher)
-        return self.with_launcher(launcher, **config), launcher
-
-    def dtype(self, dtype_name: str) -> np.dtype:
-        if dtype_name == "bfloat16":
-            if BFLOAT16 is None or self.xp is not np:
-                pytest.skip("bfloat16 arrays need ml_dtypes on NumPy (CuPy has no bfloat16 dtype)")
-            return BFLOAT16
-        return np.dtype(dtype_name)
-
-
-@pytest.fixture(scope="module", params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
-def target(request) -> Target:
-    if request.param == "emulated":
-        if harness.compiler_path() is None:
-            pytest.skip("g++ is not installed")
-        harness.build_libraries([entry.file for entry in kernel_registry.KERNEL_FILES])
-        launcher = EmulatedLauncher()
-        backend = KernelBackend(np, launcher, name="emulated", block_threads=32, max_blocks=2)
-        return Target("emulated", np, backend, launcher)
-    import cupy
-
-    from sparsecore.backends.cupy_backend import CUPY_BACKEND
-
-    backend = dataclasses.replace(CUPY_BACKEND, block_threads=32, max_blocks=2)
-    return Target("cupy", cupy, backend, CUPY_BACKEND.launcher)
-
-
-def _rng(*seed: int) -> np.random.Generator:
-    return np.random.default_rng([20261215, *seed])
-
-
-def _random_sites(rng: np.random.Generator, count: int, shape: tuple[int, ...], batch_size: int) -> np.ndarray:
-    """``count`` distinct int32 sites ``[count, 1 + D]`` of a ``batch_size x shape`` grid, in random order."""
-    cells = rng.choice(batch_size * int(np.prod(shape)), size=count, replace=False)
-    columns = np.unravel_index(cells, (batch_size, *shape))
-    return np.stack(columns, axis=1).astype(np.int32).reshape(count, 1 + len(shape))
-
-
-def _random_floats(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    return rng.uniform(-2.0, 2.0, size=shape).astype(dtype)
-
-
-def _assert_equal(actual: Any, expected: Any, what: str) -> None:
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert actual.tobytes() == expected.tobytes(), f"{what}: values differ"
-
+    from tests.kernel_targets import (FLOAT_DTYPES, Target, assert_equal, random_floats,  # noqa: F401
+                                      random_sites, rng_for, target)
 
 # =================================================================== primitives
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 150])
 def test_hash_build_lookup_and_items(target, count):
-    rng = _rng(1, count)
+    rng = rng_for(1, count)
     keys = rng.choice(10 * count + 10, size=count, replace=False).astype(np.int64)
     keys[: count // 5] += 2**50  # large keys too
     values = rng.permutation(count).astype(np.int64) * 3 - 7
@@ -141,11 +55,11 @@ def test_hash_build_lookup_and_items(target, count):
     table, duplicate = target.backend.hash_build(target.put(keys), target.put(values))
     assert duplicate is None and expected_duplicate is None
     queries = np.concatenate([keys, rng.integers(0, 10 * count + 20, size=40), [2**50 + 3, 2**62]])
-    _assert_equal(target.get(target.backend.hash_lookup(table, target.put(queries))),
+    assert_equal(target.get(target.backend.hash_lookup(table, target.put(queries))),
                   NUMPY_BACKEND.hash_lookup(expected_table, queries), "hash_lookup")
     for actual, expected, what in zip(target.backend.hash_items(table), NUMPY_BACKEND.hash_items(expected_table),
                                       ("keys", "values")):
-        _assert_equal(target.get(actual), expected, f"hash_items {what}")
+        assert_equal(target.get(actual), expected, f"hash_items {what}")
     assert table.capacity >= max(2, 2 * count) and table.capacity & (table.capacity - 1) == 0
 
 
@@ -153,9 +67,9 @@ def test_hash_lookup_keeps_the_query_shape(target):
     keys = np.array([4, 9, 100], dtype=np.int64)
     table, _ = target.backend.hash_build(target.put(keys), target.put(np.arange(3, dtype=np.int64)))
     found = target.get(target.backend.hash_lookup(table, target.put(np.array([[9, 5], [100, 4]], np.int64))))
-    _assert_equal(found, np.array([[1, -1], [2, 0]], dtype=np.int64), "2-D queries")
+    assert_equal(found, np.array([[1, -1], [2, 0]], dtype=np.int64), "2-D queries")
     empty = target.get(target.backend.hash_lookup(table, target.put(np.zeros(0, np.int64))))
-    _assert_equal(empty, np.zeros(0, np.int64), "no queries")
+    assert_equal(empty, np.zeros(0, np.int64), "no queries")
 
 
 @pytest.mark.parametrize("keys,values", [
@@ -174,67 +88,67 @@ def test_hash_build_reports_duplicates(target, keys, values):
 
 @pytest.mark.parametrize("count,width,step", [(0, 3, 1), (60, 0, 1), (1, 1, 1), (90, 3, 1), (120, 5, 7)])
 def test_hash_lookup_window(target, count, width, step):
-    rng = _rng(2, count, width, step)
+    rng = rng_for(2, count, width, step)
     keys = rng.choice(4 * count + 40, size=count, replace=False).astype(np.int64)
     values = rng.permutation(count).astype(np.int64)
     queries = np.sort(rng.integers(0, 4 * count + 40, size=count + 5)).astype(np.int64)
     expected = NUMPY_BACKEND.hash_lookup_window(NUMPY_BACKEND.hash_build(keys, values)[0], queries, width, step)
     table, _ = target.backend.hash_build(target.put(keys), target.put(values))
     actual = target.backend.hash_lookup_window(table, target.put(queries), width, step)
-    _assert_equal(target.get(actual), expected, "hash_lookup_window")
+    assert_equal(target.get(actual), expected, "hash_lookup_window")
 
 
 @pytest.mark.parametrize("count", [0, 1, 230])
 def test_unique_inverse(target, count):
-    keys = _rng(3, count).integers(0, max(count // 3, 1), size=count).astype(np.int64)
+    keys = rng_for(3, count).integers(0, max(count // 3, 1), size=count).astype(np.int64)
     for actual, expected, what in zip(target.backend.unique_inverse(target.put(keys)),
                                       NUMPY_BACKEND.unique_inverse(keys), ("unique", "inverse")):
-        _assert_equal(target.get(actual), expected, what)
+        assert_equal(target.get(actual), expected, what)
 
 
 @pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
 @pytest.mark.parametrize("count,channels", [(0, 4), (5, 0), (1, 1), (70, 3), (33, 16)])
 def test_gather_rows(target, dtype_name, count, channels):
-    rng = _rng(4, count, channels)
-    source = _random_floats(rng, (25, channels), target.dtype(dtype_name))
+    rng = rng_for(4, count, channels)
+    source = random_floats(rng, (25, channels), target.dtype(dtype_name))
     rows = rng.integers(0, 25, size=count).astype(np.int32)
-    _assert_equal(target.get(target.backend.gather_rows(target.put(source), target.put(rows))),
+    assert_equal(target.get(target.backend.gather_rows(target.put(source), target.put(rows))),
                   NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
     few = rows[rows < 13].astype(np.int64)
     strided = target.put(source)[::2]  # a non-contiguous source on the device
-    _assert_equal(target.get(target.backend.gather_rows(strided, target.put(few))),
+    assert_equal(target.get(target.backend.gather_rows(strided, target.put(few))),
                   NUMPY_BACKEND.gather_rows(source[::2], few), "gather_rows, strided source, int64 rows")
 
 
 @pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
 @pytest.mark.parametrize("count", [0, 1, 45])
 def test_scatter_add_rows(target, dtype_name, count):
-    rng = _rng(5, count)
+    rng = rng_for(5, count)
     dtype = target.dtype(dtype_name)
-    start = _random_floats(rng, (60, 5), dtype)
+    start = random_floats(rng, (60, 5), dtype)
     rows = rng.permutation(60)[:count].astype(np.int32)
-    values = _random_floats(rng, (count, 5), dtype)
+    values = random_floats(rng, (count, 5), dtype)
     expected = start.copy()
     NUMPY_BACKEND.scatter_add_rows(expected, rows, values)
     device_target = target.put(start.copy())
     target.backend.scatter_add_rows(device_target, target.put(rows), target.put(values))
-    _assert_equal(target.get(device_target), expected, "scatter_add_rows")
+    assert_equal(target.get(device_target), expected, "scatter_add_rows")
     fortran = target.xp.asfortranarray(target.put(start.copy()))  # non-contiguous: written back
     target.backend.scatter_add_rows(fortran, target.put(rows), target.put(values))
-    _assert_equal(target.get(target.xp.ascontiguousarray(fortran)), expected, "scatter_add_rows, Fortran target")
+    assert_equal(target.get(target.xp.ascontiguousarray(fortran)), expected, "scatter_add_rows, Fortran target")
 
 
 @pytest.mark.parametrize("size,count", [(0, 0), (7, 0), (1, 5), (40, 300), (500, 120)])
 def test_index_add_is_bincount_bit_for_bit(target, size, count):
-    rng = _rng(6, size, count)
+    rng = rng_for(6, size, count)
     index = rng.integers(0, max(size, 1), size=count).astype(np.int64)
     values = rng.standard_normal(count) * 10.0 ** rng.integers(-8, 8, size=count)  # cancellations
     # (NumPy's bincount answers int64 zeros when there are no values; the sums are float64.)
     expected = NUMPY_BACKEND.index_add(size, index, values).astype(np.float64, copy=False)
     first = target.get(target.backend.index_add(size, target.put(index), target.put(values)))
     second = target.get(target.backend.index_add(size, target.put(index), target.put(values)))
-    _assert_equal(first, expected, "index_add")
-    _assert_equal(second, first, "index_add, second run")
+    assert_equal(first, expected, "index_add")
+    assert_equal(second, first, "index_add, second run")
 
 
 def test_kernel_backend_implements_the_protocol(target):
@@ -243,7 +157,7 @@ def test_kernel_backend_implements_the_protocol(target):
 
 
 def test_matmul(target):
-    rng = _rng(7)
+    rng = rng_for(7)
     left, right = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 4, 2))
     np.testing.assert_allclose(target.get(target.backend.matmul(target.put(left), target.put(right))),
                                NUMPY_BACKEND.matmul(left, right), rtol=1e-12, atol=1e-12)
@@ -252,7 +166,7 @@ def test_matmul(target):
 def test_production_launch_configuration_spans_several_blocks(target):
     """Default 256-thread blocks: hashing 1,500 keys and gathering 3,000 x 3 values need several blocks."""
     backend, launcher = target.recording(block_threads=256, max_blocks=4096)
-    rng = _rng(8)
+    rng = rng_for(8)
     keys = rng.choice(10**6, size=1500, replace=False).astype(np.int64)
     values = np.arange(1500, dtype=np.int64)
     table, duplicate = backend.hash_build(target.put(keys), target.put(values))
@@ -260,11 +174,11 @@ def test_production_launch_configuration_spans_several_blocks(target):
     queries = rng.integers(0, 10**6, size=2000).astype(np.int64)
     queries[:700] = keys[:700]
     expected_table, _ = NUMPY_BACKEND.hash_build(keys, values)
-    _assert_equal(target.get(backend.hash_lookup(table, target.put(queries))),
+    assert_equal(target.get(backend.hash_lookup(table, target.put(queries))),
                   NUMPY_BACKEND.hash_lookup(expected_table, queries), "hash_lookup")
     source = rng.standard_normal((1500, 3)).astype(np.float32)
     rows = rng.integers(0, 1500, size=3000).astype(np.int32)
-    _assert_equal(target.get(backend.gather_rows(target.put(source), target.put(rows))),
+    assert_equal(target.get(backend.gather_rows(target.put(source), target.put(rows))),
                   NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
     grids = {record.expression.split("<")[0]: record.grid for record in launcher.records}
     assert grids == {"sc_hash_insert": 6, "sc_hash_lookup": 8, "sc_gather_rows": 36}, grids
@@ -283,7 +197,7 @@ def test_empty_inputs_launch_nothing(target):
     no_rows = target.put(np.zeros(0, np.int32))
     assert target.get(backend.gather_rows(source, no_rows)).shape == (0, 3)
     backend.scatter_add_rows(source, no_rows, target.put(np.zeros((0, 3), np.float32)))
-    _assert_equal(target.get(backend.index_add(5, empty_keys, target.put(np.zeros(0)))), np.zeros(5), "index_add")
+    assert_equal(target.get(backend.index_add(5, empty_keys, target.put(np.zeros(0)))), np.zeros(5), "index_add")
     assert launcher.records == []
 
 
@@ -341,14 +255,14 @@ def _assert_same_rulebook(actual: sc.Rulebook, expected: sc.Rulebook, target: Ta
     assert actual.identity_offset == expected.identity_offset
     assert actual.output_spatial_shape == expected.output_spatial_shape
     for field_name in ("input_indices", "output_indices", "pair_input", "pair_output"):
-        _assert_equal(target.get(getattr(actual, field_name)), getattr(expected, field_name), field_name)
+        assert_equal(target.get(getattr(actual, field_name)), getattr(expected, field_name), field_name)
 
 
 @pytest.mark.parametrize("count", [0, 180])
 @pytest.mark.parametrize("case", RULEBOOK_CASES, ids=lambda case: f"{case[0]}-{len(case[1])}d-k{case[2]}")
 def test_build_rulebook_equals_numpy_exactly(target, case, count):
     shape, batch_size = case[1], 2
-    indices = _random_sites(_rng(9, len(shape), count), count, shape, batch_size)
+    indices = random_sites(rng_for(9, len(shape), count), count, shape, batch_size)
     geometry = _geometry(case)
     expected = sc.build_rulebook(indices, shape, batch_size, geometry, backend=NUMPY_BACKEND)
     actual = sc.build_rulebook(target.put(indices), shape, batch_size, geometry, backend=target.backend)
@@ -358,7 +272,7 @@ def test_build_rulebook_equals_numpy_exactly(target, case, count):
 @pytest.mark.parametrize("subm", [False, True])
 def test_build_pool_rulebook_equals_numpy_exactly(target, subm):
     shape = (8, 10, 9)
-    indices = _random_sites(_rng(10, int(subm)), 200, shape, 2)
+    indices = random_sites(rng_for(10, int(subm)), 200, shape, 2)
     kernel_size = 3 if subm else 2
     expected = sc.build_pool_rulebook(indices, shape, 2, kernel_size, subm=subm, backend=NUMPY_BACKEND)
     actual = sc.build_pool_rulebook(target.put(indices), shape, 2, kernel_size, subm=subm, backend=target.backend)
@@ -368,7 +282,7 @@ def test_build_pool_rulebook_equals_numpy_exactly(target, subm):
 @pytest.mark.parametrize("kind", ["subm", "regular"])
 def test_duplicate_sites_raise_the_same_error(target, kind):
     shape = (6, 7, 5)
-    indices = _random_sites(_rng(11), 50, shape, 1)
+    indices = random_sites(rng_for(11), 50, shape, 1)
     indices[31] = indices[12]
     geometry = _geometry((kind, shape, 3, 2 if kind == "regular" else 1, 1 if kind == "regular" else 0, 1, 0))
     with pytest.raises(ValueError, match="duplicate sites") as expected:
@@ -378,11 +292,19 @@ def test_duplicate_sites_raise_the_same_error(target, kind):
     assert str(actual.value) == str(expected.value)
 
 
-def test_rulebook_builders_run_the_kernels(target):
+@pytest.mark.parametrize("case, kernels", [
+    (RULEBOOK_CASES[2], {"sc_hash_insert", "sc_hash_lookup_offsets", "sc_compact_count", "sc_compact_write"}),
+    (RULEBOOK_CASES[6], {"sc_hash_insert", "sc_regular_conv_candidates", "sc_compact_count", "sc_compact_write"}),
+    (RULEBOOK_CASES[10], {"sc_hash_insert", "sc_transposed_conv_candidates", "sc_compact_count",
+                          "sc_compact_write"}),
+], ids=["subm", "regular", "transposed"])
+def test_rulebook_builders_run_the_kernels(target, case, kernels):
     backend, launcher = target.recording()
-    indices = target.put(_random_sites(_rng(12), 100, (6, 7, 5), 1))
-    sc.build_rulebook(indices, (6, 7, 5), 1, _geometry(RULEBOOK_CASES[2]), backend=backend)
-    assert launcher.kernel_names() == {"sc_hash_insert", "sc_hash_lookup_offsets"}
+    indices = target.put(random_sites(rng_for(12), 100, case[1], 1))
+    sc.build_rulebook(indices, case[1], 1, _geometry(case), backend=backend)
+    assert launcher.kernel_names() == kernels
+    # a constant number of launches, not a few per kernel offset
+    assert len(launcher.records) <= 8, [record.expression for record in launcher.records]
 
 
 # ============================================================== feature passes
@@ -403,18 +325,18 @@ TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "float16": 2e-3}
 def _conv_setup(target: Target, case: tuple, count: int = 200):
     name, rulebook_case, in_channels, out_channels, groups, with_bias, dtype_name = case
     shape, batch_size = rulebook_case[1], 2
-    rng = _rng(13, len(name), count)
-    indices = _random_sites(rng, count, shape, batch_size)
+    rng = rng_for(13, len(name), count)
+    indices = random_sites(rng, count, shape, batch_size)
     geometry = _geometry(rulebook_case)
     expected_rb = sc.build_rulebook(indices, shape, batch_size, geometry, backend=NUMPY_BACKEND)
     actual_rb = sc.build_rulebook(target.put(indices), shape, batch_size, geometry, backend=target.backend)
     if name.startswith("inverse"):
         expected_rb, actual_rb = sc.inverse_rulebook(expected_rb), sc.inverse_rulebook(actual_rb)
     dtype = np.dtype(dtype_name)
-    features = _random_floats(rng, (expected_rb.num_input, in_channels), dtype)
-    weight = _random_floats(rng, (out_channels, *geometry.kernel_size, in_channels // groups), dtype)
-    bias = _random_floats(rng, (out_channels,), dtype) if with_bias else None
-    grad_output = _random_floats(rng, (expected_rb.num_output, out_channels), dtype)
+    features = random_floats(rng, (expected_rb.num_input, in_channels), dtype)
+    weight = random_floats(rng, (out_channels, *geometry.kernel_size, in_channels // groups), dtype)
+    bias = random_floats(rng, (out_channels,), dtype) if with_bias else None
+    grad_output = random_floats(rng, (expected_rb.num_output, out_channels), dtype)
     return expected_rb, actual_rb, features, weight, bias, grad_output, groups
 
 
@@ -442,15 +364,27 @@ def test_conv_forward_and_backward_match_numpy(target, case):
         _assert_close(target.get(actual_grad), expected_grad, dtype_name, what)
 
 
-def test_conv_runs_the_kernels_and_is_deterministic(target):
-    backend, launcher = target.recording()
-    _, actual_rb, features, weight, bias, grad_output, groups = _conv_setup(target, CONV_CASES[0], count=120)
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 0, 200])
+def test_conv_runs_the_kernels_and_is_deterministic(target, chunk_elements):
+    backend, launcher = target.recording(chunk_elements=chunk_elements)
+    expected_rb, actual_rb, features, weight, bias, grad_output, groups = _conv_setup(target, CONV_CASES[0], count=120)
     args = (target.put(grad_output), target.put(features), target.put(weight), actual_rb, groups)
     first = [target.get(grad) for grad in conv.conv_backward(*args, backend=backend)]
     second = [target.get(grad) for grad in conv.conv_backward(*args, backend=backend)]
     for one, two in zip(first, second):
-        _assert_equal(two, one, "second run")
-    assert launcher.kernel_names() == {"sc_gather_rows", "sc_scatter_add_rows_unique"}
+        assert_equal(two, one, "second run")
+    expected = conv.conv_backward(grad_output, features, weight, expected_rb, groups, backend=NUMPY_BACKEND)
+    for actual_grad, expected_grad, what in zip(first, expected, ("grad_features", "grad_weight")):
+        _assert_close(actual_grad, expected_grad, "float32", what)
+    launches_per_run = len(launcher.records) // 2
+    if chunk_elements == 0:  # one offset per chunk: a unique-row scatter per offset
+        assert launcher.kernel_names() == {"sc_gather_rows", "sc_scatter_add_rows_unique"}
+    elif chunk_elements == 1 << 26:
+        # two chunks (the offsets before and after the centre): 2 gathers and 1 segment sum each
+        assert launcher.kernel_names() == {"sc_gather_rows", "sc_segment_sum_rows"}
+        assert launches_per_run == 6, [record.expression for record in launcher.records]
+    else:
+        assert 6 < launches_per_run < 3 * 26
 
 
 @pytest.mark.parametrize("kind", ["subm", "regular", "transposed"])
@@ -471,21 +405,21 @@ POOL_CASES = [("regular3d", False, 2), ("subm3d", True, 3)]
 def test_pooling_matches_numpy(target, case):
     _, subm, kernel_size = case
     shape = (8, 10, 9)
-    rng = _rng(14, int(subm))
-    indices = _random_sites(rng, 220, shape, 2)
+    rng = rng_for(14, int(subm))
+    indices = random_sites(rng, 220, shape, 2)
     expected_rb = sc.build_pool_rulebook(indices, shape, 2, kernel_size, subm=subm, backend=NUMPY_BACKEND)
     actual_rb = sc.build_pool_rulebook(target.put(indices), shape, 2, kernel_size, subm=subm, backend=target.backend)
-    features = _random_floats(rng, (220, 3), np.dtype(np.float32))
+    features = random_floats(rng, (220, 3), np.dtype(np.float32))
     features[:40] = features[40:80]  # ties between rows
-    grad_output = _random_floats(rng, (expected_rb.num_output, 3), np.dtype(np.float32))
+    grad_output = random_floats(rng, (expected_rb.num_output, 3), np.dtype(np.float32))
 
     out, argmax = pool.max_pool_forward(features, expected_rb, backend=NUMPY_BACKEND)
     actual_out, actual_argmax = pool.max_pool_forward(target.put(features), actual_rb, backend=target.backend)
-    _assert_equal(target.get(actual_out), out, "max_pool_forward")
-    _assert_equal(target.get(actual_argmax), argmax, "max_pool_forward argmax")
+    assert_equal(target.get(actual_out), out, "max_pool_forward")
+    assert_equal(target.get(actual_argmax), argmax, "max_pool_forward argmax")
     expected = pool.max_pool_backward(grad_output, argmax, 220, backend=NUMPY_BACKEND)
     actual = pool.max_pool_backward(target.put(grad_output), actual_argmax, 220, backend=target.backend)
-    _assert_equal(target.get(actual), expected, "max_pool_backward")
+    assert_equal(target.get(actual), expected, "max_pool_backward")
 
     expected = pool.avg_pool_forward(features, expected_rb, backend=NUMPY_BACKEND)
     actual = pool.avg_pool_forward(target.put(features), actual_rb, backend=target.backend)
@@ -496,14 +430,14 @@ def test_pooling_matches_numpy(target, case):
 
 
 def test_global_max_pool_backward_matches_numpy(target):
-    rng = _rng(15)
-    indices = _random_sites(rng, 90, (5, 6), 3)
-    features = _random_floats(rng, (90, 4), np.dtype(np.float64))
+    rng = rng_for(15)
+    indices = random_sites(rng, 90, (5, 6), 3)
+    features = random_floats(rng, (90, 4), np.dtype(np.float64))
     _, argmax = pool.global_max_pool_forward(features, indices, 3)
-    grad_output = _random_floats(rng, (3, 4), np.dtype(np.float64))
+    grad_output = random_floats(rng, (3, 4), np.dtype(np.float64))
     expected = pool.global_max_pool_backward(grad_output, argmax, 90, backend=NUMPY_BACKEND)
     actual = pool.global_max_pool_backward(target.put(grad_output), target.put(argmax), 90, backend=target.backend)
-    _assert_equal(target.get(actual), expected, "global_max_pool_backward")
+    assert_equal(target.get(actual), expected, "global_max_pool_backward")
 
 
 # ============================================================== cupy_backend.py
@@ -540,7 +474,7 @@ def test_cupy_launcher_with_a_stand_in_cupy(monkeypatch):
         backend = KernelBackend(np, cupy_backend.CupyLauncher(), block_threads=32, max_blocks=2)
         source = np.arange(12, dtype=np.float32).reshape(4, 3)
         rows = np.array([3, 0, 3], dtype=np.int32)
-        _assert_equal(backend.gather_rows(source, rows), source[rows], "gather_rows")
+        assert_equal(backend.gather_rows(source, rows), source[rows], "gather_rows")
         assert requested == [("sc_gather_rows<float>", 3)]
     finally:
         sys.modules.pop(module_name, None)
@@ -568,7 +502,7 @@ def test_cupy_kernels_launch_on_the_current_stream(target):
 
     from sparsecore.backends.cupy_backend import CUPY_BACKEND
 
-    rng = _rng(16)
+    rng = rng_for(16)
     rows = cupy.asarray(rng.permutation(50)[:30].astype(np.int32))
     values = cupy.asarray(rng.standard_normal((30, 4)).astype(np.float32))
     buffer = cupy.zeros((50, 4), dtype=np.float32)
@@ -585,7 +519,7 @@ def test_cupy_kernels_launch_on_the_current_stream(target):
     stream.synchronize()
     expected = np.zeros((50, 4), np.float32)
     expected[cupy.asnumpy(rows)] = cupy.asnumpy(values)
-    _assert_equal(cupy.asnumpy(buffer), expected, "replayed scatter")
+    assert_equal(cupy.asnumpy(buffer), expected, "replayed scatter")
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["run_starts", "unique_inverse"]
+__all__ = ["run_starts", "unique_inverse", "group_starts"]
 
 
 def run_starts(xp: Any, sorted_values: Any) -> Any:
@@ -47,3 +47,20 @@ def unique_inverse(xp: Any, keys: Any) -> tuple[Any, Any]:
     inverse = xp.empty(keys.shape[0], dtype=xp.int64)
     inverse[order] = rank
     return sorted_keys[is_new], inverse
+
+
+def group_starts(xp: Any, rows: Any, num_groups: int) -> tuple[Any, Any]:
+    """Groups entries by row (a CSR grouping), without a host synchronisation.
+
+    Args:
+        xp: the array module of ``rows``.
+        rows: integer ``[M]`` in ``[0, num_groups)``.
+        num_groups: number of groups.
+
+    Returns:
+        ``(order int32 [M], starts int64 [num_groups + 1])``: ``order[starts[g]:starts[g + 1]]``
+        are the entries of row ``g``, in input order (a stable sort).
+    """
+    order = xp.argsort(rows, kind="stable")
+    starts = xp.searchsorted(rows[order], xp.arange(num_groups + 1, dtype=rows.dtype))
+    return order.astype(xp.int32), starts.astype(xp.int64)

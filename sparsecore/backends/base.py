@@ -19,10 +19,23 @@ class ArrayBackend(Protocol):
     Attributes:
         name: ``"numpy"`` or ``"cupy"``.
         xp: the NumPy-compatible array module (``numpy`` or ``cupy``).
+        chunk_elements: how many gathered feature elements (pair rows times
+            channels) a feature pass may hold at once: the passes group
+            consecutive kernel offsets into chunks of at most this size, each
+            one gather, one GEMM per offset and one `scatter_add_pairs`. 0 means
+            one offset per chunk (best for CPU caches).
     """
 
     name: str
     xp: Any
+    chunk_elements: int
+
+    def compute_dtype(self, dtype: Any) -> Any:
+        """The dtype the feature passes' products run in for storage ``dtype``.
+
+        NumPy has no fast float16 GEMM, so it computes float16 in float32; cuBLAS
+        multiplies float16 natively (accumulating in float32).
+        """
 
     def hash_build(self, keys: Any, values: Any) -> tuple[Any, tuple[int, int] | None]:
         """Builds a hash table of unique int64 keys.
@@ -42,10 +55,12 @@ class ArrayBackend(Protocol):
         Sorted queries may be faster (the NumPy backend uses a merge-friendly search).
         """
 
-    def hash_lookup_window(self, table: Any, queries: Any, width: int, step: int) -> Any:
+    def hash_lookup_window(self, table: Any, queries: Any, width: int, step: int, out: Any | None = None) -> Any:
         """Values of the keys ``queries + j * step`` for ``j < width``: int64 ``[width, M]``, -1 if absent.
 
         The window runs along the last packed axis (a row of kernel offsets).
+        ``out``, when given, is a C-contiguous int64 ``[width, M]`` array the
+        values are written into (and returned).
         """
 
     def hash_items(self, table: Any) -> tuple[Any, Any]:
@@ -54,11 +69,61 @@ class ArrayBackend(Protocol):
     def unique_inverse(self, keys: Any) -> tuple[Any, Any]:
         """Sorted unique int64 keys ``[U]`` and, for each input key, its position ``[M]``."""
 
+    def compact_pairs(self, table: Any) -> tuple[Any, Any, tuple[int, ...]]:
+        """The entries ``>= 0`` of an integer ``[R, L]`` table, row by row, in order.
+
+        Returns:
+            ``(columns, values, row_starts)``: int32 ``[P]`` column and value of
+            every entry ``>= 0`` in row-major order, and ``R + 1`` host ints, row
+            ``r`` owning ``[row_starts[r], row_starts[r + 1])``.
+        """
+
+    def conv_candidate_pairs(self, indices: Any, geometry: Any,
+                             output_spatial_shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...]]:
+        """Every (input site, kernel offset) of a regular or transposed conv that reaches an output site.
+
+        Args:
+            indices: int32 ``[N, 1 + D]`` input sites.
+            geometry: a `sparsecore.ConvGeometry` of kind ``"regular"`` or ``"transposed"``.
+            output_spatial_shape: its output grid.
+
+        Returns:
+            ``(input_rows, keys, offset_starts)``: int32 ``[P]`` input rows and int64
+            ``[P]`` packed output keys (row-major over batch and the output grid, no
+            margin), grouped by kernel offset (row-major over the kernel) with rows
+            increasing within an offset, and ``K + 1`` host ints delimiting them.
+        """
+
     def gather_rows(self, source: Any, rows: Any) -> Any:
         """``source[rows]`` for a ``[N, C]`` array and int ``rows [M]``."""
 
     def scatter_add_rows(self, target: Any, rows: Any, values: Any) -> None:
         """``target[rows] += values`` in place, for rows that are unique within the call."""
+
+    def scatter_add_pairs(self, target: Any, rows: Any, values: Any, run_starts: tuple[int, ...]) -> None:
+        """``target[rows[p]] += values[p]`` for every ``p``, in place.
+
+        Rows are unique within each run ``[run_starts[r], run_starts[r + 1])``
+        (the pairs of one kernel offset) but may repeat across runs. The sums
+        are deterministic: the same inputs give bitwise-identical results.
+        """
+
+    def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
+                       num_output: int) -> tuple[Any, Any]:
+        """Maximum of ``features[pair_input[p]]`` over the pairs of each output row.
+
+        Args:
+            features: ``[N, C]`` float array.
+            pair_input: int32 ``[P]`` input rows, grouped by kernel offset.
+            pair_output: int32 ``[P]`` output rows in ``[0, num_output)``, unique
+                within each run (kernel offset).
+            run_starts: ``K + 1`` host ints delimiting the kernel offsets' pairs.
+            num_output: output rows.
+
+        Returns:
+            ``(out [num_output, C], argmax [num_output, C] int32)``: the earliest pair
+            wins ties; an output without pairs gives 0 and argmax -1.
+        """
 
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         """Deterministic sum of ``values [M]`` into ``size`` bins by int ``index [M]``.
@@ -67,5 +132,5 @@ class ArrayBackend(Protocol):
         indices are summed in a fixed order, so the result is bitwise reproducible.
         """
 
-    def matmul(self, left: Any, right: Any) -> Any:
-        """Batched or plain matrix product (BLAS / cuBLAS)."""
+    def matmul(self, left: Any, right: Any, out: Any | None = None) -> Any:
+        """Batched or plain matrix product (BLAS / cuBLAS), into ``out`` when given."""

@@ -32,4 +32,4 @@ class CupyLauncher:
         kernel((grid,), (block,), args)  # a RawKernel launches on the current stream
 
 
-CUPY_BACKEND = KernelBackend(cupy, CupyLauncher(), name="cupy")
+CUPY_BACKEND = KernelBackend(cupy, CupyLauncher(), name="cupy", native_float16=True)

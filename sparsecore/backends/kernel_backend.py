@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _launch
+from . import _kernel_pairs, _launch
 from ._launch import INT64_MAX, KernelLauncher, check_float, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
@@ -66,6 +66,13 @@ class KernelBackend:
         block_threads: threads per block of every launch, 1 to 1024.
         max_blocks: most blocks of a launch; the kernels' grid-stride loops
             cover larger inputs.
+        chunk_elements: most gathered feature elements a feature pass holds at
+            once (see `ArrayBackend.chunk_elements`): the default, 2^26 (256 MB of
+            float32), puts every offset of a typical layer in one chunk, so a
+            conv is one gather, one GEMM per offset and one deterministic
+            segment-sum scatter.
+        native_float16: multiply float16 features as float16 (cuBLAS, float32
+            accumulation) instead of converting them to float32 first.
     """
 
     xp: Any
@@ -73,6 +80,8 @@ class KernelBackend:
     name: str = "kernels"
     block_threads: int = 256
     max_blocks: int = 4096
+    chunk_elements: int = 1 << 26
+    native_float16: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.launcher, KernelLauncher):
@@ -84,6 +93,13 @@ class KernelBackend:
             raise ValueError(f"block_threads must be in [1, {_MAX_BLOCK_THREADS}], got {self.block_threads}")
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be at least 1, got {self.max_blocks}")
+        if self.chunk_elements < 0:
+            raise ValueError(f"chunk_elements must be >= 0, got {self.chunk_elements}")
+
+    def compute_dtype(self, dtype: Any) -> Any:
+        """float16 stays float16 with ``native_float16``, else becomes float32; other dtypes are kept."""
+        dtype = np.dtype(dtype)
+        return dtype if dtype != np.float16 or self.native_float16 else np.dtype(np.float32)
 
     def _run(self, kernel: str, type_names: tuple[str, ...], work: int, args: tuple[Any, ...]) -> None:
         _launch.launch(self.launcher, kernel, type_names, work, args, self.block_threads, self.max_blocks)
@@ -145,7 +161,8 @@ class KernelBackend:
                   (flat, np.int64(count), table.table_keys, table.table_values, np.int64(table.capacity), out))
         return out.reshape(queries.shape)
 
-    def hash_lookup_window(self, table: KernelHashTable, queries: Any, width: int, step: int) -> Any:
+    def hash_lookup_window(self, table: KernelHashTable, queries: Any, width: int, step: int,
+                           out: Any | None = None) -> Any:
         """Values of ``queries + j * step`` for ``j < width``, with ``sc_hash_lookup_offsets<long long>``.
 
         Args:
@@ -154,9 +171,10 @@ class KernelBackend:
                 builders pass): a negative query answers -1 across its whole window.
             width: window length, >= 0.
             step: key distance between window positions.
+            out: optional C-contiguous int64 ``[width, M]`` array to write into.
 
         Returns:
-            int64 ``[width, M]``, -1 where absent.
+            int64 ``[width, M]`` (``out`` when given), -1 where absent.
         """
         xp = self.xp
         check_integer_vector(queries, "queries", "hash_lookup_window")
@@ -168,7 +186,13 @@ class KernelBackend:
         queries = xp.ascontiguousarray(queries, dtype=xp.int64)
         count = int(queries.shape[0])
         deltas = xp.arange(width, dtype=xp.int64) * np.int64(step)
-        out = xp.empty((width, count), dtype=xp.int64)
+        if out is None:
+            out = xp.empty((width, count), dtype=xp.int64)
+        elif tuple(out.shape) != (width, count) or out.dtype != xp.int64 or not out.flags.c_contiguous:
+            raise ValueError(
+                f"hash_lookup_window: out must be a C-contiguous int64 [{width}, {count}] array, got "
+                f"{out.dtype} {tuple(out.shape)}"
+            )
         self._run("sc_hash_lookup_offsets", ("int64",), count * width,
                   (queries, np.int64(count), deltas, np.int32(width), table.table_keys, table.table_values,
                    np.int64(table.capacity), out))
@@ -183,6 +207,15 @@ class KernelBackend:
         """Sorted unique int64 keys ``[U]`` and each key's position among them, int64 ``[M]``."""
         check_integer_vector(keys, "keys", "unique_inverse")
         return unique_inverse(self.xp, keys)
+
+    def compact_pairs(self, table: Any) -> tuple[Any, Any, tuple[int, ...]]:
+        """Entries ``>= 0`` of an integer ``[R, L]`` table with ``sc_compact_count`` / ``sc_compact_write``."""
+        return _kernel_pairs.compact_pairs(self, table)
+
+    def conv_candidate_pairs(self, indices: Any, geometry: Any,
+                             output_spatial_shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...]]:
+        """Valid (input row, output key) pairs per offset with the ``sc_*_conv_candidates`` kernels."""
+        return _kernel_pairs.conv_candidate_pairs(self, indices, geometry, output_spatial_shape)
 
     # --------------------------------------------------------- feature passes
 
@@ -235,6 +268,15 @@ class KernelBackend:
         if contiguous_target is not target:
             target[...] = contiguous_target
 
+    def scatter_add_pairs(self, target: Any, rows: Any, values: Any, run_starts: tuple[int, ...]) -> None:
+        """``target[rows] += values`` over several offsets' pairs with one ``sc_segment_sum_rows``."""
+        _kernel_pairs.scatter_add_pairs(self, target, rows, values, run_starts)
+
+    def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
+                       num_output: int) -> tuple[Any, Any]:
+        """Per-output maxima and argmax rows with ``sc_max_pool_forward`` (``run_starts`` unused)."""
+        return _kernel_pairs.max_pool_pairs(self, features, pair_input, pair_output, num_output)
+
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         """Deterministic float64 sums of ``values`` into ``size`` bins by ``index``.
 
@@ -286,6 +328,6 @@ class KernelBackend:
                    np.int64(num_segments), np.int64(1), out))
         return out.reshape(size)
 
-    def matmul(self, left: Any, right: Any) -> Any:
-        """``xp.matmul`` (cuBLAS on CuPy; float32 without TF32 unless ``CUPY_TF32=1``)."""
-        return self.xp.matmul(left, right)
+    def matmul(self, left: Any, right: Any, out: Any | None = None) -> Any:
+        """``xp.matmul`` (cuBLAS on CuPy; float32 without TF32 unless ``CUPY_TF32=1``), into ``out`` if given."""
+        return self.xp.matmul(left, right, out=out)

@@ -37,10 +37,19 @@ _SENTINEL = np.iinfo(np.int64).max
 
 @dataclass(frozen=True)
 class NumpyBackend:
-    """Primitives on NumPy arrays (see `sparsecore.backends.base.ArrayBackend`)."""
+    """Primitives on NumPy arrays (see `sparsecore.backends.base.ArrayBackend`).
+
+    Feature passes run one kernel offset at a time (``chunk_elements = 0``):
+    the gathered rows of one offset stay in cache for its GEMM and scatter.
+    """
 
     name: str = "numpy"
     xp: Any = np
+    chunk_elements: int = 0
+
+    def compute_dtype(self, dtype: Any) -> Any:
+        # NumPy's float16 matmul has no BLAS kernel: compute float16 in float32
+        return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
 
     def hash_build(self, keys: np.ndarray, values: np.ndarray) -> tuple[SortedTable, tuple[int, int] | None]:
         # keys are unique once duplicates are rejected, so stability is not needed
@@ -65,12 +74,14 @@ class NumpyBackend:
         np.minimum(position, table.keys.shape[0] - 1, out=position)
         return np.where(table.keys[position] == queries, table.values[position], np.int64(-1))
 
-    def hash_lookup_window(self, table: SortedTable, queries: np.ndarray, width: int, step: int) -> np.ndarray:
+    def hash_lookup_window(self, table: SortedTable, queries: np.ndarray, width: int, step: int,
+                           out: np.ndarray | None = None) -> np.ndarray:
         # One binary search for the window's first key, then at most `step`
         # one-key moves per further window position: keys are unique integers,
         # so between q and q + step there are at most `step` of them. The
         # sentinel key stops every move inside the array.
-        out = np.empty((width, queries.shape[0]), dtype=np.int64)
+        if out is None:
+            out = np.empty((width, queries.shape[0]), dtype=np.int64)
         position = np.searchsorted(table.keys, queries)
         np.minimum(position, table.keys.shape[0] - 1, out=position)
         current = table.keys[position]
@@ -91,6 +102,41 @@ class NumpyBackend:
     def unique_inverse(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return unique_inverse(np, keys)
 
+    def compact_pairs(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+        num_rows, row_length = table.shape
+        flat_table = table.reshape(-1)
+        flat = np.flatnonzero(flat_table >= 0)  # row-major order
+        values = np.take(flat_table, flat).astype(np.int32)
+        starts = np.searchsorted(flat, np.arange(num_rows + 1, dtype=np.int64) * row_length)
+        columns = (flat - np.repeat(np.arange(num_rows, dtype=np.int64) * row_length, np.diff(starts)))
+        return columns.astype(np.int32), values, tuple(starts.tolist())
+
+    def conv_candidate_pairs(self, indices: np.ndarray, geometry: Any,
+                             output_spatial_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+        # Expands one axis at a time, keeping only the valid (row, partial key)
+        # candidates, so work follows the valid pairs rather than N * K: the list
+        # index after the last axis is the row-major flattened kernel offset.
+        strides = [1] * (len(output_spatial_shape) + 1)
+        for axis in range(len(output_spatial_shape) - 1, -1, -1):
+            strides[axis] = strides[axis + 1] * int(output_spatial_shape[axis])
+        candidates = [(np.arange(indices.shape[0], dtype=np.int32), indices[:, 0].astype(np.int64) * strides[0])]
+        for axis in range(geometry.ndim):
+            coordinate = indices[:, axis + 1].astype(np.int64)
+            expanded = []
+            for rows, keys in candidates:
+                coordinate_rows = coordinate[rows]
+                for k in range(geometry.kernel_size[axis]):
+                    out, valid = _axis_candidate(coordinate_rows, geometry, axis, k, output_spatial_shape[axis])
+                    selected = np.flatnonzero(valid)
+                    expanded.append((rows[selected], keys[selected] + out[selected] * strides[axis + 1]))
+            candidates = expanded
+        starts = [0]
+        for rows, _ in candidates:
+            starts.append(starts[-1] + int(rows.shape[0]))
+        input_rows = np.concatenate([rows for rows, _ in candidates])
+        keys = np.concatenate([keys for _, keys in candidates])
+        return input_rows, keys, tuple(starts)
+
     def gather_rows(self, source: np.ndarray, rows: np.ndarray) -> np.ndarray:
         # take() with intp indices is ~2.5x faster than with int32 ones, conversion included
         return np.take(source, rows.astype(np.intp, copy=False), axis=0)
@@ -109,8 +155,49 @@ class NumpyBackend:
         row_type = np.dtype((np.void, row_bytes))
         np.put(target.view(row_type).reshape(-1), rows, summed.view(row_type).reshape(-1))
 
+    def scatter_add_pairs(self, target: np.ndarray, rows: np.ndarray, values: np.ndarray,
+                          run_starts: tuple[int, ...]) -> None:
+        for start, stop in zip(run_starts[:-1], run_starts[1:]):
+            if stop > start:
+                self.scatter_add_rows(target, rows[start:stop], values[start:stop])
+
+    def max_pool_pairs(self, features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
+                       run_starts: tuple[int, ...], num_output: int) -> tuple[np.ndarray, np.ndarray]:
+        channels = features.shape[1]
+        out = np.zeros((num_output, channels), dtype=features.dtype)
+        argmax = np.full((num_output, channels), -1, dtype=np.int32)
+        for start, stop in zip(run_starts[:-1], run_starts[1:]):
+            if stop == start:
+                continue
+            input_rows = pair_input[start:stop].astype(np.intp)
+            output_rows = pair_output[start:stop].astype(np.intp)
+            values = np.take(features, input_rows, axis=0)
+            current = np.take(out, output_rows, axis=0)
+            current_arg = np.take(argmax, output_rows, axis=0)
+            # the earliest pair wins ties (and NaNs after it): replace only when strictly greater
+            better = (values > current) | (current_arg < 0)
+            out[output_rows] = np.where(better, values, current)
+            argmax[output_rows] = np.where(better, input_rows[:, None].astype(np.int32), current_arg)
+        return out, argmax
+
     def index_add(self, size: int, index: np.ndarray, values: np.ndarray) -> np.ndarray:
         return np.bincount(index, weights=values, minlength=size)
 
-    def matmul(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
-        return np.matmul(left, right)
+    def matmul(self, left: np.ndarray, right: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return np.matmul(left, right, out=out)
+
+
+def _axis_candidate(coordinate: np.ndarray, geometry: Any, axis: int, k: int,
+                    output_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Output coordinates (int64) reached through kernel index ``k`` on one axis, and their validity."""
+    s, p, d = geometry.stride[axis], geometry.padding[axis], geometry.dilation[axis]
+    if geometry.kind == "regular":
+        numerator = coordinate + (p - k * d)
+        out = numerator // s
+        valid = (numerator >= 0) & (out < output_size)
+        if s > 1:
+            valid &= numerator - out * s == 0
+    else:
+        out = coordinate * s + (k * d - p)
+        valid = (out >= 0) & (out < output_size)
+    return out, valid

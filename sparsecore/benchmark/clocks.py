@@ -206,9 +206,11 @@ class InstrumentedBackend:
     """An `ArrayBackend` that records its feature primitives as stages.
 
     ``gather_rows`` is recorded as ``"gather"``, ``matmul`` as ``"GEMM"``,
-    ``scatter_add_rows`` as ``"scatter"``, ``index_add`` as ``"index add"``;
-    hashing and sorting pass through unrecorded (rulebook builds are timed
-    as a whole by the caller).
+    ``scatter_add_rows`` and ``scatter_add_pairs`` as ``"scatter"``,
+    ``index_add`` as ``"index add"``; hashing, sorting, compaction and
+    candidate generation pass through unrecorded (rulebook builds are timed as
+    a whole by the caller), and so does ``max_pool_pairs`` (the caller times
+    pools whole).
 
     Attributes:
         inner: the backend that does the work.
@@ -226,20 +228,37 @@ class InstrumentedBackend:
     def xp(self) -> Any:
         return self.inner.xp
 
+    @property
+    def chunk_elements(self) -> int:
+        return self.inner.chunk_elements
+
+    def compute_dtype(self, dtype: Any) -> Any:
+        return self.inner.compute_dtype(dtype)
+
     def hash_build(self, keys: Any, values: Any) -> Any:
         return self.inner.hash_build(keys, values)
 
     def hash_lookup(self, table: Any, queries: Any) -> Any:
         return self.inner.hash_lookup(table, queries)
 
-    def hash_lookup_window(self, table: Any, queries: Any, width: int, step: int) -> Any:
-        return self.inner.hash_lookup_window(table, queries, width, step)
+    def hash_lookup_window(self, table: Any, queries: Any, width: int, step: int, out: Any = None) -> Any:
+        return self.inner.hash_lookup_window(table, queries, width, step, out=out)
 
     def hash_items(self, table: Any) -> Any:
         return self.inner.hash_items(table)
 
     def unique_inverse(self, keys: Any) -> Any:
         return self.inner.unique_inverse(keys)
+
+    def compact_pairs(self, table: Any) -> Any:
+        return self.inner.compact_pairs(table)
+
+    def conv_candidate_pairs(self, indices: Any, geometry: Any, output_spatial_shape: tuple[int, ...]) -> Any:
+        return self.inner.conv_candidate_pairs(indices, geometry, output_spatial_shape)
+
+    def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
+                       num_output: int) -> Any:
+        return self.inner.max_pool_pairs(features, pair_input, pair_output, run_starts, num_output)
 
     def gather_rows(self, source: Any, rows: Any) -> Any:
         with self.recorder.interval("gather"):
@@ -249,10 +268,14 @@ class InstrumentedBackend:
         with self.recorder.interval("scatter"):
             self.inner.scatter_add_rows(target, rows, values)
 
+    def scatter_add_pairs(self, target: Any, rows: Any, values: Any, run_starts: tuple[int, ...]) -> None:
+        with self.recorder.interval("scatter"):
+            self.inner.scatter_add_pairs(target, rows, values, run_starts)
+
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         with self.recorder.interval("index add"):
             return self.inner.index_add(size, index, values)
 
-    def matmul(self, left: Any, right: Any) -> Any:
+    def matmul(self, left: Any, right: Any, out: Any = None) -> Any:
         with self.recorder.interval("GEMM"):
-            return self.inner.matmul(left, right)
+            return self.inner.matmul(left, right, out=out)

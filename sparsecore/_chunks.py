@@ -1,0 +1,83 @@
+"""Chunks of kernel offsets: how a feature pass batches its gathers and scatters.
+
+A feature pass walks the kernel offsets of a rulebook; its pairs are stored
+offset by offset, so consecutive offsets own one contiguous range of pairs. A
+`PairChunk` is such a range, sized by the backend's ``chunk_elements``: one
+gather of the chunk's rows, one GEMM per offset on slices of it, and one
+`ArrayBackend.scatter_add_pairs`. The NumPy backend takes one offset per chunk
+(cache-sized work); the GPU backend takes as many as fit, so a layer costs a
+few launches instead of three per offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["PairChunk", "pair_chunks"]
+
+
+@dataclass(frozen=True)
+class PairChunk:
+    """Consecutive kernel offsets whose pairs a feature pass handles together.
+
+    Attributes:
+        offsets: the kernel offsets, increasing, each with at least one pair.
+        start: the chunk's first pair (index into the rulebook's pair arrays).
+        stop: one past its last pair.
+        local_starts: ``len(offsets) + 1`` pair positions relative to ``start``:
+            offset ``offsets[j]`` owns ``[local_starts[j], local_starts[j + 1])``.
+    """
+
+    offsets: tuple[int, ...]
+    start: int
+    stop: int
+    local_starts: tuple[int, ...]
+
+    def slices(self) -> Iterator[tuple[int, int, int]]:
+        """``(offset, first, last)`` per offset, ``first:last`` relative to the chunk."""
+        for position, offset in enumerate(self.offsets):
+            yield offset, self.local_starts[position], self.local_starts[position + 1]
+
+
+def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: int,
+                skip: int = -1) -> tuple[PairChunk, ...]:
+    """Groups the non-empty kernel offsets into chunks of at most ``chunk_elements`` gathered elements.
+
+    Args:
+        offset_starts: ``K + 1`` pair positions of a rulebook.
+        channels: the widest row a chunk gathers or produces (the more of the
+            input and output channels).
+        chunk_elements: most ``pairs * channels`` per chunk; an offset larger
+            than that is a chunk of its own. 0 gives one offset per chunk.
+        skip: an offset to leave out (a submanifold centre, run as a plain
+            GEMM), or -1. Chunks never reach across it.
+
+    Returns:
+        The chunks, in offset order.
+    """
+    chunks: list[PairChunk] = []
+    offsets: list[int] = []
+    chunk_start = 0
+
+    def close(stop: int) -> None:
+        if offsets:
+            local = tuple(offset_starts[offset] - chunk_start for offset in offsets) + (stop - chunk_start,)
+            chunks.append(PairChunk(tuple(offsets), chunk_start, stop, local))
+        offsets.clear()
+
+    for offset in range(len(offset_starts) - 1):
+        start, stop = offset_starts[offset], offset_starts[offset + 1]
+        if stop == start:
+            continue
+        if offset == skip:
+            close(start)
+            continue
+        contiguous = bool(offsets) and offset_starts[offsets[-1] + 1] == start
+        fits = (stop - chunk_start) * channels <= chunk_elements
+        if not (contiguous and fits):
+            close(offset_starts[offsets[-1] + 1] if offsets else start)
+            chunk_start = start
+        offsets.append(offset)
+    close(offset_starts[offsets[-1] + 1] if offsets else 0)
+    return tuple(chunks)

@@ -1,0 +1,157 @@
+"""The kernel backend's pair primitives: compaction, conv candidates, pair scatters, max pooling.
+
+Functions of a `KernelBackend` (its ``xp`` and its launcher), kept apart from
+the hashing and row primitives of `kernel_backend` so each module has one
+concern. Each makes its inputs contiguous, checks them, launches registered
+``sc_*`` kernels (never a zero-block grid) and uses ``xp`` for sorts and
+scans. None needs atomics, so every result is bitwise reproducible, and none
+synchronises with the host except where a size must be known to allocate
+(`compact_pairs`' total).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._launch import INT32_MAX, check_float, check_integer_vector, check_row_count
+from ._sorting import group_starts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .kernel_backend import KernelBackend
+
+__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_pairs", "max_pool_pairs"]
+
+# Entries of a compaction tile per thread: a tile is this many times the block.
+_TILE_ENTRIES_PER_THREAD = 8
+
+
+def compact_pairs(backend: "KernelBackend", table: Any) -> tuple[Any, Any, tuple[int, ...]]:
+    """Entries ``>= 0`` of an integer ``[R, L]`` table, in row-major order (see `ArrayBackend.compact_pairs`).
+
+    Two passes of ``rulebook.cu``: ``sc_compact_count`` counts each tile's
+    entries, ``xp.cumsum`` turns counts into positions, ``sc_compact_write``
+    writes them; one device-to-host copy brings the per-row counts.
+    """
+    xp = backend.xp
+    if table.ndim != 2 or table.dtype.kind not in "iu":
+        raise ValueError(f"compact_pairs: table must be a 2-D integer array, got {table.dtype} {tuple(table.shape)}")
+    num_rows, row_length = (int(size) for size in table.shape)
+    if row_length > INT32_MAX:
+        raise ValueError(f"compact_pairs: rows of {row_length} entries exceed the int32 column numbers")
+    values = xp.ascontiguousarray(table, dtype=xp.int32)  # entries are rows or -1: int32 holds them
+    if num_rows == 0 or row_length == 0:
+        empty = xp.zeros(0, dtype=xp.int32)
+        return empty, empty.copy(), (0,) * (num_rows + 1)
+    tile_size = backend.block_threads * _TILE_ENTRIES_PER_THREAD
+    tiles_per_row = -(-row_length // tile_size)
+    num_tiles = num_rows * tiles_per_row
+    tile_counts = xp.empty(num_tiles, dtype=xp.int64)
+    backend._run("sc_compact_count", (), num_tiles * backend.block_threads,
+                 (values, np.int64(num_rows), np.int64(row_length), np.int64(tile_size), tile_counts))
+    tile_offsets = xp.cumsum(tile_counts) - tile_counts
+    row_counts = tile_counts.reshape(num_rows, tiles_per_row).sum(axis=1).tolist()
+    starts = [0]
+    for count in row_counts:
+        starts.append(starts[-1] + int(count))
+    columns = xp.empty(starts[-1], dtype=xp.int32)
+    found = xp.empty(starts[-1], dtype=xp.int32)
+    if starts[-1]:
+        backend._run("sc_compact_write", (), num_tiles * backend.block_threads,
+                     (values, np.int64(num_rows), np.int64(row_length), np.int64(tile_size), tile_offsets,
+                      columns, found))
+    return columns, found, tuple(starts)
+
+
+def conv_candidate_pairs(backend: "KernelBackend", indices: Any, geometry: Any,
+                         output_spatial_shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...]]:
+    """Input rows and output keys of every valid (site, offset) pair (see `ArrayBackend.conv_candidate_pairs`).
+
+    ``sc_regular_conv_candidates`` / ``sc_transposed_conv_candidates`` fill a
+    ``[K, N]`` key table in one launch; `compact_pairs` over a table holding the
+    offset where the key is valid keeps the pairs grouped by offset, rows
+    increasing.
+    """
+    xp = backend.xp
+    if geometry.kind not in ("regular", "transposed"):
+        raise ValueError(f"conv_candidate_pairs: geometry must be regular or transposed, got {geometry.kind!r}")
+    ndim = geometry.ndim
+    if indices.ndim != 2 or indices.shape[1] != ndim + 1:
+        raise ValueError(f"conv_candidate_pairs: indices must be [N, {ndim + 1}], got {tuple(indices.shape)}")
+    count, volume = int(indices.shape[0]), int(geometry.kernel_volume)
+    check_row_count(count, "indices", "conv_candidate_pairs")
+    if max(output_spatial_shape, default=0) > INT32_MAX:
+        raise ValueError(f"conv_candidate_pairs: output grid {tuple(output_spatial_shape)} exceeds int32 coordinates")
+    positions = np.indices(geometry.kernel_size).reshape(ndim, -1).T
+    parameters = np.array([geometry.stride, geometry.padding, geometry.dilation, tuple(output_spatial_shape)])
+    keys = xp.empty((volume, count), dtype=xp.int64)
+    kernel = "sc_transposed_conv_candidates" if geometry.kind == "transposed" else "sc_regular_conv_candidates"
+    backend._run(kernel, (), volume * count,
+                 (xp.ascontiguousarray(indices, dtype=xp.int32), np.int64(count), np.int32(ndim),
+                  xp.asarray(np.ascontiguousarray(positions, dtype=np.int32)), np.int32(volume),
+                  xp.asarray(np.ascontiguousarray(parameters, dtype=np.int32)), keys))
+    offset_of_valid = xp.where(keys >= 0, xp.arange(volume, dtype=xp.int32)[:, None], xp.int32(-1))
+    rows, offsets, starts = compact_pairs(backend, offset_of_valid)
+    pair_keys = xp.take(keys.reshape(-1), offsets.astype(xp.int64) * count + rows)
+    return rows, pair_keys, starts
+
+
+def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: Any,
+                      run_starts: tuple[int, ...]) -> None:
+    """``target[rows[p]] += values[p]`` (see `ArrayBackend.scatter_add_pairs`).
+
+    One run: ``sc_scatter_add_rows_unique``. Several: the pairs are grouped by
+    target row with a stable ``xp.argsort`` and ``xp.searchsorted`` (no host
+    synchronisation), and ``sc_segment_sum_rows`` adds each row's values in pair
+    order in the accumulator type (float32 for 16-bit storage), rounding once.
+    """
+    xp = backend.xp
+    dtype_name = check_float(target, "target", "scatter_add_pairs")
+    check_integer_vector(rows, "rows", "scatter_add_pairs")
+    check_row_count(int(target.shape[0]), "target", "scatter_add_pairs")
+    count, channels = int(rows.shape[0]), int(target.shape[1])
+    if tuple(values.shape) != (count, channels):
+        raise ValueError(
+            f"scatter_add_pairs: values must have shape [{count}, {channels}] (one row per entry of rows, "
+            f"target's channels), got {tuple(values.shape)}"
+        )
+    if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
+        raise ValueError(f"scatter_add_pairs: run_starts must run from 0 to {count}, got {tuple(run_starts)}")
+    if sum(1 for start, stop in zip(run_starts[:-1], run_starts[1:]) if stop > start) <= 1:
+        backend.scatter_add_rows(target, rows, values)
+        return
+    if not target.flags.c_contiguous:
+        raise ValueError("scatter_add_pairs: target must be C-contiguous (it is updated in place)")
+    num_rows = int(target.shape[0])
+    order, starts = group_starts(xp, rows, num_rows)
+    backend._run("sc_segment_sum_rows", (dtype_name,), num_rows * channels,
+                 (xp.ascontiguousarray(values, dtype=target.dtype), order, starts,
+                  xp.arange(num_rows, dtype=xp.int32), np.int64(num_rows), np.int64(channels), target))
+
+
+def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pair_output: Any,
+                   num_output: int) -> tuple[Any, Any]:
+    """Per-output maxima over the pairs with ``sc_max_pool_forward`` (see `ArrayBackend.max_pool_pairs`).
+
+    A stable ``xp.argsort`` of ``pair_output`` groups the pairs by output in
+    pair (kernel-offset) order, so the kernel's "earliest wins ties" is the
+    earliest offset's.
+    """
+    xp = backend.xp
+    dtype_name = check_float(features, "features", "max_pool_pairs")
+    check_integer_vector(pair_input, "pair_input", "max_pool_pairs")
+    check_integer_vector(pair_output, "pair_output", "max_pool_pairs", int(pair_input.shape[0]))
+    check_row_count(int(features.shape[0]), "features", "max_pool_pairs")
+    num_output, channels = int(num_output), int(features.shape[1])
+    check_row_count(num_output, "the output (num_output)", "max_pool_pairs")
+    out = xp.zeros((num_output, channels), dtype=features.dtype)
+    argmax = xp.full((num_output, channels), -1, dtype=xp.int32)
+    if pair_input.shape[0] == 0:
+        return out, argmax
+    order, output_starts = group_starts(xp, pair_output, num_output)
+    grouped_input = xp.ascontiguousarray(xp.take(pair_input, order), dtype=xp.int32)
+    backend._run("sc_max_pool_forward", (dtype_name,), num_output * channels,
+                 (xp.ascontiguousarray(features), grouped_input, output_starts, np.int64(num_output),
+                  np.int64(channels), out, argmax))
+    return out, argmax

@@ -1,0 +1,46 @@
+"""`sparsecore._chunks.pair_chunks` against the properties a feature pass relies on, on random rulebooks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparsecore._chunks import pair_chunks
+
+
+def _random_starts(rng: np.random.Generator, volume: int) -> tuple[int, ...]:
+    counts = rng.integers(0, 40, size=volume)
+    counts[rng.random(volume) < 0.3] = 0
+    return (0, *np.cumsum(counts).tolist())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chunks_cover_every_nonempty_offset_once_in_order(seed):
+    rng = np.random.default_rng([20261202, seed])
+    volume = int(rng.integers(1, 30))
+    starts = _random_starts(rng, volume)
+    channels = int(rng.integers(1, 9))
+    budget = int(rng.choice([0, 1, 50, 300, 10**9]))
+    skip = int(rng.integers(-1, volume))
+    chunks = pair_chunks(starts, channels, budget, skip=skip)
+    expected = [k for k in range(volume) if starts[k + 1] > starts[k] and k != skip]
+    assert [k for chunk in chunks for k in chunk.offsets] == expected
+    for chunk in chunks:
+        first = chunk.offsets[0]
+        assert chunk.start == starts[first] and chunk.stop == starts[chunk.offsets[-1] + 1]
+        # each offset's pairs are its rulebook range, shifted to the chunk
+        for offset, low, high in chunk.slices():
+            assert (chunk.start + low, chunk.start + high) == (starts[offset], starts[offset + 1])
+        # a chunk never holds the skipped offset's pairs, and keeps to the budget unless it is one offset
+        assert not (skip >= 0 and chunk.start < starts[skip + 1] and starts[skip] < chunk.stop
+                    and starts[skip + 1] > starts[skip])
+        assert len(chunk.offsets) == 1 or (chunk.stop - chunk.start) * channels <= budget
+    if budget == 0:
+        assert all(len(chunk.offsets) == 1 for chunk in chunks)
+    if budget == 10**9:  # everything fits: one chunk on each side of the skipped offset at most
+        assert len(chunks) <= 2
+
+
+def test_no_pairs_no_chunks():
+    assert pair_chunks((0, 0, 0, 0), 4, 100) == ()
+    assert pair_chunks((0,), 4, 100) == ()

@@ -1,0 +1,220 @@
+"""The pair primitives (`sparsecore.backends._kernel_pairs` and the NumPy backend's) against NumPy twins.
+
+``compact_pairs``, ``conv_candidate_pairs``, ``scatter_add_pairs`` and
+``max_pool_pairs`` are checked on both backends against the kernels' NumPy
+twins (``cuda_emulation/numpy_twins.py``): integer results exactly, the kernel
+backend's float results exactly too (same additions in the same order), the
+NumPy backend's within rounding (it adds offset by offset into the target).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sparsecore as sc
+from sparsecore import conv
+from sparsecore.backends import NUMPY_BACKEND
+from sparsecore.backends.kernel_backend import KernelBackend
+
+try:
+    from cuda_emulation import numpy_twins
+    from kernel_targets import assert_equal, random_sites, rng_for, target  # noqa: F401
+except ImportError:  # tests/ imported as a package
+    from tests.cuda_emulation import numpy_twins
+    from tests.kernel_targets import assert_equal, random_sites, rng_for, target  # noqa: F401
+
+
+def _random_table(rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
+    table = rng.integers(0, 10**6, size=(rows, length)).astype(np.int64)
+    table[rng.random((rows, length)) < 0.6] = -1
+    return table
+
+
+# ================================================================ compact_pairs
+
+
+@pytest.mark.parametrize("rows, length", [(0, 5), (3, 0), (1, 1), (4, 255), (3, 256), (13, 700)])
+def test_compact_pairs_equals_the_twin(target, rows, length):
+    table = _random_table(rng_for(30, rows, length), rows, length)
+    columns, values, counts = numpy_twins.compact(table)
+    starts = (0, *np.cumsum(counts).tolist())
+    for backend, put, get in ((NUMPY_BACKEND, np.asarray, np.asarray), (target.backend, target.put, target.get)):
+        actual_columns, actual_values, actual_starts = backend.compact_pairs(put(table))
+        assert actual_starts == starts
+        assert_equal(get(actual_columns), columns, "columns")
+        assert_equal(get(actual_values), values, "values")
+
+
+def test_compact_pairs_rejects_a_table_that_is_not_2d(target):
+    with pytest.raises(ValueError, match="table must be a 2-D integer array"):
+        target.backend.compact_pairs(target.put(np.zeros(4, np.int64)))
+
+
+# ========================================================= conv_candidate_pairs
+
+
+CANDIDATE_CASES = [
+    # kind, spatial shape, kernel size, stride, padding, dilation, output padding
+    ("regular", (60,), 3, 2, 1, 1, 0),
+    ("regular", (9, 11), (2, 3), (2, 1), (0, 1), (1, 2), 0),
+    ("regular", (7, 8, 6), 3, 2, 1, 1, 0),
+    ("regular", (7, 8, 6), 3, 1, 2, 2, 0),
+    ("transposed", (60,), 3, 2, 1, 1, 1),
+    ("transposed", (6, 7, 5), (2, 2, 3), (2, 2, 1), 0, 1, 0),
+]
+
+
+@pytest.mark.parametrize("count", [0, 1, 90])
+@pytest.mark.parametrize("case", CANDIDATE_CASES, ids=lambda case: f"{case[0]}-{len(case[1])}d")
+def test_conv_candidate_pairs_equals_the_dense_formula(target, case, count):
+    kind, shape, kernel_size, stride, padding, dilation, output_padding = case
+    geometry = sc.ConvGeometry.create(len(shape), kernel_size, stride=stride, padding=padding, dilation=dilation,
+                                      output_padding=output_padding, kind=kind)
+    out_shape = geometry.output_spatial_shape(shape)
+    indices = random_sites(rng_for(31, len(shape), count), count, shape, 2)
+    positions = np.indices(geometry.kernel_size).reshape(geometry.ndim, -1).T
+    keys = numpy_twins.conv_candidates(indices, positions, geometry.stride, geometry.padding, geometry.dilation,
+                                       out_shape, kind == "transposed")
+    offsets, rows = np.nonzero(keys >= 0)
+    starts = (0, *np.cumsum(np.bincount(offsets, minlength=geometry.kernel_volume)).tolist())
+    for backend, put, get in ((NUMPY_BACKEND, np.asarray, np.asarray), (target.backend, target.put, target.get)):
+        actual_rows, actual_keys, actual_starts = backend.conv_candidate_pairs(put(indices), geometry, out_shape)
+        assert actual_starts == starts
+        assert_equal(get(actual_rows), rows.astype(np.int32), "input rows")
+        assert_equal(get(actual_keys), keys[offsets, rows], "keys")
+
+
+# ============================================================ scatter_add_pairs
+
+
+def _storage(target, dtype_name: str, array: np.ndarray) -> np.ndarray:
+    """The twin's storage array (bfloat16 as uint16 bits) as the target's dtype."""
+    return array.view(target.dtype("bfloat16")) if dtype_name == "bfloat16" else array
+
+
+def _pair_runs(rng: np.random.Generator, num_rows: int, run_lengths: list[int]) -> tuple[np.ndarray, tuple]:
+    """Rows unique within each run, repeating across runs."""
+    rows = np.concatenate([rng.choice(num_rows, size=length, replace=False) for length in run_lengths]
+                          + [np.zeros(0, np.int64)]).astype(np.int32)
+    return rows, (0, *np.cumsum(run_lengths).tolist())
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("run_lengths", [[], [17], [0, 17, 0], [30, 5, 0, 41, 12]])
+def test_scatter_add_pairs_equals_the_segment_sum_twin(target, dtype_name, run_lengths):
+    rng = rng_for(32, len(run_lengths), sum(run_lengths))
+    rows, run_starts = _pair_runs(rng, 45, run_lengths)
+    start = numpy_twins.random_features(rng, (45, 3), dtype_name)
+    values = numpy_twins.random_features(rng, (rows.shape[0], 3), dtype_name)
+    order = np.argsort(rows, kind="stable").astype(np.int32)
+    segment_starts = np.searchsorted(rows[order], np.arange(46)).astype(np.int64)
+    expected = numpy_twins.segment_sum_rows(start, values, order, segment_starts, np.arange(45, dtype=np.int32),
+                                            dtype_name)
+    device_target = target.put(_storage(target, dtype_name, start.copy()))
+    target.backend.scatter_add_pairs(device_target, target.put(rows), target.put(_storage(target, dtype_name, values)),
+                                     run_starts)
+    actual = target.get(device_target)
+    if dtype_name == "bfloat16":
+        actual = actual.view(np.uint16)
+    assert_equal(actual, expected, "scatter_add_pairs")
+    if dtype_name in ("float32", "float64"):  # the NumPy backend adds offset by offset: equal within rounding
+        numpy_target = start.copy()
+        NUMPY_BACKEND.scatter_add_pairs(numpy_target, rows, values, run_starts)
+        np.testing.assert_allclose(numpy_target, expected, rtol=1e-5 if dtype_name == "float32" else 1e-12)
+
+
+def test_scatter_add_pairs_rejects_bad_arguments(target):
+    rows = target.put(np.array([0, 1, 0], np.int32))
+    data = target.put(np.ones((3, 2), np.float32))
+    with pytest.raises(ValueError, match="run_starts must run from 0 to 3"):
+        target.backend.scatter_add_pairs(target.put(np.zeros((4, 2), np.float32)), rows, data, (0, 2))
+    with pytest.raises(ValueError, match=r"values must have shape \[3, 2\]"):
+        target.backend.scatter_add_pairs(target.put(np.zeros((4, 2), np.float32)), rows, data[:, :1], (0, 2, 3))
+    with pytest.raises(ValueError, match="target must be C-contiguous"):
+        target.backend.scatter_add_pairs(target.put(np.zeros((2, 4), np.float32)).T, rows, data, (0, 2, 3))
+
+
+# =============================================================== max_pool_pairs
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "float64"])
+def test_max_pool_pairs_equals_the_twin_and_numpy(target, dtype_name):
+    rng = rng_for(33, len(dtype_name))
+    num_input, num_output = 50, 30
+    input_rows = np.concatenate([rng.choice(num_input, size=18, replace=False) for _ in range(4)]).astype(np.int32)
+    output_rows, run_starts = _pair_runs(rng, num_output - 3, [18] * 4)  # the last 3 outputs get no pair
+    features = numpy_twins.random_features(rng, (num_input, 4), dtype_name)
+    features[10:20] = features[20:30]  # ties between rows
+    order = np.argsort(output_rows, kind="stable")
+    output_starts = np.searchsorted(output_rows[order], np.arange(num_output + 1)).astype(np.int64)
+    out, argmax = numpy_twins.max_pool_forward(features, input_rows[order], output_starts, dtype_name)
+    for backend, put, get in ((NUMPY_BACKEND, np.asarray, np.asarray), (target.backend, target.put, target.get)):
+        actual_out, actual_argmax = backend.max_pool_pairs(put(features), put(input_rows), put(output_rows),
+                                                           run_starts, num_output)
+        assert_equal(get(actual_out), out, "max")
+        assert_equal(get(actual_argmax), argmax, "argmax")
+    assert (argmax[-3:] == -1).all() and (out[-3:] == 0).all()
+
+
+def test_max_pool_forward_runs_its_kernel(target):
+    backend, launcher = target.recording()
+    indices = target.put(random_sites(rng_for(34), 80, (6, 7, 5), 1))
+    rulebook = sc.build_pool_rulebook(indices, (6, 7, 5), 1, 2, backend=backend)
+    features = target.put(rng_for(35).standard_normal((80, 3)).astype(np.float32))
+    sc.max_pool_forward(features, rulebook, backend=backend)
+    assert "sc_max_pool_forward" in launcher.kernel_names()
+
+
+# ========================================= lookup windows, compute dtypes, half GEMMs
+
+
+def test_hash_lookup_window_writes_into_out(target):
+    rng = rng_for(36)
+    keys = rng.choice(5000, size=300, replace=False).astype(np.int64)
+    table, _ = target.backend.hash_build(target.put(keys), target.put(np.arange(300, dtype=np.int64)))
+    queries = target.put(np.sort(rng.choice(5000, size=120, replace=False)).astype(np.int64))
+    expected = target.get(target.backend.hash_lookup_window(table, queries, 3, 7))
+    out = target.put(np.full((5, 120), 9, np.int64))
+    returned = target.backend.hash_lookup_window(table, queries, 3, 7, out=out[1:4])
+    assert_equal(target.get(returned), expected, "window into out")
+    assert_equal(target.get(out[1:4]), expected, "out rows")
+    assert (target.get(out[[0, 4]]) == 9).all()
+    numpy_table, _ = NUMPY_BACKEND.hash_build(keys, np.arange(300, dtype=np.int64))
+    numpy_out = np.empty((3, 120), np.int64)
+    NUMPY_BACKEND.hash_lookup_window(numpy_table, target.get(queries), 3, 7, out=numpy_out)
+    assert_equal(numpy_out, expected, "NumPy window into out")
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous int64 \[3, 120\]"):
+        target.backend.hash_lookup_window(table, queries, 3, 7, out=target.put(np.empty((3, 120), np.int32)))
+
+
+def test_compute_dtypes():
+    assert NUMPY_BACKEND.compute_dtype(np.float16) == np.float32
+    assert NUMPY_BACKEND.compute_dtype(np.float64) == np.float64
+    assert KernelBackend(np, numpy_twins_launcher()).compute_dtype(np.float16) == np.float32
+    assert KernelBackend(np, numpy_twins_launcher(), native_float16=True).compute_dtype(np.float16) == np.float16
+    assert KernelBackend(np, numpy_twins_launcher(), native_float16=True).compute_dtype(np.float32) == np.float32
+
+
+def numpy_twins_launcher():
+    class _Unused:
+        def launch(self, expression, grid, block, args):  # pragma: no cover - never called
+            raise AssertionError("no launch expected")
+
+    return _Unused()
+
+
+def test_native_float16_conv_is_close_to_float64(target):
+    """float16 features multiplied as float16 (the GPU's cuBLAS path), summed across offsets in float32."""
+    backend = target.with_launcher(target.base_launcher, native_float16=True)
+    rng = rng_for(37)
+    indices = random_sites(rng, 150, (8, 10, 9), 2)
+    geometry = sc.ConvGeometry.create(3, 3, kind="subm")
+    rulebook = sc.build_rulebook(target.put(indices), (8, 10, 9), 2, geometry, backend=backend)
+    features = rng.uniform(-1, 1, (150, 8)).astype(np.float16)
+    weight = rng.uniform(-1, 1, (4, 3, 3, 3, 8)).astype(np.float16)
+    reference_rb = sc.build_rulebook(indices, (8, 10, 9), 2, geometry)
+    expected = conv.conv_forward(features.astype(np.float64), weight.astype(np.float64), reference_rb)
+    actual = target.get(conv.conv_forward(target.put(features), target.put(weight), rulebook, backend=backend))
+    assert actual.dtype == np.float16
+    np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=0, atol=3e-2 * np.abs(expected).max())
