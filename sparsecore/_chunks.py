@@ -12,9 +12,9 @@ few launches instead of three per offset.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["PairChunk", "pair_chunks"]
+__all__ = ["PairChunk", "pair_chunks", "check_padded_pairs"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,17 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
         offsets.append(offset)
     close(offset_starts[offsets[-1] + 1] if offsets else 0)
     return tuple(chunks)
+
+
+def check_padded_pairs(rulebook: Any, backend: Any) -> None:
+    """Raises when a padded `PairMap` (rows of -1) meets a backend that cannot skip them.
+
+    Raises:
+        ValueError: for a padded pair map on a backend whose ``skips_negative_rows`` is false.
+    """
+    if getattr(rulebook, "padded", False) and not backend.skips_negative_rows:
+        raise ValueError(
+            f"this PairMap is padded (rows of -1 mark no pair), which the {backend.name} backend cannot "
+            "skip; cut the pairs to their true counts first (as sparsecore.jax does on the CPU), or run "
+            "on the GPU backend"
+        )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._chunks import PairChunk, pair_chunks
+from ._chunks import PairChunk, check_padded_pairs, pair_chunks
 from ._dispatch import check_same_device, to_core_array
 from ._validation import as_features
 from .backends import ArrayBackend, backend_for
@@ -155,6 +155,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
             raise ValueError(f"bias must have shape [{weight.shape[0]}] (out_channels), got {tuple(bias.shape)}")
     check_same_device(features=features, weight=weight, bias=bias, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
+    check_padded_pairs(rulebook, backend)
     xp = backend.xp
     dtype = backend.compute_dtype(features.dtype)
     # contiguous operands keep the GEMMs on BLAS (a stride-0 or strided view,
@@ -205,6 +206,7 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         )
     check_same_device(grad_output=grad_output, features=features, weight=weight)
     backend = backend if backend is not None else backend_for(features)
+    check_padded_pairs(rulebook, backend)
     xp = backend.xp
     dtype = backend.compute_dtype(features.dtype)
     source = xp.ascontiguousarray(features, dtype=dtype)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
-from ._chunks import pair_chunks
+from ._chunks import check_padded_pairs, pair_chunks
 from .backends import ArrayBackend, backend_for
 from .rulebook import PairMap, Rulebook
 
@@ -57,6 +57,7 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     features = as_features(features, rulebook.num_input)
     check_same_device(features=features, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
+    check_padded_pairs(rulebook, backend)
     source = backend.xp.ascontiguousarray(features)
     return backend.max_pool_pairs(source, rulebook.pair_input, rulebook.pair_output,
                                   tuple(rulebook.offset_starts), rulebook.num_output)
@@ -74,7 +75,7 @@ def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int, backend: A
     return summed.reshape(num_input, channels).astype(grad_output.dtype)
 
 
-def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
+def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *, rulebook: Rulebook | PairMap | None = None,
                       backend: ArrayBackend | None = None) -> Any:
     """Gradient of `max_pool_forward`: each output's gradient goes to its argmax row.
 
@@ -82,9 +83,14 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
         grad_output: ``[N_out, C]``.
         argmax: ``[N_out, C]`` int32 from the forward.
         num_input: ``N_in``.
+        rulebook: the forward's rulebook, when there is one (not for global
+            pooling). With it the gradient is summed per input over its pairs
+            (`ArrayBackend.max_pool_backward_pairs`, one kernel on the GPU, no
+            host synchronisation); without it, scattered by argmax.
 
     Returns:
-        ``[N_in, C]`` in ``grad_output``'s dtype (summed in float64, deterministically).
+        ``[N_in, C]`` in ``grad_output``'s dtype: summed in float64 without a
+        rulebook, in the compute dtype over the pairs with one; deterministic.
     """
     grad_output = as_features(grad_output, name="grad_output")
     argmax = to_core_array(argmax, "argmax")
@@ -93,6 +99,17 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
     num_input = int(num_input)
     if argmax.dtype.kind not in "iu":
         raise TypeError(f"argmax must be an integer array (from the forward), got dtype {argmax.dtype}")
+    if rulebook is not None:
+        if rulebook.num_output != grad_output.shape[0] or rulebook.num_input != num_input:
+            raise ValueError(
+                f"the rulebook maps {rulebook.num_input} inputs to {rulebook.num_output} outputs, but "
+                f"grad_output has {grad_output.shape[0]} rows and num_input is {num_input}; pass the "
+                "forward's rulebook"
+            )
+        backend = backend if backend is not None else backend_for(grad_output)
+        check_padded_pairs(rulebook, backend)
+        return backend.max_pool_backward_pairs(grad_output, argmax, rulebook.pair_input, rulebook.pair_output,
+                                               tuple(rulebook.offset_starts), num_input)
     if argmax.size and (int(argmax.max()) >= num_input or int(argmax.min()) < -1):
         raise ValueError(
             f"argmax holds rows from {int(argmax.min())} to {int(argmax.max())}, but there are "
@@ -104,7 +121,8 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
 
 
 def _window_counts(rulebook: Rulebook | PairMap, xp: Any) -> Any:
-    counts = xp.bincount(rulebook.pair_output, minlength=rulebook.num_output)
+    # shifted by one, so padding pairs (output row -1, see PairMap) fall in bin 0 and drop out
+    counts = xp.bincount(rulebook.pair_output.astype(xp.int64) + 1, minlength=rulebook.num_output + 1)[1:]
     return xp.maximum(counts, 1)[:, None]
 
 
@@ -122,6 +140,7 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     features = as_features(features, rulebook.num_input)
     check_same_device(features=features, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
+    check_padded_pairs(rulebook, backend)
     xp = backend.xp
     dtype = _sum_dtype(xp, features.dtype)
     source = xp.ascontiguousarray(features, dtype=dtype)
@@ -145,6 +164,7 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
     grad_output = as_features(grad_output, rulebook.num_output, name="grad_output",
                               rows_meaning="output site of the rulebook")
     backend = backend if backend is not None else backend_for(grad_output)
+    check_padded_pairs(rulebook, backend)
     xp = backend.xp
     dtype = _sum_dtype(xp, grad_output.dtype)
     scaled = xp.ascontiguousarray(grad_output, dtype=dtype) / _window_counts(rulebook, xp).astype(dtype)

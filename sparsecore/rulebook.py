@@ -53,6 +53,10 @@ class PairMap:
         num_output: number of output rows.
         kernel_size: per-axis kernel size (``prod == K``).
         identity_offset: an offset whose pairs are ``i -> i`` for all rows, or -1.
+        padded: the pair arrays may hold -1 entries, padding that is no pair
+            (a fixed-capacity layout such as ``sparsecore.jax``'s, used without
+            reading its true counts back to the host). Only backends whose
+            ``skips_negative_rows`` is true (the GPU kernels) accept it.
     """
 
     pair_input: Any
@@ -62,6 +66,7 @@ class PairMap:
     num_output: int
     kernel_size: tuple[int, ...]
     identity_offset: int = -1
+    padded: bool = False
 
     def __post_init__(self) -> None:
         volume = 1

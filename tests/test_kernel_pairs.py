@@ -218,3 +218,43 @@ def test_native_float16_conv_is_close_to_float64(target):
     actual = target.get(conv.conv_forward(target.put(features), target.put(weight), rulebook, backend=backend))
     assert actual.dtype == np.float16
     np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=0, atol=3e-2 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "float64"])
+def test_max_pool_backward_pairs_equals_the_twin_and_numpy(target, dtype_name):
+    rng = rng_for(38, len(dtype_name))
+    num_input, num_output = 40, 30
+    input_rows = np.concatenate([rng.choice(num_input, size=20, replace=False) for _ in range(3)]).astype(np.int32)
+    output_rows, run_starts = _pair_runs(rng, num_output, [20] * 3)
+    features = numpy_twins.random_features(rng, (num_input, 5), dtype_name)
+    order = np.argsort(output_rows, kind="stable")
+    output_starts = np.searchsorted(output_rows[order], np.arange(num_output + 1)).astype(np.int64)
+    _, argmax = numpy_twins.max_pool_forward(features, input_rows[order], output_starts, dtype_name)
+    grad_output = numpy_twins.random_features(rng, (num_output, 5), dtype_name)
+    by_input = np.argsort(input_rows, kind="stable")
+    input_starts = np.searchsorted(input_rows[by_input], np.arange(num_input + 1)).astype(np.int64)
+    expected = numpy_twins.max_pool_backward(grad_output, argmax, output_rows[by_input], input_starts, dtype_name)
+    for backend, put, get in ((NUMPY_BACKEND, np.asarray, np.asarray), (target.backend, target.put, target.get)):
+        actual = backend.max_pool_backward_pairs(put(grad_output), put(argmax), put(input_rows), put(output_rows),
+                                                 run_starts, num_input)
+        assert_equal(get(actual), expected, f"{backend.name} max_pool_backward_pairs")
+
+
+def test_max_pool_backward_with_the_rulebook_equals_the_argmax_scatter(target):
+    """The two ways of `sparsecore.max_pool_backward` agree (float64: no rounding difference)."""
+    rng = rng_for(39)
+    indices = random_sites(rng, 150, (8, 10, 9), 2)
+    rulebook = sc.build_pool_rulebook(indices, (8, 10, 9), 2, 3, stride=2, padding=1)
+    features = rng.standard_normal((150, 3))
+    features[:30] = features[30:60]
+    out, argmax = sc.max_pool_forward(features, rulebook)
+    grad_output = rng.standard_normal(out.shape)
+    expected = sc.max_pool_backward(grad_output, argmax, 150)
+    device_rulebook = sc.build_pool_rulebook(target.put(indices), (8, 10, 9), 2, 3, stride=2, padding=1,
+                                             backend=target.backend)
+    for backend, put, get, book in ((NUMPY_BACKEND, np.asarray, np.asarray, rulebook),
+                                    (target.backend, target.put, target.get, device_rulebook)):
+        actual = sc.max_pool_backward(put(grad_output), put(argmax), 150, rulebook=book, backend=backend)
+        np.testing.assert_allclose(get(actual), expected, rtol=1e-14, atol=1e-14)
+    with pytest.raises(ValueError, match="pass the forward's rulebook"):
+        sc.max_pool_backward(grad_output, argmax, 149, rulebook=rulebook)

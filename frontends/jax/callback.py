@@ -9,11 +9,15 @@ NumPy through ``np.from_dlpack`` on the CPU, CuPy on CUDA), the padded
 written into the output buffer, whose padding rows are zeroed (outputs arrive
 uninitialised).
 
-GPU: the structure is here (CuPy views, XLA's stream through ``ctx.stream``) but
-the core's CuPy backend does not exist yet, so on a GPU these passes raise and
-``impl="jnp"`` is the default there. Two gaps remain for a zero-sync GPU path:
-`_pair_map` reads the per-offset counts on the host (a device-to-host copy), and
-the core allocates its outputs and scratch itself instead of taking XLA's.
+GPU: the buffers are CuPy views on XLA's stream (``ctx.stream``, made CuPy's
+current stream around the call), and the passes run on the padded arrays as
+they are (`padded`): no count is read back to the host, so nothing in the
+callback synchronises the stream. This path has not yet run on a GPU (none was
+lent while it was built; its logic runs in CI through the CPU emulation of the
+kernels), so ``impl="jnp"`` stays the default on GPUs. One gap remains: the
+core allocates its scratch (gathered rows, products) from CuPy's memory pool,
+not from buffers XLA declares, so leave GPU memory to CuPy
+(``XLA_PYTHON_CLIENT_MEM_FRACTION``) when using it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from jax.experimental.buffer_callback import buffer_callback
 import sparsecore as sc
 from sparsecore._dispatch import is_cupy_array, to_core_array
 
+from . import padded
 from .ops import _varying_like
 
 __all__ = ["conv", "max_pool", "avg_pool"]
@@ -47,7 +52,7 @@ class _ExternalStream:
 
 @contextlib.contextmanager
 def _core_scope(ctx: Any, probe: Any) -> Iterator[None]:
-    """Runs the block on XLA's stream when the buffers are on a GPU (untested: no GPU backend yet)."""
+    """Runs the block on XLA's stream when the buffers are on a GPU (CuPy's current stream inside it)."""
     if not is_cupy_array(probe):
         yield
         return
@@ -106,6 +111,19 @@ def _pair_map(pair_input: Any, pair_output: Any, counts: Any, n_in: int, n_out: 
                       tuple(kernel_size), identity)
 
 
+def _device_pairs(pair_input: Any, pair_output: Any, n_in: Any, capacity_in: int, capacity_out: int,
+                  kernel_size: tuple[int, ...], identity: int) -> sc.PairMap:
+    """The padded pairs of a GPU callback, counts left on the device (`padded.padded_pair_map`)."""
+    return padded.padded_pair_map(_view(pair_input, "pair_input"), _view(pair_output, "pair_output"),
+                                  capacity_in, capacity_out, _view(n_in, "n_in"), kernel_size, identity)
+
+
+def _gpu_backend() -> Any:
+    from sparsecore.backends.cupy_backend import CUPY_BACKEND
+
+    return CUPY_BACKEND
+
+
 def _write(out: Any, value: Any, rows: int) -> None:
     """``out[:rows] = value``, ``out[rows:] = 0`` (callback outputs arrive uninitialised)."""
     view = _view(out, "out")
@@ -120,6 +138,12 @@ def _conv_forward_callback(static, ctx, out, features, weight, pair_input, pair_
     groups, kernel_size, identity = static
     x = _view(features, "features")
     with _core_scope(ctx, x):
+        if is_cupy_array(x):
+            out_view = _view(out, "out")
+            pairs = _device_pairs(pair_input, pair_output, n_in, x.shape[0], out_view.shape[0], kernel_size, identity)
+            out_view[...] = padded.conv_forward(_gpu_backend(), x, _view(weight, "weight"), pairs,
+                                                _view(n_in, "n_in"), _view(n_out, "n_out"), groups)
+            return
         rows_in, rows_out = _scalar(n_in), _scalar(n_out)
         pairs = _pair_map(pair_input, pair_output, counts, rows_in, rows_out, kernel_size, identity)
         result = sc.conv_forward(x[:rows_in], _view(weight, "weight"), pairs, groups=groups)
@@ -131,6 +155,14 @@ def _conv_backward_callback(static, ctx, outs, grad_out, features, weight, pair_
     groups, kernel_size, identity = static
     x = _view(features, "features")
     with _core_scope(ctx, x):
+        if is_cupy_array(x):
+            grad = _view(grad_out, "grad_output")
+            pairs = _device_pairs(pair_input, pair_output, n_in, x.shape[0], grad.shape[0], kernel_size, identity)
+            grad_x, grad_w = padded.conv_backward(_gpu_backend(), grad, x, _view(weight, "weight"), pairs,
+                                                  _view(n_in, "n_in"), _view(n_out, "n_out"), groups)
+            _view(outs[0], "grad_features")[...] = grad_x
+            _view(outs[1], "grad_weight")[...] = grad_w
+            return
         rows_in, rows_out = _scalar(n_in), _scalar(n_out)
         pairs = _pair_map(pair_input, pair_output, counts, rows_in, rows_out, kernel_size, identity)
         grad_x, grad_w = sc.conv_backward(_view(grad_out, "grad_output")[:rows_out], x[:rows_in],
@@ -183,6 +215,11 @@ def _max_forward_callback(static, ctx, outs, features, pair_input, pair_output, 
     kernel_size, identity = static
     x = _view(features, "features")
     with _core_scope(ctx, x):
+        if is_cupy_array(x):
+            out_view, arg_view = _view(outs[0], "out"), _view(outs[1], "argmax")
+            pairs = _device_pairs(pair_input, pair_output, n_in, x.shape[0], out_view.shape[0], kernel_size, identity)
+            out_view[...], arg_view[...] = padded.max_pool_forward(_gpu_backend(), x, pairs)
+            return
         rows_in, rows_out = _scalar(n_in), _scalar(n_out)
         pairs = _pair_map(pair_input, pair_output, counts, rows_in, rows_out, kernel_size, identity)
         out, argmax = sc.max_pool_forward(x[:rows_in], pairs)
@@ -192,12 +229,17 @@ def _max_forward_callback(static, ctx, outs, features, pair_input, pair_output, 
         arg_view[rows_out:] = -1
 
 
-def _max_backward_callback(ctx, out, grad_out, argmax, n_out):
+def _max_backward_callback(static, ctx, out, grad_out, argmax, pair_input, pair_output, n_in, n_out):
+    kernel_size, identity = static
     grad = _view(grad_out, "grad_output")
     with _core_scope(ctx, grad):
-        rows_out = _scalar(n_out)
         out_view = _view(out, "out")
         capacity_in = out_view.shape[0]
+        if is_cupy_array(grad):
+            pairs = _device_pairs(pair_input, pair_output, n_in, capacity_in, grad.shape[0], kernel_size, identity)
+            out_view[...] = padded.max_pool_backward(_gpu_backend(), grad, _view(argmax, "argmax"), pairs)
+            return
+        rows_out = _scalar(n_out)
         result = sc.max_pool_backward(grad[:rows_out], _view(argmax, "argmax")[:rows_out], capacity_in)
         out_view[...] = result
 
@@ -214,14 +256,16 @@ def _max_pool_fwd(static, features, pair_input, pair_output, counts, n_in, n_out
     call = buffer_callback(partial(_max_forward_callback, (kernel_size, identity)), shapes)
     out, argmax = call(features, pair_input, pair_output, counts, n_in, n_out)
     out, argmax = _varying_like(out, features), _varying_like(argmax, features)
-    return out, (argmax, n_out, features[:, :0])
+    return out, (argmax, pair_input, pair_output, n_in, n_out, features[:, :0])
 
 
 def _max_pool_bwd(static, residuals, grad_out):
-    argmax, n_out, like = residuals
-    call = buffer_callback(_max_backward_callback, jax.ShapeDtypeStruct((like.shape[0], grad_out.shape[1]),
-                                                                        like.dtype))
-    return _varying_like(call(grad_out.astype(like.dtype), argmax, n_out), like), None, None, None, None, None
+    _, kernel_size, identity = static
+    argmax, pair_input, pair_output, n_in, n_out, like = residuals
+    call = buffer_callback(partial(_max_backward_callback, (kernel_size, identity)),
+                           jax.ShapeDtypeStruct((like.shape[0], grad_out.shape[1]), like.dtype))
+    grad = call(grad_out.astype(like.dtype), argmax, pair_input, pair_output, n_in, n_out)
+    return _varying_like(grad, like), None, None, None, None, None
 
 
 _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
@@ -239,6 +283,11 @@ def _avg_forward_callback(static, ctx, out, features, pair_input, pair_output, c
     kernel_size, identity = static
     x = _view(features, "features")
     with _core_scope(ctx, x):
+        if is_cupy_array(x):
+            out_view = _view(out, "out")
+            pairs = _device_pairs(pair_input, pair_output, n_in, x.shape[0], out_view.shape[0], kernel_size, identity)
+            out_view[...] = padded.avg_pool_forward(_gpu_backend(), x, pairs)
+            return
         rows_in, rows_out = _scalar(n_in), _scalar(n_out)
         pairs = _pair_map(pair_input, pair_output, counts, rows_in, rows_out, kernel_size, identity)
         _write(out, sc.avg_pool_forward(x[:rows_in], pairs), rows_out)
@@ -248,6 +297,12 @@ def _avg_backward_callback(static, ctx, out, grad_out, pair_input, pair_output, 
     kernel_size, identity = static
     grad = _view(grad_out, "grad_output")
     with _core_scope(ctx, grad):
+        if is_cupy_array(grad):
+            out_view = _view(out, "out")
+            pairs = _device_pairs(pair_input, pair_output, n_in, out_view.shape[0], grad.shape[0], kernel_size,
+                                  identity)
+            out_view[...] = padded.avg_pool_backward(_gpu_backend(), grad, pairs)
+            return
         rows_in, rows_out = _scalar(n_in), _scalar(n_out)
         pairs = _pair_map(pair_input, pair_output, counts, rows_in, rows_out, kernel_size, identity)
         _write(out, sc.avg_pool_backward(grad[:rows_out], pairs), rows_in)

@@ -21,7 +21,7 @@ from ._sorting import group_starts
 if TYPE_CHECKING:  # pragma: no cover
     from .kernel_backend import KernelBackend
 
-__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_pairs", "max_pool_pairs"]
+__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_pairs", "max_pool_pairs", "max_pool_backward_pairs"]
 
 # Entries of a compaction tile per thread: a tile is this many times the block.
 _TILE_ENTRIES_PER_THREAD = 8
@@ -155,3 +155,31 @@ def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pai
                  (xp.ascontiguousarray(features), grouped_input, output_starts, np.int64(num_output),
                   np.int64(channels), out, argmax))
     return out, argmax
+
+
+def max_pool_backward_pairs(backend: "KernelBackend", grad_output: Any, argmax: Any, pair_input: Any,
+                            pair_output: Any, num_input: int) -> Any:
+    """Max-pool gradient by input with ``sc_max_pool_backward`` (see `ArrayBackend.max_pool_backward_pairs`).
+
+    A stable ``xp.argsort`` of ``pair_input`` groups the pairs by input (pairs
+    with a negative input row, padding, fall before the first group and are
+    never read); each input row's gradient is summed over its group in order.
+    """
+    xp = backend.xp
+    dtype_name = check_float(grad_output, "grad_output", "max_pool_backward_pairs")
+    check_integer_vector(pair_input, "pair_input", "max_pool_backward_pairs")
+    check_integer_vector(pair_output, "pair_output", "max_pool_backward_pairs", int(pair_input.shape[0]))
+    if tuple(argmax.shape) != tuple(grad_output.shape):
+        raise ValueError(f"max_pool_backward_pairs: argmax has shape {tuple(argmax.shape)}, grad_output "
+                         f"{tuple(grad_output.shape)}; they must match")
+    num_input, channels = int(num_input), int(grad_output.shape[1])
+    check_row_count(num_input, "the input (num_input)", "max_pool_backward_pairs")
+    grad = xp.zeros((num_input, channels), dtype=grad_output.dtype)
+    if pair_input.shape[0] == 0:
+        return grad
+    order, input_starts = group_starts(xp, pair_input, num_input)
+    grouped_output = xp.ascontiguousarray(xp.take(pair_output, order), dtype=xp.int32)
+    backend._run("sc_max_pool_backward", (dtype_name,), num_input * channels,
+                 (xp.ascontiguousarray(grad_output), xp.ascontiguousarray(argmax, dtype=xp.int32), grouped_output,
+                  input_starts, np.int64(num_input), np.int64(channels), grad))
+    return grad

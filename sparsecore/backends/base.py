@@ -24,11 +24,15 @@ class ArrayBackend(Protocol):
             consecutive kernel offsets into chunks of at most this size, each
             one gather, one GEMM per offset and one `scatter_add_pairs`. 0 means
             one offset per chunk (best for CPU caches).
+        skips_negative_rows: whether the pair primitives treat a row of -1 as
+            "no pair" (gathers read zeros, scatters and groupings drop it), so
+            that padded pair maps (`sparsecore.PairMap.padded`) run as they are.
     """
 
     name: str
     xp: Any
     chunk_elements: int
+    skips_negative_rows: bool
 
     def compute_dtype(self, dtype: Any) -> Any:
         """The dtype the feature passes' products run in for storage ``dtype``.
@@ -123,6 +127,17 @@ class ArrayBackend(Protocol):
         Returns:
             ``(out [num_output, C], argmax [num_output, C] int32)``: the earliest pair
             wins ties; an output without pairs gives 0 and argmax -1.
+        """
+
+    def max_pool_backward_pairs(self, grad_output: Any, argmax: Any, pair_input: Any, pair_output: Any,
+                                run_starts: tuple[int, ...], num_input: int) -> Any:
+        """Gradient of `max_pool_pairs`: ``grad_output[o, j]`` goes to input ``argmax[o, j]``.
+
+        Sums over each input's pairs in pair order (float32 for 16-bit storage).
+        ``argmax`` is only compared with row numbers, never used as an index.
+
+        Returns:
+            ``[num_input, C]`` in ``grad_output``'s dtype.
         """
 
     def index_add(self, size: int, index: Any, values: Any) -> Any:

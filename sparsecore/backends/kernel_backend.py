@@ -73,6 +73,7 @@ class KernelBackend:
             segment-sum scatter.
         native_float16: multiply float16 features as float16 (cuBLAS, float32
             accumulation) instead of converting them to float32 first.
+        skips_negative_rows: always true: every kernel skips row -1 (padding).
     """
 
     xp: Any
@@ -82,6 +83,7 @@ class KernelBackend:
     max_blocks: int = 4096
     chunk_elements: int = 1 << 26
     native_float16: bool = False
+    skips_negative_rows: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.launcher, KernelLauncher):
@@ -276,6 +278,11 @@ class KernelBackend:
                        num_output: int) -> tuple[Any, Any]:
         """Per-output maxima and argmax rows with ``sc_max_pool_forward`` (``run_starts`` unused)."""
         return _kernel_pairs.max_pool_pairs(self, features, pair_input, pair_output, num_output)
+
+    def max_pool_backward_pairs(self, grad_output: Any, argmax: Any, pair_input: Any, pair_output: Any,
+                                run_starts: tuple[int, ...], num_input: int) -> Any:
+        """Max-pool gradient by input rows with ``sc_max_pool_backward`` (``run_starts`` unused)."""
+        return _kernel_pairs.max_pool_backward_pairs(self, grad_output, argmax, pair_input, pair_output, num_input)
 
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         """Deterministic float64 sums of ``values`` into ``size`` bins by ``index``.

@@ -46,6 +46,7 @@ class NumpyBackend:
     name: str = "numpy"
     xp: Any = np
     chunk_elements: int = 0
+    skips_negative_rows: bool = False
 
     def compute_dtype(self, dtype: Any) -> Any:
         # NumPy's float16 matmul has no BLAS kernel: compute float16 in float32
@@ -179,6 +180,20 @@ class NumpyBackend:
             out[output_rows] = np.where(better, values, current)
             argmax[output_rows] = np.where(better, input_rows[:, None].astype(np.int32), current_arg)
         return out, argmax
+
+    def max_pool_backward_pairs(self, grad_output: np.ndarray, argmax: np.ndarray, pair_input: np.ndarray,
+                                pair_output: np.ndarray, run_starts: tuple[int, ...], num_input: int) -> np.ndarray:
+        wide = np.dtype(np.float32) if grad_output.dtype == np.float16 else grad_output.dtype
+        grad = np.zeros((num_input, grad_output.shape[1]), dtype=wide)
+        for start, stop in zip(run_starts[:-1], run_starts[1:]):
+            if stop == start:
+                continue
+            input_rows = pair_input[start:stop].astype(np.intp)
+            output_rows = pair_output[start:stop].astype(np.intp)
+            chosen = np.take(argmax, output_rows, axis=0) == input_rows[:, None]
+            contribution = np.where(chosen, np.take(grad_output, output_rows, axis=0).astype(wide), wide.type(0))
+            self.scatter_add_rows(grad, input_rows, contribution)
+        return grad.astype(grad_output.dtype, copy=False)
 
     def index_add(self, size: int, index: np.ndarray, values: np.ndarray) -> np.ndarray:
         return np.bincount(index, weights=values, minlength=size)

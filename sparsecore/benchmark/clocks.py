@@ -232,6 +232,10 @@ class InstrumentedBackend:
     def chunk_elements(self) -> int:
         return self.inner.chunk_elements
 
+    @property
+    def skips_negative_rows(self) -> bool:
+        return self.inner.skips_negative_rows
+
     def compute_dtype(self, dtype: Any) -> Any:
         return self.inner.compute_dtype(dtype)
 
@@ -259,6 +263,11 @@ class InstrumentedBackend:
     def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
                        num_output: int) -> Any:
         return self.inner.max_pool_pairs(features, pair_input, pair_output, run_starts, num_output)
+
+    def max_pool_backward_pairs(self, grad_output: Any, argmax: Any, pair_input: Any, pair_output: Any,
+                                run_starts: tuple[int, ...], num_input: int) -> Any:
+        return self.inner.max_pool_backward_pairs(grad_output, argmax, pair_input, pair_output, run_starts,
+                                                  num_input)
 
     def gather_rows(self, source: Any, rows: Any) -> Any:
         with self.recorder.interval("gather"):

@@ -1,0 +1,127 @@
+"""`sparsecore.jax.padded`: feature passes on a plan's padded arrays, against the core on the true rows.
+
+This is the ``buffer_callback`` bridge's GPU path (no count read back to the
+host). It needs a backend that skips row -1, so it runs here on the kernel
+backend under the CPU emulation of CUDA (and on CuPy where a GPU is). Padding
+rows of the inputs are filled with large values, to show they are masked out;
+the oracle is the core on the true rows with the NumPy backend (itself tested
+against dense torch convolutions), and padding rows of every result must be 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+import sparsecore as sc  # noqa: E402
+from sparsecore.backends import NUMPY_BACKEND  # noqa: E402
+from sparsecore.jax import padded  # noqa: E402
+from sparsecore.jax.plan import PaddedRulebook, SitesInfo  # noqa: E402
+
+try:
+    from kernel_targets import random_sites, rng_for, target  # noqa: F401
+except ImportError:  # tests/ imported as a package
+    from tests.kernel_targets import random_sites, rng_for, target  # noqa: F401
+
+SHAPE = (7, 8, 6)
+GEOMETRIES = {
+    "subm": sc.ConvGeometry.create(3, 3, kind="subm"),
+    "regular": sc.ConvGeometry.create(3, 3, stride=2, padding=1),
+    "transposed": sc.ConvGeometry.create(3, (2, 2, 3), stride=(2, 2, 1), kind="transposed"),
+    "pool": sc.ConvGeometry.create(3, 2, stride=2),
+}
+
+
+def _layout(kind: str, count: int, seed: int):
+    """(true core rulebook, its PaddedRulebook, capacities) for ``count`` random sites."""
+    indices = random_sites(rng_for(40, seed, count), count, SHAPE, 2)
+    rulebook = sc.build_rulebook(indices, SHAPE, 2, GEOMETRIES[kind])
+    capacity_in = count + 13
+    # a submanifold layer's output sites are its input sites: one capacity
+    capacity_out = capacity_in if rulebook.identity_offset >= 0 else rulebook.num_output + 9
+    sites_in = SitesInfo("input", SHAPE, 2, capacity_in)
+    sites_out = SitesInfo("out", tuple(rulebook.output_spatial_shape), 2, capacity_out)
+    return rulebook, PaddedRulebook.from_core(rulebook, "layer", sites_in, sites_out), capacity_in, capacity_out
+
+
+def _padded_rows(rng: np.random.Generator, true_rows: np.ndarray, capacity: int) -> np.ndarray:
+    rows = np.full((capacity, true_rows.shape[1]), 1e3, dtype=true_rows.dtype)  # garbage in the padding
+    rows[: true_rows.shape[0]] = true_rows
+    rows[true_rows.shape[0]:] *= rng.uniform(-1, 1, (capacity - true_rows.shape[0], 1))
+    return rows
+
+
+def _pairs(target, layout, n_in: int) -> sc.PairMap:
+    rulebook, padded_rb, capacity_in, capacity_out = layout
+    return padded.padded_pair_map(target.put(padded_rb.pair_input), target.put(padded_rb.pair_output),
+                                  capacity_in, capacity_out, target.put(np.asarray(n_in, np.int32)),
+                                  rulebook.kernel_size, rulebook.identity_offset)
+
+
+def _check_rows(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    rows = expected.shape[0]
+    np.testing.assert_allclose(actual[:rows], expected, rtol=1e-5, atol=1e-5, err_msg=what)
+    assert (actual[rows:] == 0).all(), f"{what}: padding rows are not zero"
+
+
+@pytest.mark.parametrize("count", [0, 120])
+@pytest.mark.parametrize("kind", ["subm", "regular", "transposed"])
+def test_padded_conv_equals_the_core_on_true_rows(target, kind, count):
+    layout = _layout(kind, count, len(kind))
+    rulebook, _, capacity_in, capacity_out = layout
+    rng = rng_for(41, len(kind), count)
+    features = rng.standard_normal((rulebook.num_input, 4)).astype(np.float32)
+    weight = rng.standard_normal((5, *rulebook.kernel_size, 4)).astype(np.float32)
+    grad_output = rng.standard_normal((rulebook.num_output, 5)).astype(np.float32)
+    expected = sc.conv_forward(features, weight, rulebook, backend=NUMPY_BACKEND)
+    expected_grads = sc.conv_backward(grad_output, features, weight, rulebook, backend=NUMPY_BACKEND)
+
+    pairs = _pairs(target, layout, rulebook.num_input)
+    n_in, n_out = (target.put(np.asarray(value, np.int32)) for value in (rulebook.num_input, rulebook.num_output))
+    x = target.put(_padded_rows(rng, features, capacity_in))
+    out = padded.conv_forward(target.backend, x, target.put(weight), pairs, n_in, n_out, groups=1)
+    _check_rows(target.get(out), expected, "forward")
+    grad = target.put(_padded_rows(rng, grad_output, capacity_out))
+    grad_x, grad_w = padded.conv_backward(target.backend, grad, x, target.put(weight), pairs, n_in, n_out, groups=1)
+    _check_rows(target.get(grad_x), expected_grads[0], "grad_features")
+    np.testing.assert_allclose(target.get(grad_w), expected_grads[1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["pool", "subm"])
+def test_padded_pools_equal_the_core_on_true_rows(target, kind):
+    layout = _layout(kind, 150, 7)
+    rulebook, _, capacity_in, capacity_out = layout
+    rng = rng_for(42, len(kind))
+    features = rng.standard_normal((rulebook.num_input, 3)).astype(np.float32)
+    grad_output = rng.standard_normal((rulebook.num_output, 3)).astype(np.float32)
+    pairs = _pairs(target, layout, rulebook.num_input)
+    x = target.put(_padded_rows(rng, features, capacity_in))
+    grad = target.put(_padded_rows(rng, grad_output, capacity_out))
+
+    expected, expected_argmax = sc.max_pool_forward(features, rulebook, backend=NUMPY_BACKEND)
+    out, argmax = padded.max_pool_forward(target.backend, x, pairs)
+    _check_rows(target.get(out), expected, "max pool")
+    np.testing.assert_array_equal(target.get(argmax)[: rulebook.num_output], expected_argmax)
+    assert (target.get(argmax)[rulebook.num_output:] == -1).all()
+    expected = sc.max_pool_backward(grad_output, expected_argmax, rulebook.num_input, backend=NUMPY_BACKEND)
+    _check_rows(target.get(padded.max_pool_backward(target.backend, grad, argmax, pairs)), expected,
+                "max pool backward")
+
+    expected = sc.avg_pool_forward(features, rulebook, backend=NUMPY_BACKEND)
+    _check_rows(target.get(padded.avg_pool_forward(target.backend, x, pairs)), expected, "avg pool")
+    expected = sc.avg_pool_backward(grad_output, rulebook, backend=NUMPY_BACKEND)
+    _check_rows(target.get(padded.avg_pool_backward(target.backend, grad, pairs)), expected, "avg pool backward")
+
+
+def test_padded_pair_maps_are_refused_by_the_numpy_backend():
+    layout = _layout("subm", 40, 3)
+    rulebook, padded_rb, capacity_in, capacity_out = layout
+    pairs = padded.padded_pair_map(padded_rb.pair_input, padded_rb.pair_output, capacity_in, capacity_out,
+                                   np.asarray(40, np.int32), rulebook.kernel_size, rulebook.identity_offset)
+    features = np.ones((capacity_in, 2), np.float32)
+    with pytest.raises(ValueError, match="PairMap is padded .* numpy backend cannot skip"):
+        sc.conv_forward(features, np.ones((2, 3, 3, 3, 2), np.float32), pairs)
+    with pytest.raises(ValueError, match="PairMap is padded"):
+        sc.max_pool_forward(features, pairs)
