@@ -134,6 +134,13 @@ def test_opcheck_pools():
     _, argmax = torch.ops.sparsecore.max_pool_forward(features, pair_input, pair_output, starts, rb.num_output,
                                                       [3, 3, 3])
     torch.library.opcheck(torch.ops.sparsecore.max_pool_backward.default, (grad, argmax, rb.num_input))
+    torch.library.opcheck(torch.ops.sparsecore.max_pool_pairs_backward.default,
+                          (grad, argmax, pair_input, pair_output, starts, rb.num_input, [3, 3, 3]))
+    # the two backward ops are two ways to the same gradient
+    torch.testing.assert_close(
+        torch.ops.sparsecore.max_pool_pairs_backward(grad, argmax, pair_input, pair_output, starts, rb.num_input,
+                                                     [3, 3, 3]),
+        torch.ops.sparsecore.max_pool_backward(grad, argmax, rb.num_input), rtol=1e-14, atol=1e-14)
     index = torch.from_numpy(indices)
     for op in (torch.ops.sparsecore.global_max_pool, torch.ops.sparsecore.global_avg_pool):
         torch.library.opcheck(op.default, (features, index, BATCH))

@@ -14,7 +14,8 @@ Ops (all under the ``sparsecore`` namespace):
 ``conv_forward``          gather-GEMM-scatter (+ bias), any conv kind
 ``conv_backward``         ``(d features, d weight)``
 ``max_pool_forward``      ``(out, argmax)`` over a pooling rulebook
-``max_pool_backward``     scatter by argmax (also for global max pool)
+``max_pool_backward``     scatter by argmax (global max pool)
+``max_pool_pairs_backward`` gradient of a windowed max pool, summed per input over its pairs
 ``avg_pool_forward``      mean over the active inputs of each window
 ``avg_pool_backward``
 ``global_max_pool``       ``(out [B, C], argmax [B, C])``
@@ -155,6 +156,21 @@ def _(grad_output, argmax, num_input):
     return grad_output.new_empty((num_input, grad_output.shape[1]))
 
 
+@torch.library.custom_op("sparsecore::max_pool_pairs_backward", mutates_args=())
+def _max_pool_pairs_backward(grad_output: Tensor, argmax: Tensor, pair_input: Tensor, pair_output: Tensor,
+                             offset_starts: list[int], num_input: int, kernel_size: list[int]) -> Tensor:
+    with core_context(grad_output.device):
+        pairs = _pair_map(pair_input, pair_output, offset_starts, num_input, grad_output.shape[0], kernel_size)
+        grad = sc.max_pool_backward(core_float_view(grad_output, "grad_output"), core_view(argmax, "argmax"),
+                                    num_input, rulebook=pairs)
+        return to_torch(grad, grad_output.dtype)
+
+
+@_max_pool_pairs_backward.register_fake
+def _(grad_output, argmax, pair_input, pair_output, offset_starts, num_input, kernel_size):
+    return grad_output.new_empty((num_input, grad_output.shape[1]))
+
+
 def _max_setup_context(ctx, inputs, output):
     ctx.save_for_backward(output[1])
     ctx.num_input = inputs[0].shape[0]
@@ -175,7 +191,22 @@ def _register_max(op, num_other_inputs: int) -> None:
     op.register_autograd(_max_grad, setup_context=setup)
 
 
-_register_max(_max_pool_forward, 5)
+def _max_pairs_setup_context(ctx, inputs, output):
+    features, pair_input, pair_output, offset_starts, _, kernel_size = inputs
+    ctx.save_for_backward(output[1], pair_input, pair_output)
+    ctx.num_input = features.shape[0]
+    ctx.offset_starts, ctx.kernel_size = list(offset_starts), list(kernel_size)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _max_pairs_grad(ctx, grad_output, _grad_argmax):
+    argmax, pair_input, pair_output = ctx.saved_tensors
+    grad = torch.ops.sparsecore.max_pool_pairs_backward(grad_output.contiguous(), argmax, pair_input, pair_output,
+                                                        ctx.offset_starts, ctx.num_input, ctx.kernel_size)
+    return grad, None, None, None, None, None
+
+
+_max_pool_forward.register_autograd(_max_pairs_grad, setup_context=_max_pairs_setup_context)
 
 
 @torch.library.custom_op("sparsecore::avg_pool_forward", mutates_args=())
