@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-__all__ = ["PairChunk", "pair_chunks", "check_padded_pairs"]
+__all__ = ["PairChunk", "pair_chunks", "chunk_rows", "check_padded_pairs"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,11 @@ class PairChunk:
     stop: int
     local_starts: tuple[int, ...]
 
+    @property
+    def width(self) -> int:
+        """``W``: the most pairs of one offset in the chunk."""
+        return max(b - a for a, b in zip(self.local_starts[:-1], self.local_starts[1:]))
+
     def slices(self) -> Iterator[tuple[int, int, int]]:
         """``(offset, first, last)`` per offset, ``first:last`` relative to the chunk."""
         for position, offset in enumerate(self.offsets):
@@ -48,8 +53,9 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
         offset_starts: ``K + 1`` pair positions of a rulebook.
         channels: the widest row a chunk gathers or produces (the more of the
             input and output channels).
-        chunk_elements: most ``pairs * channels`` per chunk; an offset larger
-            than that is a chunk of its own. 0 gives one offset per chunk.
+        chunk_elements: most ``m * W * channels`` per chunk (``m`` offsets padded
+            to the widest one's ``W`` pairs, the `chunk_rows` layout); an offset
+            larger than that is a chunk of its own. 0 gives one offset per chunk.
         skip: an offset to leave out (a submanifold centre, run as a plain
             GEMM), or -1. Chunks never reach across it.
 
@@ -59,6 +65,7 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
     chunks: list[PairChunk] = []
     offsets: list[int] = []
     chunk_start = 0
+    widest = 0
 
     def close(stop: int) -> None:
         if offsets:
@@ -74,13 +81,38 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
             close(start)
             continue
         contiguous = bool(offsets) and offset_starts[offsets[-1] + 1] == start
-        fits = (stop - chunk_start) * channels <= chunk_elements
+        fits = (len(offsets) + 1) * max(widest, stop - start) * channels <= chunk_elements
         if not (contiguous and fits):
             close(offset_starts[offsets[-1] + 1] if offsets else start)
-            chunk_start = start
+            chunk_start, widest = start, 0
         offsets.append(offset)
+        widest = max(widest, stop - start)
     close(offset_starts[offsets[-1] + 1] if offsets else 0)
     return tuple(chunks)
+
+
+def chunk_rows(xp: Any, pair_rows: Any, chunk: PairChunk) -> Any:
+    """A chunk's entries of one pair array as int32 ``[m, W]``, each offset's row padded with -1.
+
+    One offset gives its rows as they are (``[1, W]``, a view). Several are laid
+    out on the device from the chunk's (host) offset starts: a few array
+    operations, whatever ``m``.
+
+    Args:
+        xp: the array module of ``pair_rows``.
+        pair_rows: int32 ``[P]``, a rulebook's ``pair_input`` or ``pair_output``.
+        chunk: the chunk.
+    """
+    if len(chunk.offsets) == 1:
+        return pair_rows[chunk.start:chunk.stop].reshape(1, -1)
+    width = chunk.width
+    starts = [chunk.start + local for local in chunk.local_starts[:-1]]
+    counts = [b - a for a, b in zip(chunk.local_starts[:-1], chunk.local_starts[1:])]
+    step = xp.arange(width, dtype=xp.int64)[None, :]
+    first = xp.asarray(starts, dtype=xp.int64)[:, None]
+    valid = step < xp.asarray(counts, dtype=xp.int64)[:, None]
+    positions = xp.minimum(first + step, chunk.stop - 1)
+    return xp.where(valid, xp.take(pair_rows, positions), -1).astype(xp.int32, copy=False)
 
 
 def check_padded_pairs(rulebook: Any, backend: Any) -> None:

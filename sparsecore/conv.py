@@ -6,8 +6,9 @@ output shapes: what PyTorch autograd and JAX ``custom_vjp`` wrap. Weights are
 convolutions use a batched GEMM per kernel offset.
 
 Dataflow: the kernel offsets are taken in chunks (`sparsecore._chunks`, sized
-by the backend): per chunk one gather of its input rows, one GEMM per offset
-on slices of the gathered rows, and one `scatter_add_pairs` of the products.
+by the backend): per chunk one gather of its input rows laid out ``[m, W]``
+(``m`` offsets padded to ``W`` pairs with row -1), one batched GEMM
+``[m, W, a] @ [m, a, b]``, and one `scatter_add_pairs` of the products.
 A submanifold centre offset (every row to itself) is a plain GEMM that
 initialises the output. Products run in ``backend.compute_dtype``: float32 for
 float16 inputs on NumPy, float16 (cuBLAS, float32 accumulation) on the GPU.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._chunks import PairChunk, check_padded_pairs, pair_chunks
+from ._chunks import PairChunk, check_padded_pairs, chunk_rows, pair_chunks
 from ._dispatch import check_same_device, to_core_array
 from ._validation import as_features
 from .backends import ArrayBackend, backend_for
@@ -108,28 +109,52 @@ def _grouped_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) ->
 
 def _chunks(backend: ArrayBackend, rulebook: Rulebook | PairMap, in_channels: int,
             out_channels: int) -> tuple[PairChunk, ...]:
-    """The backend's chunks of the rulebook's offsets, the identity offset left out."""
+    """The backend's chunks of the rulebook's offsets, the identity offset left out.
+
+    A chunk of several offsets is padded with row -1 (`chunk_rows`), so only a
+    backend that skips negative rows gets more than one offset per chunk.
+    """
     identity = rulebook.identity_offset if rulebook.num_input else -1
-    return pair_chunks(tuple(rulebook.offset_starts), max(in_channels, out_channels, 1),
-                       backend.chunk_elements, skip=identity)
+    budget = backend.chunk_elements if backend.skips_negative_rows else 0
+    return pair_chunks(tuple(rulebook.offset_starts), max(in_channels, out_channels, 1), budget, skip=identity)
 
 
-def _chunk_rows(rulebook: Rulebook | PairMap, chunk: PairChunk) -> tuple[Any, Any]:
-    return rulebook.pair_input[chunk.start:chunk.stop], rulebook.pair_output[chunk.start:chunk.stop]
+def _chunk_matrices(matrices: Any, chunk: PairChunk) -> Any:
+    """``[m, g, a, b]``: the chunk's offsets' matrices (a view when the offsets are consecutive)."""
+    first, last = chunk.offsets[0], chunk.offsets[-1]
+    if last - first + 1 == len(chunk.offsets):
+        return matrices[first:last + 1]
+    return matrices[list(chunk.offsets)]
 
 
-def _chunk_products(backend: ArrayBackend, chunk: PairChunk, gathered: Any, matrices: Any) -> Any:
-    """Each offset's slice of ``gathered [R, g * a]`` times its ``matrices[k] [g, a, b]``: ``[R, g * b]``."""
-    if len(chunk.offsets) == 1:
-        return _grouped_product(backend, gathered, matrices[chunk.offsets[0]])
-    groups, _, out_per_group = matrices.shape[1:]
-    products = backend.xp.empty((gathered.shape[0], groups * out_per_group), dtype=gathered.dtype)
-    for offset, first, last in chunk.slices():
-        if groups == 1:
-            backend.matmul(gathered[first:last], matrices[offset, 0], out=products[first:last])
-        else:
-            products[first:last] = _grouped_product(backend, gathered[first:last], matrices[offset])
-    return products
+def _uniform_starts(chunk: PairChunk, width: int) -> tuple[int, ...]:
+    return tuple(range(0, len(chunk.offsets) * width + 1, width)) if width else (0,) * (len(chunk.offsets) + 1)
+
+
+def _batched_product(backend: ArrayBackend, rows: Any, matrices: Any) -> Any:
+    """``rows [m, W, g * a]`` times block-diagonal ``matrices [m, g, a, b]``: ``[m * W, g * b]``, one batched GEMM."""
+    count, width = rows.shape[:2]
+    groups, in_per_group, out_per_group = matrices.shape[1:]
+    if count == 1:  # one offset: a plain GEMM (NumPy's BLAS path for 2-D operands)
+        return _grouped_product(backend, rows[0], matrices[0])
+    if groups == 1:
+        product = backend.matmul(rows, matrices[:, 0])
+        return product.reshape(count * width, out_per_group)
+    split = rows.reshape(count, width, groups, in_per_group).transpose(0, 2, 1, 3)
+    product = backend.matmul(split, matrices)
+    return product.transpose(0, 2, 1, 3).reshape(count * width, groups * out_per_group)
+
+
+def _batched_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) -> Any:
+    """``[m, g, a, b]`` products ``left_g^T @ right_g`` for ``left [m, W, g*a]``, ``right [m, W, g*b]``."""
+    count, width = left.shape[:2]
+    if count == 1:
+        return _grouped_outer(backend, left[0], right[0], groups)[None]
+    if groups == 1:
+        return backend.matmul(left.transpose(0, 2, 1), right)[:, None]
+    left_split = left.reshape(count, width, groups, -1).transpose(0, 2, 3, 1)
+    right_split = right.reshape(count, width, groups, -1).transpose(0, 2, 1, 3)
+    return backend.matmul(left_split, right_split)
 
 
 def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,
@@ -169,10 +194,12 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
     else:
         out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
     for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
-        input_rows, output_rows = _chunk_rows(rulebook, chunk)
-        gathered = backend.gather_rows(source, input_rows)
-        products = _chunk_products(backend, chunk, gathered, matrices)
-        backend.scatter_add_pairs(out, output_rows, products, chunk.local_starts)
+        input_rows = chunk_rows(xp, rulebook.pair_input, chunk)  # [m, W]
+        output_rows = chunk_rows(xp, rulebook.pair_output, chunk)
+        count, width = input_rows.shape
+        gathered = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
+        products = _batched_product(backend, gathered, _chunk_matrices(matrices, chunk))
+        backend.scatter_add_pairs(out, output_rows.reshape(-1), products, _uniform_starts(chunk, width))
     if bias is not None:
         out += bias.astype(dtype, copy=False)
     return out.astype(features.dtype, copy=False)
@@ -221,14 +248,19 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     else:
         grad_features = xp.zeros(source.shape, dtype=dtype)
     for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
-        input_rows, output_rows = _chunk_rows(rulebook, chunk)
-        gathered_grad = backend.gather_rows(grad, output_rows)
-        gathered_source = backend.gather_rows(source, input_rows)
-        products = _chunk_products(backend, chunk, gathered_grad, transposed)
-        backend.scatter_add_pairs(grad_features, input_rows, products, chunk.local_starts)
-        for offset, first, last in chunk.slices():
-            grad_matrices[offset] = _grouped_outer(backend, gathered_source[first:last],
-                                                   gathered_grad[first:last], groups)
+        input_rows = chunk_rows(xp, rulebook.pair_input, chunk)  # [m, W]
+        output_rows = chunk_rows(xp, rulebook.pair_output, chunk)
+        count, width = input_rows.shape
+        gathered_grad = backend.gather_rows(grad, output_rows.reshape(-1)).reshape(count, width, -1)
+        gathered_source = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
+        products = _batched_product(backend, gathered_grad, _chunk_matrices(transposed, chunk))
+        backend.scatter_add_pairs(grad_features, input_rows.reshape(-1), products, _uniform_starts(chunk, width))
+        outer = _batched_outer(backend, gathered_source, gathered_grad, groups)
+        first, last = chunk.offsets[0], chunk.offsets[-1]
+        if last - first + 1 == count:
+            grad_matrices[first:last + 1] = outer
+        else:
+            grad_matrices[list(chunk.offsets)] = outer
     out_channels = weight.shape[0]
     grad_weight = grad_matrices.transpose(1, 3, 0, 2).reshape(
         (out_channels,) + tuple(weight.shape[1:-1]) + (weight.shape[-1],))

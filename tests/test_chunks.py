@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsecore._chunks import pair_chunks
+from sparsecore._chunks import chunk_rows, pair_chunks
 
 
 def _random_starts(rng: np.random.Generator, volume: int) -> tuple[int, ...]:
@@ -34,7 +34,8 @@ def test_chunks_cover_every_nonempty_offset_once_in_order(seed):
         # a chunk never holds the skipped offset's pairs, and keeps to the budget unless it is one offset
         assert not (skip >= 0 and chunk.start < starts[skip + 1] and starts[skip] < chunk.stop
                     and starts[skip + 1] > starts[skip])
-        assert len(chunk.offsets) == 1 or (chunk.stop - chunk.start) * channels <= budget
+        # the padded [m, W] layout of a chunk keeps to the budget, unless it is one offset
+        assert len(chunk.offsets) == 1 or len(chunk.offsets) * chunk.width * channels <= budget
     if budget == 0:
         assert all(len(chunk.offsets) == 1 for chunk in chunks)
     if budget == 10**9:  # everything fits: one chunk on each side of the skipped offset at most
@@ -44,3 +45,17 @@ def test_chunks_cover_every_nonempty_offset_once_in_order(seed):
 def test_no_pairs_no_chunks():
     assert pair_chunks((0, 0, 0, 0), 4, 100) == ()
     assert pair_chunks((0,), 4, 100) == ()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_chunk_rows_pad_each_offset_to_the_widest(seed):
+    rng = np.random.default_rng([20261203, seed])
+    starts = _random_starts(rng, 20)
+    pair_rows = rng.integers(0, 1000, size=starts[-1]).astype(np.int32)
+    for chunk in pair_chunks(starts, 4, int(rng.choice([0, 200, 10**6]))):
+        rows = chunk_rows(np, pair_rows, chunk)
+        assert rows.dtype == np.int32 and rows.shape == (len(chunk.offsets), chunk.width)
+        for line, offset in zip(rows, chunk.offsets):
+            mine = pair_rows[starts[offset]:starts[offset + 1]]
+            np.testing.assert_array_equal(line[: mine.shape[0]], mine)
+            assert (line[mine.shape[0]:] == -1).all()

@@ -377,14 +377,32 @@ def test_conv_runs_the_kernels_and_is_deterministic(target, chunk_elements):
     for actual_grad, expected_grad, what in zip(first, expected, ("grad_features", "grad_weight")):
         _assert_close(actual_grad, expected_grad, "float32", what)
     launches_per_run = len(launcher.records) // 2
+    counting = _CountingMatmul(backend)
+    conv.conv_backward(*args, backend=counting)
     if chunk_elements == 0:  # one offset per chunk: a unique-row scatter per offset
         assert launcher.kernel_names() == {"sc_gather_rows", "sc_scatter_add_rows_unique"}
     elif chunk_elements == 1 << 26:
-        # two chunks (the offsets before and after the centre): 2 gathers and 1 segment sum each
+        # two chunks (the offsets before and after the centre): 2 gathers and 1 segment sum each,
+        # and 2 batched GEMMs each, plus the centre's 2 plain GEMMs
         assert launcher.kernel_names() == {"sc_gather_rows", "sc_segment_sum_rows"}
         assert launches_per_run == 6, [record.expression for record in launcher.records]
+        assert counting.calls == 6
     else:
-        assert 6 < launches_per_run < 3 * 26
+        assert 6 < launches_per_run < 3 * 26 and 6 < counting.calls < 2 * 26
+
+
+class _CountingMatmul:
+    """A backend that counts its matrix products and forwards everything to ``inner``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def matmul(self, left: Any, right: Any, out: Any = None) -> Any:
+        self.calls += 1
+        return self.inner.matmul(left, right, out=out)
 
 
 @pytest.mark.parametrize("kind", ["subm", "regular", "transposed"])
