@@ -91,28 +91,30 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
     return tuple(chunks)
 
 
-def chunk_rows(xp: Any, pair_rows: Any, chunk: PairChunk) -> Any:
-    """A chunk's entries of one pair array as int32 ``[m, W]``, each offset's row padded with -1.
+def chunk_rows(xp: Any, pair_arrays: tuple[Any, ...], chunk: PairChunk) -> tuple[Any, ...]:
+    """A chunk's entries of pair arrays, each as int32 ``[m, W]`` with every offset's row padded with -1.
 
-    One offset gives its rows as they are (``[1, W]``, a view). Several are laid
-    out on the device from the chunk's (host) offset starts: a few array
-    operations, whatever ``m``.
+    One offset gives its rows as they are (``[1, W]``, views). Several are laid
+    out on the device from the chunk's (host) offset starts, with the same few
+    array operations whatever ``m``, shared by all the arrays.
 
     Args:
-        xp: the array module of ``pair_rows``.
-        pair_rows: int32 ``[P]``, a rulebook's ``pair_input`` or ``pair_output``.
+        xp: the array module of the arrays.
+        pair_arrays: int32 ``[P]`` arrays, e.g. a rulebook's ``(pair_input, pair_output)``.
         chunk: the chunk.
+
+    Returns:
+        One ``[m, W]`` array per entry of ``pair_arrays``.
     """
     if len(chunk.offsets) == 1:
-        return pair_rows[chunk.start:chunk.stop].reshape(1, -1)
+        return tuple(rows[chunk.start:chunk.stop].reshape(1, -1) for rows in pair_arrays)
     width = chunk.width
     starts = [chunk.start + local for local in chunk.local_starts[:-1]]
     counts = [b - a for a, b in zip(chunk.local_starts[:-1], chunk.local_starts[1:])]
     step = xp.arange(width, dtype=xp.int64)[None, :]
-    first = xp.asarray(starts, dtype=xp.int64)[:, None]
     valid = step < xp.asarray(counts, dtype=xp.int64)[:, None]
-    positions = xp.minimum(first + step, chunk.stop - 1)
-    return xp.where(valid, xp.take(pair_rows, positions), -1).astype(xp.int32, copy=False)
+    positions = xp.minimum(xp.asarray(starts, dtype=xp.int64)[:, None] + step, chunk.stop - 1)
+    return tuple(xp.where(valid, xp.take(rows, positions), -1).astype(xp.int32, copy=False) for rows in pair_arrays)
 
 
 def check_padded_pairs(rulebook: Any, backend: Any) -> None:

@@ -194,8 +194,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
     else:
         out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
     for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
-        input_rows = chunk_rows(xp, rulebook.pair_input, chunk)  # [m, W]
-        output_rows = chunk_rows(xp, rulebook.pair_output, chunk)
+        input_rows, output_rows = chunk_rows(xp, (rulebook.pair_input, rulebook.pair_output), chunk)  # [m, W]
         count, width = input_rows.shape
         gathered = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
         products = _batched_product(backend, gathered, _chunk_matrices(matrices, chunk))
@@ -248,8 +247,7 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     else:
         grad_features = xp.zeros(source.shape, dtype=dtype)
     for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
-        input_rows = chunk_rows(xp, rulebook.pair_input, chunk)  # [m, W]
-        output_rows = chunk_rows(xp, rulebook.pair_output, chunk)
+        input_rows, output_rows = chunk_rows(xp, (rulebook.pair_input, rulebook.pair_output), chunk)  # [m, W]
         count, width = input_rows.shape
         gathered_grad = backend.gather_rows(grad, output_rows.reshape(-1)).reshape(count, width, -1)
         gathered_source = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)

@@ -53,9 +53,10 @@ def test_chunk_rows_pad_each_offset_to_the_widest(seed):
     starts = _random_starts(rng, 20)
     pair_rows = rng.integers(0, 1000, size=starts[-1]).astype(np.int32)
     for chunk in pair_chunks(starts, 4, int(rng.choice([0, 200, 10**6]))):
-        rows = chunk_rows(np, pair_rows, chunk)
-        assert rows.dtype == np.int32 and rows.shape == (len(chunk.offsets), chunk.width)
-        for line, offset in zip(rows, chunk.offsets):
-            mine = pair_rows[starts[offset]:starts[offset + 1]]
-            np.testing.assert_array_equal(line[: mine.shape[0]], mine)
-            assert (line[mine.shape[0]:] == -1).all()
+        for source, rows in zip((pair_rows, pair_rows[::-1].copy()), chunk_rows(np, (pair_rows, pair_rows[::-1].copy()),
+                                                                                 chunk)):
+            assert rows.dtype == np.int32 and rows.shape == (len(chunk.offsets), chunk.width)
+            for line, offset in zip(rows, chunk.offsets):
+                mine = source[starts[offset]:starts[offset + 1]]
+                np.testing.assert_array_equal(line[: mine.shape[0]], mine)
+                assert (line[mine.shape[0]:] == -1).all()
