@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._launch import INT32_MAX, check_float, check_integer_vector, check_row_count
+from ._launch import INT32_MAX, check_float, check_integer_vector, check_row_count, check_scatter
 from ._sorting import group_starts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -107,15 +107,7 @@ def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: 
     order in the accumulator type (float32 for 16-bit storage), rounding once.
     """
     xp = backend.xp
-    dtype_name = check_float(target, "target", "scatter_add_pairs")
-    check_integer_vector(rows, "rows", "scatter_add_pairs")
-    check_row_count(int(target.shape[0]), "target", "scatter_add_pairs")
-    count, channels = int(rows.shape[0]), int(target.shape[1])
-    if tuple(values.shape) != (count, channels):
-        raise ValueError(
-            f"scatter_add_pairs: values must have shape [{count}, {channels}] (one row per entry of rows, "
-            f"target's channels), got {tuple(values.shape)}"
-        )
+    dtype_name, count, channels = check_scatter(target, rows, values, "scatter_add_pairs")
     if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
         raise ValueError(f"scatter_add_pairs: run_starts must run from 0 to {count}, got {tuple(run_starts)}")
     if sum(1 for start, stop in zip(run_starts[:-1], run_starts[1:]) if stop > start) <= 1:

@@ -25,6 +25,7 @@ __all__ = [
     "check_float",
     "check_integer_vector",
     "check_row_count",
+    "check_scatter",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -135,3 +136,24 @@ def check_row_count(count: int, argument: str, function: str) -> None:
             f"{function}: {argument} has {count} rows, more than the kernels' int32 row numbers "
             f"address ({INT32_MAX}); split the input into smaller pieces"
         )
+
+
+def check_scatter(target: Any, rows: Any, values: Any, function: str) -> tuple[str, int, int]:
+    """Checks a row scatter's ``target [N, C]``, ``rows [M]`` and ``values [M, C]``.
+
+    Returns:
+        ``(dtype name of target, M, C)``.
+
+    Raises:
+        ValueError / TypeError: naming the argument that is wrong.
+    """
+    dtype_name = check_float(target, "target", function)
+    check_integer_vector(rows, "rows", function)
+    check_row_count(int(target.shape[0]), "target", function)
+    count, channels = int(rows.shape[0]), int(target.shape[1])
+    if tuple(values.shape) != (count, channels):
+        raise ValueError(
+            f"{function}: values must have shape [{count}, {channels}] (one row per entry of rows, "
+            f"target's channels), got {tuple(values.shape)}"
+        )
+    return dtype_name, count, channels

@@ -253,15 +253,7 @@ class KernelBackend:
             values: ``[M, C]``, cast to ``target``'s dtype.
         """
         xp = self.xp
-        dtype_name = check_float(target, "target", "scatter_add_rows")
-        check_integer_vector(rows, "rows", "scatter_add_rows")
-        check_row_count(int(target.shape[0]), "target", "scatter_add_rows")
-        count, channels = int(rows.shape[0]), int(target.shape[1])
-        if tuple(values.shape) != (count, channels):
-            raise ValueError(
-                f"scatter_add_rows: values must have shape [{count}, {channels}] (one row per entry "
-                f"of rows, target's channels), got {tuple(values.shape)}"
-            )
+        dtype_name, count, channels = _launch.check_scatter(target, rows, values, "scatter_add_rows")
         contiguous_target = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
         values = xp.ascontiguousarray(values, dtype=target.dtype)
         rows = xp.ascontiguousarray(rows, dtype=xp.int32)
