@@ -214,12 +214,12 @@ def _concatenate_pairs(xp: Any, pieces: list[tuple[Any, Any]]) -> tuple[Any, Any
 
 
 def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
-                 backend: ArrayBackend) -> Rulebook:
+                 backend: ArrayBackend, assume_unique: bool) -> Rulebook:
     xp = backend.xp
     reach = tuple(d * (k - 1) // 2 for k, d in zip(geometry.kernel_size, geometry.dilation))
     keys = pack_keys(indices, shape, batch, margin=reach)
     rows = xp.arange(indices.shape[0], dtype=xp.int64)
-    table, duplicate = backend.hash_build(keys, rows)
+    table, duplicate = backend.hash_build(keys, rows, check_duplicates=not assume_unique)
     if duplicate is not None:
         _raise_duplicate(indices, duplicate, "indices")
     sorted_keys, sorted_rows = backend.hash_items(table)
@@ -302,7 +302,7 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
     indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim, assume_unique)
     backend = backend if backend is not None else backend_for(indices)
     if geometry.kind == "subm":
-        return _submanifold(indices, shape, batch, geometry, backend)
+        return _submanifold(indices, shape, batch, geometry, backend, assume_unique)
     if geometry.kind in ("regular", "transposed"):
         return _strided(indices, shape, batch, geometry, backend, assume_unique)
     raise ValueError(

@@ -84,6 +84,12 @@ def test_hash_build_reports_duplicates(target, keys, values):
     assert duplicate is not None and expected is not None
     # Both report two entries sharing the smallest repeated key (order within the pair may differ).
     assert sorted(duplicate) == sorted(expected)
+    # keys known to be unique skip the check: nothing is reported, the lookups still answer
+    table, unchecked = target.backend.hash_build(target.put(keys), target.put(values), check_duplicates=False)
+    numpy_table, numpy_unchecked = NUMPY_BACKEND.hash_build(keys, values, check_duplicates=False)
+    assert unchecked is None and numpy_unchecked is None
+    found = target.get(target.backend.hash_lookup(table, target.put(keys)))
+    assert (found >= 0).all() and set(found.tolist()) <= set(values.tolist())
 
 
 @pytest.mark.parametrize("count,width,step", [(0, 3, 1), (60, 0, 1), (1, 1, 1), (90, 3, 1), (120, 5, 7)])

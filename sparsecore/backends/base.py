@@ -41,16 +41,19 @@ class ArrayBackend(Protocol):
         multiplies float16 natively (accumulating in float32).
         """
 
-    def hash_build(self, keys: Any, values: Any) -> tuple[Any, tuple[int, int] | None]:
+    def hash_build(self, keys: Any, values: Any, check_duplicates: bool = True) -> tuple[Any, tuple[int, int] | None]:
         """Builds a hash table of unique int64 keys.
 
         Args:
             keys: int64 ``[N]``, non-negative.
             values: int64 ``[N]``.
+            check_duplicates: look for repeated keys (on the GPU a host
+                synchronisation); pass False for keys known to be unique.
 
         Returns:
             ``(table, duplicate)``: an opaque table for `hash_lookup` and `hash_items`,
-            and ``None`` or the values of the first two entries that share a key.
+            and ``None`` or the values of the first two entries that share a key
+            (always ``None`` without ``check_duplicates``).
         """
 
     def hash_lookup(self, table: Any, queries: Any) -> Any:

@@ -108,17 +108,20 @@ class KernelBackend:
 
     # ------------------------------------------------------------------ hashing
 
-    def hash_build(self, keys: Any, values: Any) -> tuple[KernelHashTable, tuple[int, int] | None]:
+    def hash_build(self, keys: Any, values: Any,
+                   check_duplicates: bool = True) -> tuple[KernelHashTable, tuple[int, int] | None]:
         """Inserts ``keys -> values`` with ``sc_hash_insert<long long>``.
 
         Args:
             keys: integer ``[N]``, non-negative (a negative key is not stored).
             values: integer ``[N]``.
+            check_duplicates: count the occupied slots against the keys (one
+                host synchronisation); False skips it for keys known to be unique.
 
         Returns:
-            ``(table, duplicate)``: ``duplicate`` is None when the keys are unique,
-            else the values of two entries sharing the smallest repeated key
-            (in input order).
+            ``(table, duplicate)``: ``duplicate`` is None when the keys are unique
+            (or unchecked), else the values of two entries sharing the smallest
+            repeated key (in input order).
         """
         xp = self.xp
         check_integer_vector(keys, "keys", "hash_build")
@@ -131,7 +134,7 @@ class KernelBackend:
                                 xp.full(capacity, INT64_MAX, dtype=xp.int64), capacity, keys, values)
         self._run("sc_hash_insert", ("int64",), count,
                   (keys, values, np.int64(count), table.table_keys, table.table_values, np.int64(capacity)))
-        return table, (self._find_duplicate(table) if count > 1 else None)
+        return table, (self._find_duplicate(table) if check_duplicates and count > 1 else None)
 
     def _find_duplicate(self, table: KernelHashTable) -> tuple[int, int] | None:
         xp = self.xp

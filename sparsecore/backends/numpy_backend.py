@@ -52,7 +52,8 @@ class NumpyBackend:
         # NumPy's float16 matmul has no BLAS kernel: compute float16 in float32
         return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
 
-    def hash_build(self, keys: np.ndarray, values: np.ndarray) -> tuple[SortedTable, tuple[int, int] | None]:
+    def hash_build(self, keys: np.ndarray, values: np.ndarray,
+                   check_duplicates: bool = True) -> tuple[SortedTable, tuple[int, int] | None]:
         # keys are unique once duplicates are rejected, so stability is not needed
         # and NumPy's (SIMD) introsort is 4-5x faster than its stable sort
         order = np.argsort(keys)
@@ -63,7 +64,7 @@ class NumpyBackend:
         np.take(values, order, out=sorted_values[:-1])
         sorted_values[-1] = -1
         duplicate = None
-        if keys.shape[0] > 1:
+        if check_duplicates and keys.shape[0] > 1:
             same = np.flatnonzero(sorted_keys[1:-1] == sorted_keys[:-2])
             if same.shape[0]:
                 first = int(same[0])

@@ -239,8 +239,8 @@ class InstrumentedBackend:
     def compute_dtype(self, dtype: Any) -> Any:
         return self.inner.compute_dtype(dtype)
 
-    def hash_build(self, keys: Any, values: Any) -> Any:
-        return self.inner.hash_build(keys, values)
+    def hash_build(self, keys: Any, values: Any, check_duplicates: bool = True) -> Any:
+        return self.inner.hash_build(keys, values, check_duplicates)
 
     def hash_lookup(self, table: Any, queries: Any) -> Any:
         return self.inner.hash_lookup(table, queries)

@@ -351,5 +351,6 @@ def core_backward(state: CoreForward, grad_output: Any, weights: tuple[Any, ...]
             else:
                 with recorder.interval("pool"):
                     grad = sc.max_pool_backward(grad, state.argmaxes[position],
-                                                state.rulebooks[position].num_input)
+                                                state.rulebooks[position].num_input,
+                                                rulebook=state.rulebooks[position], backend=backend)
     return grad, tuple(weight_grads)
