@@ -91,3 +91,40 @@ __global__ void sc_segment_sum_rows(const T* __restrict__ src, const int* __rest
     *target = sc::narrow<T>(static_cast<Acc>(sc::widen(*target)) + acc);
   }
 }
+
+// Sum of several runs' rows into their target rows, without sorting or atomics:
+//   for r < n, j < channels:
+//     acc = 0 (in Acc)
+//     for run in [0, num_runs):                        in this order
+//       p = slots[run * slot_stride + r]
+//       if p >= 0: acc += src[p, j]
+//     dst[r, j] = T(Acc(dst[r, j]) + acc)
+//   src         T     [P, channels]            e.g. the products of a chunk of
+//                                              kernel offsets (one run each)
+//   slots       int32 [num_runs, slot_stride]  slot_stride >= n: the source row
+//                                              feeding target row r in each run,
+//                                              or -1 (a run feeds a row at most once)
+//   dst         T     [n, channels]            updated in place
+// The caller fills slots with one scatter of the pairs (slots[run, row] = p).
+// Each (row, channel) is summed by one thread in run order, so the result is
+// bitwise deterministic, and equals sc_segment_sum_rows over the same pairs
+// grouped by a stable sort of their rows.
+template <typename T, typename Acc>
+__global__ void sc_sum_run_rows(const T* __restrict__ src, const int* __restrict__ slots, long long num_runs,
+                                long long slot_stride, long long n, long long channels,
+                                T* __restrict__ dst) {
+  const long long total = n * channels;
+  const long long step = sc::grid_thread_count();
+  for (long long e = sc::grid_thread_index(); e < total; e += step) {
+    const long long r = e / channels;
+    const long long j = e - r * channels;
+    Acc acc = Acc(0);
+    for (long long run = 0; run < num_runs; ++run) {
+      const int p = __ldg(slots + run * slot_stride + r);
+      if (p >= 0) {
+        acc += static_cast<Acc>(sc::widen(src[static_cast<long long>(p) * channels + j]));
+      }
+    }
+    dst[e] = sc::narrow<T>(static_cast<Acc>(sc::widen(dst[e])) + acc);
+  }
+}

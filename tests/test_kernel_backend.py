@@ -388,9 +388,9 @@ def test_conv_runs_the_kernels_and_is_deterministic(target, chunk_elements):
     if chunk_elements == 0:  # one offset per chunk: a unique-row scatter per offset
         assert launcher.kernel_names() == {"sc_gather_rows", "sc_scatter_add_rows_unique"}
     elif chunk_elements == 1 << 26:
-        # two chunks (the offsets before and after the centre): 2 gathers and 1 segment sum each,
+        # two chunks (the offsets before and after the centre): 2 gathers and 1 run sum each,
         # and 2 batched GEMMs each, plus the centre's 2 plain GEMMs
-        assert launcher.kernel_names() == {"sc_gather_rows", "sc_segment_sum_rows"}
+        assert launcher.kernel_names() == {"sc_gather_rows", "sc_sum_run_rows"}
         assert launches_per_run == 6, [record.expression for record in launcher.records]
         assert counting.calls == 6
     else:

@@ -182,6 +182,23 @@ def test_segment_sum_rows(backend, dtype_name, num_segments, channels):
     np.testing.assert_array_equal(backend.get(device_target), expected)
 
 
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("num_runs, channels", [(0, 3), (1, 1), (4, 5), (13, 2)])
+def test_sum_run_rows(backend, dtype_name, num_runs, channels):
+    rng = _rng(6, num_runs, channels)
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    source = twins.random_features(rng, (70, channels), dtype_name)
+    slots = np.full((num_runs, 45), -1, np.int32)  # 45 >= 40 target rows: a padded stride
+    for run in range(num_runs):
+        rows = rng.choice(40, size=int(rng.integers(0, 30)), replace=False)
+        slots[run, rows] = rng.choice(70, size=rows.shape[0], replace=False)
+    target = twins.random_features(rng, (40, channels), dtype_name)
+    device_target = backend.put(target.copy())
+    backend.launch.sum_run_rows(device_target, backend.put(source), backend.put(slots), element_type)
+    expected = twins.sum_run_rows(target, source, slots, dtype_name)
+    np.testing.assert_array_equal(backend.get(device_target), expected)
+
+
 EDGE_VALUES = {
     # Largest finite values (sums overflow to inf), ties at the rounding boundary, subnormals, signed zeros.
     "float16": [0.0, -0.0, 2.0**-24, 3 * 2.0**-24, 2.0**-14, 65504.0, -65504.0, 32768.0, 16.0, 2048.0, 1.0, 3.0,

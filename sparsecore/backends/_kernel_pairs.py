@@ -101,25 +101,37 @@ def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: 
                       run_starts: tuple[int, ...]) -> None:
     """``target[rows[p]] += values[p]`` (see `ArrayBackend.scatter_add_pairs`).
 
-    One run: ``sc_scatter_add_rows_unique``. Several: the pairs are grouped by
-    target row with a stable ``xp.argsort`` and ``xp.searchsorted`` (no host
-    synchronisation), and ``sc_segment_sum_rows`` adds each row's values in pair
-    order in the accumulator type (float32 for 16-bit storage), rounding once.
+    One run: ``sc_scatter_add_rows_unique``. Several: one scatter fills a
+    ``[runs, N + 1]`` table of slots (the pair feeding each target row in each
+    run, -1 where none; rows of -1, padding, land in the spare last column),
+    and ``sc_sum_run_rows`` adds each row's values in run order in the
+    accumulator type (float32 for 16-bit storage), rounding once. No sort, no
+    atomics, no host synchronisation.
     """
     xp = backend.xp
     dtype_name, count, channels = check_scatter(target, rows, values, "scatter_add_pairs")
     if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
         raise ValueError(f"scatter_add_pairs: run_starts must run from 0 to {count}, got {tuple(run_starts)}")
-    if sum(1 for start, stop in zip(run_starts[:-1], run_starts[1:]) if stop > start) <= 1:
+    lengths = [stop - start for start, stop in zip(run_starts[:-1], run_starts[1:])]
+    if sum(1 for length in lengths if length) <= 1:
         backend.scatter_add_rows(target, rows, values)
         return
     if not target.flags.c_contiguous:
         raise ValueError("scatter_add_pairs: target must be C-contiguous (it is updated in place)")
     num_rows = int(target.shape[0])
-    order, starts = group_starts(xp, rows, num_rows)
-    backend._run("sc_segment_sum_rows", (dtype_name,), num_rows * channels,
-                 (xp.ascontiguousarray(values, dtype=target.dtype), order, starts,
-                  xp.arange(num_rows, dtype=xp.int32), np.int64(num_rows), np.int64(channels), target))
+    runs = [(run, length) for run, length in enumerate(lengths) if length]
+    if len(set(length for _, length in runs)) == 1 and len(runs) == len(lengths):
+        run_of_pair = xp.arange(count, dtype=xp.int64) // lengths[0]  # uniform runs, the [m, W] layout
+    else:
+        run_of_pair = xp.repeat(xp.arange(len(lengths), dtype=xp.int64), lengths)
+    slot_stride = num_rows + 1
+    slots = xp.full((len(lengths), slot_stride), -1, dtype=xp.int32)
+    column = xp.where(rows >= 0, rows, num_rows).astype(xp.int64)
+    slots.reshape(-1)[run_of_pair * slot_stride + column] = xp.arange(count, dtype=xp.int32)
+    slots[:, num_rows] = -1  # the spare column took the padding entries
+    backend._run("sc_sum_run_rows", (dtype_name,), num_rows * channels,
+                 (xp.ascontiguousarray(values, dtype=target.dtype), slots, np.int64(len(lengths)),
+                  np.int64(slot_stride), np.int64(num_rows), np.int64(channels), target))
 
 
 def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pair_output: Any,

@@ -128,6 +128,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             _per_type("sc_gather_rows", _STORAGE_ONLY),
             _per_type("sc_scatter_add_rows_unique", _STORAGE_ONLY),
             _per_type("sc_segment_sum_rows", FLOAT_TYPES),
+            _per_type("sc_sum_run_rows", FLOAT_TYPES),
         ),
     ),
     KernelFile(

@@ -162,6 +162,17 @@ class Launcher:
                      [source, order, segment_starts, segment_rows, np.int64(num_segments), np.int64(channels),
                       target])
 
+    def sum_run_rows(self, target: Any, source: Any, slots: Any, element_type: str | None = None) -> None:
+        """``target[r] += sum over runs of source[slots[run, r]]`` (slots -1 skipped), in run order, in place."""
+        xp = self.xp
+        source = self._contiguous(source, target.dtype)
+        slots = self._contiguous(slots, xp.int32)
+        num_runs, slot_stride = slots.shape
+        n, channels = target.shape
+        self._launch("sc_sum_run_rows", [self._element_type(target, element_type)], n * channels,
+                     [source, slots, np.int64(num_runs), np.int64(slot_stride), np.int64(n), np.int64(channels),
+                      target])
+
     # ---- pooling.cu ----
 
     def max_pool_forward(self, features: Any, input_rows: Any, output_starts: Any,

@@ -24,6 +24,7 @@ __all__ = [
     "gather_rows",
     "scatter_add_rows_unique",
     "segment_sum_rows",
+    "sum_run_rows",
     "max_pool_forward",
     "max_pool_backward",
     "avg_pool_forward",
@@ -116,6 +117,18 @@ def segment_sum_rows(target, source, order, segment_starts, segment_rows, dtype_
     acc = _ordered_group_sums(widen(source, dtype_name), order, segment_starts)
     out[segment_rows] = narrow(widen(target[segment_rows], dtype_name) + acc, dtype_name)
     return out
+
+
+def sum_run_rows(target, source, slots, dtype_name):
+    """``sc_sum_run_rows``: per target row, the source rows its runs name (``slots [R, >= n]``), in run order."""
+    n = target.shape[0]
+    wide = widen(source, dtype_name)
+    acc = np.zeros((n, source.shape[1]), dtype=wide.dtype)
+    with np.errstate(over="ignore"):
+        for run in range(slots.shape[0]):
+            present = np.flatnonzero(slots[run, :n] >= 0)
+            acc[present] += wide[slots[run, present]]
+    return narrow(widen(target, dtype_name) + acc, dtype_name)
 
 
 def max_pool_forward(features, input_rows, output_starts, dtype_name):
