@@ -258,3 +258,28 @@ def test_max_pool_backward_with_the_rulebook_equals_the_argmax_scatter(target):
         np.testing.assert_allclose(get(actual), expected, rtol=1e-14, atol=1e-14)
     with pytest.raises(ValueError, match="pass the forward's rulebook"):
         sc.max_pool_backward(grad_output, argmax, 149, rulebook=rulebook)
+
+
+def test_row_counts_beyond_int32_are_refused_before_any_launch(target):
+    """The kernels number rows in int32: larger inputs get a clear error, not a wrapped index.
+
+    The huge arrays are zero-stride views (no memory); every check runs before
+    anything is copied or launched.
+    """
+    if target.xp is not np:
+        pytest.skip("zero-stride views of 2^31 rows are a NumPy device-free trick")
+    backend, launcher = target.recording()
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(2**31 + 3, 2), strides=(0, 0))
+    rows = np.zeros(2, np.int32)
+    with pytest.raises(ValueError, match="more than the kernels' int32 row numbers"):
+        backend.gather_rows(huge, rows)
+    with pytest.raises(ValueError, match="more than the kernels' int32 row numbers"):
+        backend.scatter_add_rows(huge, rows, np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="more than the kernels' int32 row numbers"):
+        backend.scatter_add_pairs(huge, rows, np.zeros((2, 2), np.float32), (0, 1, 2))
+    with pytest.raises(ValueError, match="more than the kernels' int32 row numbers"):
+        backend.max_pool_pairs(np.zeros((3, 2), np.float32), rows, rows, (0, 2), 2**31 + 3)
+    with pytest.raises(ValueError, match="more than the kernels' int32 row numbers"):
+        backend.max_pool_backward_pairs(np.zeros((2, 2), np.float32), np.zeros((2, 2), np.int32), rows, rows,
+                                        (0, 2), 2**31 + 3)
+    assert launcher.records == []
