@@ -2,11 +2,13 @@
 
 A feature pass walks the kernel offsets of a rulebook; its pairs are stored
 offset by offset, so consecutive offsets own one contiguous range of pairs. A
-`PairChunk` is such a range, sized by the backend's ``chunk_elements``: one
-gather of the chunk's rows, one GEMM per offset on slices of it, and one
+`PairChunk` is such a range, sized by the backend's ``chunk_elements``. A conv
+lays a chunk's rows out as ``[m, W]`` (`chunk_rows`: ``m`` offsets, each padded
+with row -1 to the widest one's ``W`` pairs), so a chunk costs one gather, one
+batched GEMM (``[m, W, a] @ [m, a, b]``) and one
 `ArrayBackend.scatter_add_pairs`. The NumPy backend takes one offset per chunk
-(cache-sized work); the GPU backend takes as many as fit, so a layer costs a
-few launches instead of three per offset.
+(cache-sized work, no padding); the GPU backend takes as many as fit, so a
+layer costs a few launches instead of three per offset.
 """
 
 from __future__ import annotations

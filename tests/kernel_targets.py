@@ -26,7 +26,8 @@ except ImportError:  # tests/ imported as a package
     from tests.cuda_emulation import harness
     from tests.cuda_emulation.emulated_launcher import EmulatedLauncher, RecordingLauncher
 
-__all__ = ["Target", "target", "FLOAT_DTYPES", "rng_for", "random_sites", "random_floats", "assert_equal"]
+__all__ = ["Target", "target", "emulated_backend", "FLOAT_DTYPES", "rng_for", "random_sites", "random_floats",
+           "assert_equal"]
 
 try:
     import ml_dtypes
@@ -76,15 +77,19 @@ class Target:
         return np.dtype(dtype_name)
 
 
+def emulated_backend() -> KernelBackend:
+    """`KernelBackend` on NumPy arrays through the emulated kernels (small launches); skips without g++."""
+    if harness.compiler_path() is None:
+        pytest.skip("g++ is not installed")
+    harness.build_libraries([entry.file for entry in kernel_registry.KERNEL_FILES])
+    return KernelBackend(np, EmulatedLauncher(), name="emulated", block_threads=32, max_blocks=2)
+
+
 @pytest.fixture(scope="module", params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
 def target(request) -> Target:
     if request.param == "emulated":
-        if harness.compiler_path() is None:
-            pytest.skip("g++ is not installed")
-        harness.build_libraries([entry.file for entry in kernel_registry.KERNEL_FILES])
-        launcher = EmulatedLauncher()
-        backend = KernelBackend(np, launcher, name="emulated", block_threads=32, max_blocks=2)
-        return Target("emulated", np, backend, launcher)
+        backend = emulated_backend()
+        return Target("emulated", np, backend, backend.launcher)
     import cupy
 
     from sparsecore.backends.cupy_backend import CUPY_BACKEND

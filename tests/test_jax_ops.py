@@ -31,8 +31,37 @@ except ImportError:
         active_sites, as_tuple, dense_avg_pool, dense_conv, dense_conv_transpose, dense_max_pool, densify,
         mask_of, ones_kernel, random_features, random_sites, read_sites, x64)  # noqa: F401 (x64: fixture)
 
+try:
+    from .kernel_targets import emulated_backend
+except ImportError:
+    from kernel_targets import emulated_backend  # type: ignore[no-redef]
+
 pytestmark = pytest.mark.usefixtures("x64")
 IMPLS = ["jnp", "callback"]
+# "callback-device": impl="callback" taking its GPU branch (padded pairs, counts on the device), with the
+# buffers left on the CPU and the GPU kernels run by the CPU emulation of CUDA
+ORACLE_IMPLS = IMPLS + ["callback-device"]
+
+
+def _use_impl(impl, monkeypatch):
+    """The impl to pass to the ops; for "callback-device", routes the callback through its GPU branch."""
+    if impl != "callback-device":
+        return impl
+    import contextlib
+
+    from sparsecore.jax import callback
+
+    backend = emulated_backend()
+
+    def no_host_reads(*args):
+        raise AssertionError("the GPU branch read a count back to the host")
+
+    monkeypatch.setattr(callback, "_scalar", no_host_reads)
+    monkeypatch.setattr(callback, "_pair_map", no_host_reads)
+    monkeypatch.setattr(callback, "is_cupy_array", lambda value: True)
+    monkeypatch.setattr(callback, "_core_scope", lambda ctx, probe: contextlib.nullcontext())
+    monkeypatch.setattr(callback, "_gpu_backend", lambda: backend)
+    return "callback"
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
@@ -185,9 +214,10 @@ def _check_layer(x, n_in, out_sites, layer, oracle, weight, bias, features, rng,
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ORACLE_IMPLS)
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: c.name)
-def test_conv_matches_dense(case, impl):
+def test_conv_matches_dense(case, impl, monkeypatch):
+    impl = _use_impl(impl, monkeypatch)
     seed = zlib.crc32(f"conv {case.name}".encode())
     x, in_sites, features, out_sites, weight, bias, oracle = _prepare_conv(case, seed)
     argnums = (0, 1, 2) if bias is not None else (0, 1)
@@ -261,9 +291,10 @@ def _prepare_pool(case, seed):
     return x, indices, features, out_sites, oracle
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ORACLE_IMPLS)
 @pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: c.name)
-def test_pool_matches_dense(case, impl):
+def test_pool_matches_dense(case, impl, monkeypatch):
+    impl = _use_impl(impl, monkeypatch)
     seed = zlib.crc32(f"pool {case.name}".encode())
     x, indices, features, out_sites, oracle = _prepare_pool(case, seed)
     run = sj.sparse_max_pool if case.which == "max" else sj.sparse_avg_pool

@@ -22,8 +22,9 @@ class ArrayBackend(Protocol):
         chunk_elements: how many gathered feature elements (pair rows times
             channels) a feature pass may hold at once: the passes group
             consecutive kernel offsets into chunks of at most this size, each
-            one gather, one GEMM per offset and one `scatter_add_pairs`. 0 means
-            one offset per chunk (best for CPU caches).
+            one gather, one batched GEMM and one `scatter_add_pairs` (see
+            `sparsecore._chunks`). 0 means one offset per chunk (best for CPU
+            caches); more than one offset per chunk needs `skips_negative_rows`.
         skips_negative_rows: whether the pair primitives treat a row of -1 as
             "no pair" (gathers read zeros, scatters and groupings drop it), so
             that padded pair maps (`sparsecore.PairMap.padded`) run as they are.

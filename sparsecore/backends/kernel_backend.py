@@ -68,9 +68,9 @@ class KernelBackend:
             cover larger inputs.
         chunk_elements: most gathered feature elements a feature pass holds at
             once (see `ArrayBackend.chunk_elements`): the default, 2^26 (256 MB of
-            float32), puts every offset of a typical layer in one chunk, so a
-            conv is one gather, one GEMM per offset and one deterministic
-            segment-sum scatter.
+            float32), puts the offsets of a typical layer in one or two chunks,
+            each one gather, one batched GEMM and one deterministic
+            `scatter_add_pairs` (``sc_sum_run_rows``).
         native_float16: multiply float16 features as float16 (cuBLAS, float32
             accumulation) instead of converting them to float32 first.
         skips_negative_rows: always true: every kernel skips row -1 (padding).
