@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import pytest
 
@@ -78,6 +79,7 @@ def _worker(rank, port, out_dir):
         _loss(model(_batch([rank]))).backward()
         grads = {name: p.grad for name, p in model.module.named_parameters()}
         torch.save(grads, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # rank 0 hosts the store: no rank leaves while another still needs it
     finally:
         dist.destroy_process_group()
 
@@ -88,8 +90,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _run_workers(out_dir, deadline_s: float = 240.0) -> None:
+    """Runs the ranks; fails (instead of hanging the suite) if they have not finished by the deadline."""
+    context = mp.start_processes(_worker, args=(_free_port(), out_dir), nprocs=WORLD_SIZE, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"the {WORLD_SIZE} DDP ranks did not finish within {deadline_s:.0f} s")
+
+
 def test_ddp_gradients_equal_single_process(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    _run_workers(str(tmp_path))
     torch.manual_seed(0)
     model = Net().double()
     _loss(model(_batch(list(range(WORLD_SIZE))))).backward()
