@@ -7,8 +7,105 @@
 // 16-bit types, double for double) and rounded to T once, at the store.
 // No kernel here uses atomics: every output element is written by exactly one
 // thread, so results are bitwise reproducible.
+//
+// Vectorised access: the row kernels take `vector`, the number of consecutive
+// elements each thread moves as one aligned access (1, 2, 4 or 8; the caller
+// picks it so that channels % vector == 0, vector * sizeof(T) <= 16 and every
+// array's base address is a multiple of vector * sizeof(T)). The arithmetic is
+// the same element by element for any vector, so results do not depend on it.
 
 #include "sc_common.cuh"
+
+namespace sc {
+
+// N consecutive elements of T moved as one aligned load or store.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  T lane[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void gather_rows_packed(const T* __restrict__ src, const int* __restrict__ rows,
+                                                   long long m, long long channels, T* __restrict__ out) {
+  using P = Packed<T, N>;
+  const long long packs = channels / N;
+  const long long total = m * packs;
+  const long long step = grid_thread_count();
+  const P* src_packs = reinterpret_cast<const P*>(src);
+  P* out_packs = reinterpret_cast<P*>(out);
+  P zero;
+  for (int i = 0; i < N; ++i) {
+    zero.lane[i] = narrow<T>(typename Accumulator<T>::type(0));
+  }
+  for (long long e = grid_thread_index(); e < total; e += step) {
+    const long long r = e / packs;
+    const long long q = e - r * packs;
+    const int row = __ldg(rows + r);
+    out_packs[e] = row >= 0 ? src_packs[static_cast<long long>(row) * packs + q] : zero;
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void scatter_add_rows_packed(const T* __restrict__ src, const int* __restrict__ rows,
+                                                        long long m, long long channels, T* __restrict__ dst) {
+  using P = Packed<T, N>;
+  const long long packs = channels / N;
+  const long long total = m * packs;
+  const long long step = grid_thread_count();
+  const P* src_packs = reinterpret_cast<const P*>(src);
+  P* dst_packs = reinterpret_cast<P*>(dst);
+  for (long long e = grid_thread_index(); e < total; e += step) {
+    const long long r = e / packs;
+    const long long q = e - r * packs;
+    const int row = __ldg(rows + r);
+    if (row < 0) {
+      continue;
+    }
+    const P addend = src_packs[e];
+    P* target = dst_packs + static_cast<long long>(row) * packs + q;
+    P value = *target;
+    for (int i = 0; i < N; ++i) {
+      value.lane[i] = narrow<T>(widen(value.lane[i]) + widen(addend.lane[i]));
+    }
+    *target = value;
+  }
+}
+
+template <typename T, typename Acc, int N>
+__device__ __forceinline__ void sum_run_rows_packed(const T* __restrict__ src, const int* __restrict__ slots,
+                                                    long long num_runs, long long slot_stride, long long n,
+                                                    long long channels, T* __restrict__ dst) {
+  using P = Packed<T, N>;
+  const long long packs = channels / N;
+  const long long total = n * packs;
+  const long long step = grid_thread_count();
+  const P* src_packs = reinterpret_cast<const P*>(src);
+  P* dst_packs = reinterpret_cast<P*>(dst);
+  for (long long e = grid_thread_index(); e < total; e += step) {
+    const long long r = e / packs;
+    const long long q = e - r * packs;
+    Acc acc[N];
+    for (int i = 0; i < N; ++i) {
+      acc[i] = Acc(0);
+    }
+    for (long long run = 0; run < num_runs; ++run) {
+      const int p = __ldg(slots + run * slot_stride + r);
+      if (p >= 0) {
+        const P value = src_packs[static_cast<long long>(p) * packs + q];
+        for (int i = 0; i < N; ++i) {
+          acc[i] += static_cast<Acc>(widen(value.lane[i]));
+        }
+      }
+    }
+    P value = dst_packs[e];
+    for (int i = 0; i < N; ++i) {
+      value.lane[i] = narrow<T>(static_cast<Acc>(widen(value.lane[i])) + acc[i]);
+    }
+    dst_packs[e] = value;
+  }
+}
+
+}  // namespace sc
 
 // out[r, :] = src[rows[r], :] for r < m, or zeros where rows[r] < 0.
 //   src  T     [N, channels]
@@ -18,15 +115,12 @@
 // concatenated pair_input of a rulebook).
 template <typename T>
 __global__ void sc_gather_rows(const T* __restrict__ src, const int* __restrict__ rows, long long m,
-                               long long channels, T* __restrict__ out) {
-  const long long total = m * channels;
-  const long long step = sc::grid_thread_count();
-  const T zero = sc::narrow<T>(typename sc::Accumulator<T>::type(0));
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long r = e / channels;
-    const long long j = e - r * channels;
-    const int row = __ldg(rows + r);
-    out[e] = row >= 0 ? src[static_cast<long long>(row) * channels + j] : zero;
+                               long long channels, int vector, T* __restrict__ out) {
+  switch (vector) {
+    case 8: sc::gather_rows_packed<T, 8>(src, rows, m, channels, out); break;
+    case 4: sc::gather_rows_packed<T, 4>(src, rows, m, channels, out); break;
+    case 2: sc::gather_rows_packed<T, 2>(src, rows, m, channels, out); break;
+    default: sc::gather_rows_packed<T, 1>(src, rows, m, channels, out); break;
   }
 }
 
@@ -38,18 +132,12 @@ __global__ void sc_gather_rows(const T* __restrict__ src, const int* __restrict_
 // deterministic) because no two threads touch the same destination element.
 template <typename T>
 __global__ void sc_scatter_add_rows_unique(const T* __restrict__ src, const int* __restrict__ rows,
-                                           long long m, long long channels, T* __restrict__ dst) {
-  const long long total = m * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long r = e / channels;
-    const long long j = e - r * channels;
-    const int row = __ldg(rows + r);
-    if (row < 0) {
-      continue;
-    }
-    T* target = dst + static_cast<long long>(row) * channels + j;
-    *target = sc::narrow<T>(sc::widen(*target) + sc::widen(src[e]));
+                                           long long m, long long channels, int vector, T* __restrict__ dst) {
+  switch (vector) {
+    case 8: sc::scatter_add_rows_packed<T, 8>(src, rows, m, channels, dst); break;
+    case 4: sc::scatter_add_rows_packed<T, 4>(src, rows, m, channels, dst); break;
+    case 2: sc::scatter_add_rows_packed<T, 2>(src, rows, m, channels, dst); break;
+    default: sc::scatter_add_rows_packed<T, 1>(src, rows, m, channels, dst); break;
   }
 }
 
@@ -111,20 +199,12 @@ __global__ void sc_segment_sum_rows(const T* __restrict__ src, const int* __rest
 // grouped by a stable sort of their rows.
 template <typename T, typename Acc>
 __global__ void sc_sum_run_rows(const T* __restrict__ src, const int* __restrict__ slots, long long num_runs,
-                                long long slot_stride, long long n, long long channels,
+                                long long slot_stride, long long n, long long channels, int vector,
                                 T* __restrict__ dst) {
-  const long long total = n * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long r = e / channels;
-    const long long j = e - r * channels;
-    Acc acc = Acc(0);
-    for (long long run = 0; run < num_runs; ++run) {
-      const int p = __ldg(slots + run * slot_stride + r);
-      if (p >= 0) {
-        acc += static_cast<Acc>(sc::widen(src[static_cast<long long>(p) * channels + j]));
-      }
-    }
-    dst[e] = sc::narrow<T>(static_cast<Acc>(sc::widen(dst[e])) + acc);
+  switch (vector) {
+    case 8: sc::sum_run_rows_packed<T, Acc, 8>(src, slots, num_runs, slot_stride, n, channels, dst); break;
+    case 4: sc::sum_run_rows_packed<T, Acc, 4>(src, slots, num_runs, slot_stride, n, channels, dst); break;
+    case 2: sc::sum_run_rows_packed<T, Acc, 2>(src, slots, num_runs, slot_stride, n, channels, dst); break;
+    default: sc::sum_run_rows_packed<T, Acc, 1>(src, slots, num_runs, slot_stride, n, channels, dst); break;
   }
 }

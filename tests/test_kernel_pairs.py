@@ -283,3 +283,32 @@ def test_row_counts_beyond_int32_are_refused_before_any_launch(target):
         backend.max_pool_backward_pairs(np.zeros((2, 2), np.float32), np.zeros((2, 2), np.int32), rows, rows,
                                         (0, 2), 2**31 + 3)
     assert launcher.records == []
+
+
+def test_vector_width_follows_channels_and_alignment():
+    from sparsecore.backends._launch import vector_width
+
+    base = np.zeros(64 + 8, np.float32)  # NumPy aligns allocations to at least 16 bytes
+    aligned = base[:64].reshape(4, 16)
+    assert vector_width(16, 4, aligned) == 4  # 16 bytes: four float32
+    assert vector_width(6, 4, aligned) == 2
+    assert vector_width(5, 4, aligned) == 1
+    assert vector_width(16, 4, base[1:65].reshape(4, 16)) == 1  # 4 bytes off
+    assert vector_width(16, 4, base[2:66].reshape(4, 16)) == 2  # 8 bytes off
+    assert vector_width(16, 2, np.zeros((4, 16), np.float16)) == 8
+    assert vector_width(16, 8, np.zeros((4, 16), np.float64)) == 2
+
+
+def test_row_kernels_launch_one_thread_per_vector(target):
+    """Aligned 16-channel float32 rows move four elements per thread: a quarter of the threads."""
+    backend, launcher = target.recording(block_threads=256, max_blocks=4096)
+    rng = rng_for(43)
+    source = rng.standard_normal((500, 16)).astype(np.float32)
+    rows = rng.integers(-1, 500, size=3000).astype(np.int32)
+    gathered = backend.gather_rows(target.put(source), target.put(rows))
+    expected = np.where(rows[:, None] >= 0, source[rows], 0)
+    assert_equal(target.get(gathered), expected.astype(np.float32), "vectorised gather")
+    odd = backend.gather_rows(target.put(source[:, :15]), target.put(rows))
+    assert_equal(target.get(odd), np.where(rows[:, None] >= 0, source[rows, :15], 0).astype(np.float32), "odd")
+    grids = [record.grid for record in launcher.records]
+    assert grids == [-(-3000 * 16 // 4 // 256), -(-3000 * 15 // 256)], grids

@@ -140,28 +140,40 @@ def test_hash_lookup_offsets_padded_grid(backend, n):
 # ------------------------------------------------------------ gather_scatter.cu
 
 
+def _vector_or_skip(vector: int, channels: int, dtype_name: str) -> None:
+    """Skips the vector widths the backend would never pick for these rows."""
+    itemsize = np.dtype(twins.STORAGE_DTYPES[dtype_name][0]).itemsize
+    if channels % vector or vector * itemsize > 16:
+        pytest.skip(f"vector {vector} does not fit {channels} channels of {dtype_name}")
+
+
+@pytest.mark.parametrize("vector", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("m,channels", [(0, 4), (1, 1), (70, 3), (33, 16)])
-def test_gather_rows(backend, dtype_name, m, channels):
+def test_gather_rows(backend, dtype_name, m, channels, vector):
+    _vector_or_skip(vector, channels, dtype_name)
     rng = _rng(3, m, channels)
     element_type = twins.STORAGE_DTYPES[dtype_name][2]
     source = twins.random_features(rng, (20, channels), dtype_name)
     rows = rng.integers(-1, 20, size=m).astype(np.int32)
-    out = backend.get(backend.launch.gather_rows(backend.put(source), backend.put(rows), element_type))
+    out = backend.get(backend.launch.gather_rows(backend.put(source), backend.put(rows), element_type, vector))
     np.testing.assert_array_equal(out, twins.gather_rows(source, rows))
 
 
+@pytest.mark.parametrize("vector", [1, 2, 4])
 @pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("m", [0, 1, 45])
-def test_scatter_add_rows_unique(backend, dtype_name, m):
-    rng = _rng(4, m)
-    element_type, channels = twins.STORAGE_DTYPES[dtype_name][2], 5
+@pytest.mark.parametrize("m,channels", [(0, 4), (1, 5), (45, 5), (45, 8)])
+def test_scatter_add_rows_unique(backend, dtype_name, m, channels, vector):
+    _vector_or_skip(vector, channels, dtype_name)
+    rng = _rng(4, m, channels)
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
     target = twins.random_features(rng, (60, channels), dtype_name)
     rows = rng.permutation(60)[:m].astype(np.int32)
     rows[::7] = -1
     values = twins.random_features(rng, (m, channels), dtype_name)
     device_target = backend.put(target.copy())
-    backend.launch.scatter_add_rows_unique(device_target, backend.put(rows), backend.put(values), element_type)
+    backend.launch.scatter_add_rows_unique(device_target, backend.put(rows), backend.put(values), element_type,
+                                           vector)
     np.testing.assert_array_equal(backend.get(device_target),
                                   twins.scatter_add_rows_unique(target, rows, values, dtype_name))
 
@@ -182,9 +194,11 @@ def test_segment_sum_rows(backend, dtype_name, num_segments, channels):
     np.testing.assert_array_equal(backend.get(device_target), expected)
 
 
+@pytest.mark.parametrize("vector", [1, 2, 4])
 @pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("num_runs, channels", [(0, 3), (1, 1), (4, 5), (13, 2)])
-def test_sum_run_rows(backend, dtype_name, num_runs, channels):
+@pytest.mark.parametrize("num_runs, channels", [(0, 3), (1, 1), (4, 5), (13, 2), (5, 4)])
+def test_sum_run_rows(backend, dtype_name, num_runs, channels, vector):
+    _vector_or_skip(vector, channels, dtype_name)
     rng = _rng(6, num_runs, channels)
     element_type = twins.STORAGE_DTYPES[dtype_name][2]
     source = twins.random_features(rng, (70, channels), dtype_name)
@@ -194,7 +208,7 @@ def test_sum_run_rows(backend, dtype_name, num_runs, channels):
         slots[run, rows] = rng.choice(70, size=rows.shape[0], replace=False)
     target = twins.random_features(rng, (40, channels), dtype_name)
     device_target = backend.put(target.copy())
-    backend.launch.sum_run_rows(device_target, backend.put(source), backend.put(slots), element_type)
+    backend.launch.sum_run_rows(device_target, backend.put(source), backend.put(slots), element_type, vector)
     expected = twins.sum_run_rows(target, source, slots, dtype_name)
     np.testing.assert_array_equal(backend.get(device_target), expected)
 
@@ -387,8 +401,8 @@ def test_launches_are_checked_against_kernel_signatures(backend):
     kernel = harness.load_module("gather_scatter.cu").get_function("sc_gather_rows<float>")
     source, rows, out = np.zeros((2, 2), np.float32), np.zeros(1, np.int32), np.zeros((1, 2), np.float32)
     with pytest.raises(TypeError, match="NumPy scalar"):
-        kernel((1,), (32,), (source, rows, 1, np.int64(2), out))  # a Python int
+        kernel((1,), (32,), (source, rows, 1, np.int64(2), np.int32(1), out))  # a Python int
     with pytest.raises(TypeError, match="dtype float64"):
-        kernel((1,), (32,), (source.astype(np.float64), rows, np.int64(1), np.int64(2), out))
+        kernel((1,), (32,), (source.astype(np.float64), rows, np.int64(1), np.int64(2), np.int32(1), out))
     with pytest.raises(ValueError, match="at least one block"):
-        kernel((0,), (32,), (source, rows, np.int64(1), np.int64(2), out))
+        kernel((0,), (32,), (source, rows, np.int64(1), np.int64(2), np.int32(1), out))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._launch import INT32_MAX, check_float, check_integer_vector, check_row_count, check_scatter
+from ._launch import INT32_MAX, check_float, check_integer_vector, check_row_count, check_scatter, vector_width
 from ._sorting import group_starts
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,9 +129,11 @@ def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: 
     column = xp.where(rows >= 0, rows, num_rows).astype(xp.int64)
     slots.reshape(-1)[run_of_pair * slot_stride + column] = xp.arange(count, dtype=xp.int32)
     slots[:, num_rows] = -1  # the spare column took the padding entries
-    backend._run("sc_sum_run_rows", (dtype_name,), num_rows * channels,
-                 (xp.ascontiguousarray(values, dtype=target.dtype), slots, np.int64(len(lengths)),
-                  np.int64(slot_stride), np.int64(num_rows), np.int64(channels), target))
+    values = xp.ascontiguousarray(values, dtype=target.dtype)
+    vector = vector_width(channels, target.dtype.itemsize, values, target)
+    backend._run("sc_sum_run_rows", (dtype_name,), num_rows * channels // vector,
+                 (values, slots, np.int64(len(lengths)), np.int64(slot_stride), np.int64(num_rows),
+                  np.int64(channels), np.int32(vector), target))
 
 
 def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pair_output: Any,

@@ -26,6 +26,8 @@ __all__ = [
     "check_integer_vector",
     "check_row_count",
     "check_scatter",
+    "data_pointer",
+    "vector_width",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -157,3 +159,23 @@ def check_scatter(target: Any, rows: Any, values: Any, function: str) -> tuple[s
             f"target's channels), got {tuple(values.shape)}"
         )
     return dtype_name, count, channels
+
+
+def data_pointer(array: Any) -> int:
+    """The address of an array's first element (NumPy or CuPy)."""
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    return int(interface["data"][0])
+
+
+def vector_width(channels: int, itemsize: int, *arrays: Any) -> int:
+    """Elements per aligned access for the row kernels: the widest of 8, 4, 2 that fits, else 1.
+
+    A width ``w`` fits when ``channels % w == 0``, ``w * itemsize <= 16`` (one
+    128-bit access) and every array's address is a multiple of ``w * itemsize``
+    (so every row of a contiguous ``[rows, channels]`` array is too).
+    """
+    for width in (8, 4, 2):
+        size = width * itemsize
+        if size <= 16 and channels % width == 0 and all(data_pointer(array) % size == 0 for array in arrays):
+            return width
+    return 1

@@ -242,8 +242,9 @@ class KernelBackend:
         rows = xp.ascontiguousarray(rows, dtype=xp.int32)
         count, channels = int(rows.shape[0]), int(source.shape[1])
         out = xp.empty((count, channels), dtype=source.dtype)
-        self._run("sc_gather_rows", (dtype_name,), count * channels,
-                  (source, rows, np.int64(count), np.int64(channels), out))
+        vector = _launch.vector_width(channels, source.dtype.itemsize, source, out)
+        self._run("sc_gather_rows", (dtype_name,), count * channels // vector,
+                  (source, rows, np.int64(count), np.int64(channels), np.int32(vector), out))
         return out
 
     def scatter_add_rows(self, target: Any, rows: Any, values: Any) -> None:
@@ -260,8 +261,9 @@ class KernelBackend:
         contiguous_target = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
         values = xp.ascontiguousarray(values, dtype=target.dtype)
         rows = xp.ascontiguousarray(rows, dtype=xp.int32)
-        self._run("sc_scatter_add_rows_unique", (dtype_name,), count * channels,
-                  (values, rows, np.int64(count), np.int64(channels), contiguous_target))
+        vector = _launch.vector_width(channels, target.dtype.itemsize, values, contiguous_target)
+        self._run("sc_scatter_add_rows_unique", (dtype_name,), count * channels // vector,
+                  (values, rows, np.int64(count), np.int64(channels), np.int32(vector), contiguous_target))
         if contiguous_target is not target:
             target[...] = contiguous_target
 

@@ -129,25 +129,26 @@ class Launcher:
 
     # ---- gather_scatter.cu ----
 
-    def gather_rows(self, source: Any, rows: Any, element_type: str | None = None) -> Any:
-        """``source[rows]`` for int32 ``rows``, zeros where ``rows == -1``."""
+    def gather_rows(self, source: Any, rows: Any, element_type: str | None = None, vector: int = 1) -> Any:
+        """``source[rows]`` for int32 ``rows``, zeros where ``rows == -1`` (``vector`` elements per access)."""
         xp = self.xp
         source = xp.ascontiguousarray(source)
         rows = self._contiguous(rows, xp.int32)
         m, channels = rows.shape[0], source.shape[1]
         out = xp.empty((m, channels), dtype=source.dtype)
-        self._launch("sc_gather_rows", [self._element_type(source, element_type)], m * channels,
-                     [source, rows, np.int64(m), np.int64(channels), out])
+        self._launch("sc_gather_rows", [self._element_type(source, element_type)], m * channels // vector,
+                     [source, rows, np.int64(m), np.int64(channels), np.int32(vector), out])
         return out
 
-    def scatter_add_rows_unique(self, target: Any, rows: Any, values: Any, element_type: str | None = None) -> None:
+    def scatter_add_rows_unique(self, target: Any, rows: Any, values: Any, element_type: str | None = None,
+                                vector: int = 1) -> None:
         """``target[rows] += values`` in place; non-negative ``rows`` unique."""
         xp = self.xp
         values = self._contiguous(values, target.dtype)
         rows = self._contiguous(rows, xp.int32)
         m, channels = rows.shape[0], target.shape[1]
-        self._launch("sc_scatter_add_rows_unique", [self._element_type(target, element_type)], m * channels,
-                     [values, rows, np.int64(m), np.int64(channels), target])
+        self._launch("sc_scatter_add_rows_unique", [self._element_type(target, element_type)],
+                     m * channels // vector, [values, rows, np.int64(m), np.int64(channels), np.int32(vector), target])
 
     def segment_sum_rows(self, target: Any, source: Any, order: Any, segment_starts: Any, segment_rows: Any,
                          element_type: str | None = None) -> None:
@@ -162,16 +163,17 @@ class Launcher:
                      [source, order, segment_starts, segment_rows, np.int64(num_segments), np.int64(channels),
                       target])
 
-    def sum_run_rows(self, target: Any, source: Any, slots: Any, element_type: str | None = None) -> None:
+    def sum_run_rows(self, target: Any, source: Any, slots: Any, element_type: str | None = None,
+                     vector: int = 1) -> None:
         """``target[r] += sum over runs of source[slots[run, r]]`` (slots -1 skipped), in run order, in place."""
         xp = self.xp
         source = self._contiguous(source, target.dtype)
         slots = self._contiguous(slots, xp.int32)
         num_runs, slot_stride = slots.shape
         n, channels = target.shape
-        self._launch("sc_sum_run_rows", [self._element_type(target, element_type)], n * channels,
+        self._launch("sc_sum_run_rows", [self._element_type(target, element_type)], n * channels // vector,
                      [source, slots, np.int64(num_runs), np.int64(slot_stride), np.int64(n), np.int64(channels),
-                      target])
+                      np.int32(vector), target])
 
     # ---- pooling.cu ----
 
