@@ -14,7 +14,7 @@ layer costs a few launches instead of three per offset.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["PairChunk", "pair_chunks", "chunk_rows", "check_padded_pairs"]
 
@@ -40,11 +40,6 @@ class PairChunk:
     def width(self) -> int:
         """``W``: the most pairs of one offset in the chunk."""
         return max(b - a for a, b in zip(self.local_starts[:-1], self.local_starts[1:]))
-
-    def slices(self) -> Iterator[tuple[int, int, int]]:
-        """``(offset, first, last)`` per offset, ``first:last`` relative to the chunk."""
-        for position, offset in enumerate(self.offsets):
-            yield offset, self.local_starts[position], self.local_starts[position + 1]
 
 
 def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: int,

@@ -24,12 +24,7 @@ from ._validation import as_features
 from .backends import ArrayBackend, backend_for
 from .rulebook import PairMap, Rulebook
 
-__all__ = ["conv_forward", "conv_backward", "compute_dtype", "check_conv_weight"]
-
-
-def compute_dtype(backend: ArrayBackend, dtype: Any) -> Any:
-    """The dtype a backend's feature passes compute in for storage ``dtype`` (`ArrayBackend.compute_dtype`)."""
-    return backend.compute_dtype(dtype)
+__all__ = ["conv_forward", "conv_backward", "check_conv_weight"]
 
 
 def check_conv_weight(weight: Any, rulebook: Rulebook | PairMap, in_channels: int, groups: int) -> Any:
@@ -119,16 +114,15 @@ def _chunks(backend: ArrayBackend, rulebook: Rulebook | PairMap, in_channels: in
     return pair_chunks(tuple(rulebook.offset_starts), max(in_channels, out_channels, 1), budget, skip=identity)
 
 
-def _chunk_matrices(matrices: Any, chunk: PairChunk) -> Any:
-    """``[m, g, a, b]``: the chunk's offsets' matrices (a view when the offsets are consecutive)."""
+def _offset_index(chunk: PairChunk) -> slice | list[int]:
+    """Indexes a chunk's offsets along a ``[K, ...]`` axis: a slice (views) when they are consecutive."""
     first, last = chunk.offsets[0], chunk.offsets[-1]
-    if last - first + 1 == len(chunk.offsets):
-        return matrices[first:last + 1]
-    return matrices[list(chunk.offsets)]
+    return slice(first, last + 1) if last - first + 1 == len(chunk.offsets) else list(chunk.offsets)
 
 
 def _uniform_starts(chunk: PairChunk, width: int) -> tuple[int, ...]:
-    return tuple(range(0, len(chunk.offsets) * width + 1, width)) if width else (0,) * (len(chunk.offsets) + 1)
+    """Run starts of the ``[m, W]`` layout: every offset owns ``W`` slots (``W >= 1``)."""
+    return tuple(range(0, len(chunk.offsets) * width + 1, width))
 
 
 def _batched_product(backend: ArrayBackend, rows: Any, matrices: Any) -> Any:
@@ -197,7 +191,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
         input_rows, output_rows = chunk_rows(xp, (rulebook.pair_input, rulebook.pair_output), chunk)  # [m, W]
         count, width = input_rows.shape
         gathered = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
-        products = _batched_product(backend, gathered, _chunk_matrices(matrices, chunk))
+        products = _batched_product(backend, gathered, matrices[_offset_index(chunk)])
         backend.scatter_add_pairs(out, output_rows.reshape(-1), products, _uniform_starts(chunk, width))
     if bias is not None:
         out += bias.astype(dtype, copy=False)
@@ -251,14 +245,9 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         count, width = input_rows.shape
         gathered_grad = backend.gather_rows(grad, output_rows.reshape(-1)).reshape(count, width, -1)
         gathered_source = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
-        products = _batched_product(backend, gathered_grad, _chunk_matrices(transposed, chunk))
+        products = _batched_product(backend, gathered_grad, transposed[_offset_index(chunk)])
         backend.scatter_add_pairs(grad_features, input_rows.reshape(-1), products, _uniform_starts(chunk, width))
-        outer = _batched_outer(backend, gathered_source, gathered_grad, groups)
-        first, last = chunk.offsets[0], chunk.offsets[-1]
-        if last - first + 1 == count:
-            grad_matrices[first:last + 1] = outer
-        else:
-            grad_matrices[list(chunk.offsets)] = outer
+        grad_matrices[_offset_index(chunk)] = _batched_outer(backend, gathered_source, gathered_grad, groups)
     out_channels = weight.shape[0]
     grad_weight = grad_matrices.transpose(1, 3, 0, 2).reshape(
         (out_channels,) + tuple(weight.shape[1:-1]) + (weight.shape[-1],))

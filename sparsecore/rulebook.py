@@ -204,9 +204,6 @@ def _concatenate_pairs(xp: Any, pieces: list[tuple[Any, Any]]) -> tuple[Any, Any
     starts = [0]
     for input_rows, _ in pieces:
         starts.append(starts[-1] + int(input_rows.shape[0]))
-    if not pieces:
-        empty = xp.zeros(0, dtype=xp.int32)
-        return empty, empty.copy(), tuple(starts)
     # one concatenation per array (not a copy per offset): few launches on the GPU
     pair_input = xp.concatenate([input_rows.astype(xp.int32, copy=False) for input_rows, _ in pieces])
     pair_output = xp.concatenate([output_rows.astype(xp.int32, copy=False) for _, output_rows in pieces])

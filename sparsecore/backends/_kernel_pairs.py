@@ -119,9 +119,8 @@ def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: 
     if not target.flags.c_contiguous:
         raise ValueError("scatter_add_pairs: target must be C-contiguous (it is updated in place)")
     num_rows = int(target.shape[0])
-    runs = [(run, length) for run, length in enumerate(lengths) if length]
-    if len(set(length for _, length in runs)) == 1 and len(runs) == len(lengths):
-        run_of_pair = xp.arange(count, dtype=xp.int64) // lengths[0]  # uniform runs, the [m, W] layout
+    if len(set(lengths)) == 1:  # uniform runs (the [m, W] layout; at least two are non-empty, so W > 0)
+        run_of_pair = xp.arange(count, dtype=xp.int64) // lengths[0]
     else:
         run_of_pair = xp.repeat(xp.arange(len(lengths), dtype=xp.int64), lengths)
     slot_stride = num_rows + 1

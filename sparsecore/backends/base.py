@@ -151,5 +151,5 @@ class ArrayBackend(Protocol):
         indices are summed in a fixed order, so the result is bitwise reproducible.
         """
 
-    def matmul(self, left: Any, right: Any, out: Any | None = None) -> Any:
-        """Batched or plain matrix product (BLAS / cuBLAS), into ``out`` when given."""
+    def matmul(self, left: Any, right: Any) -> Any:
+        """Batched or plain matrix product (BLAS / cuBLAS)."""

@@ -332,6 +332,6 @@ class KernelBackend:
                    np.int64(num_segments), np.int64(1), out))
         return out.reshape(size)
 
-    def matmul(self, left: Any, right: Any, out: Any | None = None) -> Any:
-        """``xp.matmul`` (cuBLAS on CuPy; float32 without TF32 unless ``CUPY_TF32=1``), into ``out`` if given."""
-        return self.xp.matmul(left, right, out=out)
+    def matmul(self, left: Any, right: Any) -> Any:
+        """``xp.matmul`` (cuBLAS on CuPy; float32 without TF32 unless ``CUPY_TF32=1``)."""
+        return self.xp.matmul(left, right)

@@ -199,8 +199,8 @@ class NumpyBackend:
     def index_add(self, size: int, index: np.ndarray, values: np.ndarray) -> np.ndarray:
         return np.bincount(index, weights=values, minlength=size)
 
-    def matmul(self, left: np.ndarray, right: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return np.matmul(left, right, out=out)
+    def matmul(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        return np.matmul(left, right)
 
 
 def _axis_candidate(coordinate: np.ndarray, geometry: Any, axis: int, k: int,

@@ -285,6 +285,6 @@ class InstrumentedBackend:
         with self.recorder.interval("index add"):
             return self.inner.index_add(size, index, values)
 
-    def matmul(self, left: Any, right: Any, out: Any = None) -> Any:
+    def matmul(self, left: Any, right: Any) -> Any:
         with self.recorder.interval("GEMM"):
-            return self.inner.matmul(left, right, out=out)
+            return self.inner.matmul(left, right)
