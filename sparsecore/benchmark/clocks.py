@@ -207,10 +207,10 @@ class InstrumentedBackend:
 
     ``gather_rows`` is recorded as ``"gather"``, ``matmul`` as ``"GEMM"``,
     ``scatter_add_rows`` and ``scatter_add_pairs`` as ``"scatter"``,
-    ``index_add`` as ``"index add"``; hashing, sorting, compaction and
-    candidate generation pass through unrecorded (rulebook builds are timed as
-    a whole by the caller), and so does ``max_pool_pairs`` (the caller times
-    pools whole).
+    ``index_add`` as ``"index add"``; every other attribute and primitive
+    (hashing, sorting, compaction, candidate generation, the max-pool pair
+    passes) is the inner backend's, unrecorded: rulebook builds and pools are
+    timed whole by the caller.
 
     Attributes:
         inner: the backend that does the work.
@@ -220,54 +220,13 @@ class InstrumentedBackend:
     inner: Any
     recorder: StageRecorder
 
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def xp(self) -> Any:
-        return self.inner.xp
-
-    @property
-    def chunk_elements(self) -> int:
-        return self.inner.chunk_elements
-
-    @property
-    def skips_negative_rows(self) -> bool:
-        return self.inner.skips_negative_rows
-
-    def compute_dtype(self, dtype: Any) -> Any:
-        return self.inner.compute_dtype(dtype)
-
-    def hash_build(self, keys: Any, values: Any, check_duplicates: bool = True) -> Any:
-        return self.inner.hash_build(keys, values, check_duplicates)
-
-    def hash_lookup(self, table: Any, queries: Any) -> Any:
-        return self.inner.hash_lookup(table, queries)
-
-    def hash_lookup_window(self, table: Any, queries: Any, width: int, step: int, out: Any = None) -> Any:
-        return self.inner.hash_lookup_window(table, queries, width, step, out=out)
-
-    def hash_items(self, table: Any) -> Any:
-        return self.inner.hash_items(table)
-
-    def unique_inverse(self, keys: Any) -> Any:
-        return self.inner.unique_inverse(keys)
-
-    def compact_pairs(self, table: Any) -> Any:
-        return self.inner.compact_pairs(table)
-
-    def conv_candidate_pairs(self, indices: Any, geometry: Any, output_spatial_shape: tuple[int, ...]) -> Any:
-        return self.inner.conv_candidate_pairs(indices, geometry, output_spatial_shape)
-
-    def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
-                       num_output: int) -> Any:
-        return self.inner.max_pool_pairs(features, pair_input, pair_output, run_starts, num_output)
-
-    def max_pool_backward_pairs(self, grad_output: Any, argmax: Any, pair_input: Any, pair_output: Any,
-                                run_starts: tuple[int, ...], num_input: int) -> Any:
-        return self.inner.max_pool_backward_pairs(grad_output, argmax, pair_input, pair_output, run_starts,
-                                                  num_input)
+    def __getattr__(self, name: str) -> Any:
+        # every attribute and primitive that is not recorded comes from the inner backend as it is
+        # (only called for names this class does not define; dunder lookups and "inner" itself, as
+        # during copy or unpickling before the fields exist, must not recurse)
+        if name == "inner" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def gather_rows(self, source: Any, rows: Any) -> Any:
         with self.recorder.interval("gather"):
