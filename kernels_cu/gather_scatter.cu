@@ -24,25 +24,50 @@ struct alignas(sizeof(T) * N) Packed {
   T lane[N];
 };
 
+// A vector width as a type, so a runtime width can select a template instance.
+template <int N>
+struct Width {
+  static constexpr int value = N;
+};
+
+// Calls body(Width<N>()) for the runtime `vector` (8, 4, 2, else 1).
+template <typename Body>
+__device__ __forceinline__ void with_vector_width(int vector, Body body) {
+  switch (vector) {
+    case 8: body(Width<8>()); break;
+    case 4: body(Width<4>()); break;
+    case 2: body(Width<2>()); break;
+    default: body(Width<1>()); break;
+  }
+}
+
+// The grid-stride loop over the packs of a [rows, packs] layout:
+// body(e, r, q) for pack e = r * packs + q.
+template <typename Body>
+__device__ __forceinline__ void for_each_pack(long long rows, long long packs, Body body) {
+  const long long total = rows * packs;
+  const long long step = grid_thread_count();
+  for (long long e = grid_thread_index(); e < total; e += step) {
+    const long long r = e / packs;
+    body(e, r, e - r * packs);
+  }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void gather_rows_packed(const T* __restrict__ src, const int* __restrict__ rows,
                                                    long long m, long long channels, T* __restrict__ out) {
   using P = Packed<T, N>;
   const long long packs = channels / N;
-  const long long total = m * packs;
-  const long long step = grid_thread_count();
   const P* src_packs = reinterpret_cast<const P*>(src);
   P* out_packs = reinterpret_cast<P*>(out);
   P zero;
   for (int i = 0; i < N; ++i) {
     zero.lane[i] = narrow<T>(typename Accumulator<T>::type(0));
   }
-  for (long long e = grid_thread_index(); e < total; e += step) {
-    const long long r = e / packs;
-    const long long q = e - r * packs;
+  for_each_pack(m, packs, [&](long long e, long long r, long long q) {
     const int row = __ldg(rows + r);
     out_packs[e] = row >= 0 ? src_packs[static_cast<long long>(row) * packs + q] : zero;
-  }
+  });
 }
 
 template <typename T, int N>
@@ -50,16 +75,12 @@ __device__ __forceinline__ void scatter_add_rows_packed(const T* __restrict__ sr
                                                         long long m, long long channels, T* __restrict__ dst) {
   using P = Packed<T, N>;
   const long long packs = channels / N;
-  const long long total = m * packs;
-  const long long step = grid_thread_count();
   const P* src_packs = reinterpret_cast<const P*>(src);
   P* dst_packs = reinterpret_cast<P*>(dst);
-  for (long long e = grid_thread_index(); e < total; e += step) {
-    const long long r = e / packs;
-    const long long q = e - r * packs;
+  for_each_pack(m, packs, [&](long long e, long long r, long long q) {
     const int row = __ldg(rows + r);
     if (row < 0) {
-      continue;
+      return;
     }
     const P addend = src_packs[e];
     P* target = dst_packs + static_cast<long long>(row) * packs + q;
@@ -68,7 +89,7 @@ __device__ __forceinline__ void scatter_add_rows_packed(const T* __restrict__ sr
       value.lane[i] = narrow<T>(widen(value.lane[i]) + widen(addend.lane[i]));
     }
     *target = value;
-  }
+  });
 }
 
 template <typename T, typename Acc, int N>
@@ -77,13 +98,9 @@ __device__ __forceinline__ void sum_run_rows_packed(const T* __restrict__ src, c
                                                     long long channels, T* __restrict__ dst) {
   using P = Packed<T, N>;
   const long long packs = channels / N;
-  const long long total = n * packs;
-  const long long step = grid_thread_count();
   const P* src_packs = reinterpret_cast<const P*>(src);
   P* dst_packs = reinterpret_cast<P*>(dst);
-  for (long long e = grid_thread_index(); e < total; e += step) {
-    const long long r = e / packs;
-    const long long q = e - r * packs;
+  for_each_pack(n, packs, [&](long long e, long long r, long long q) {
     Acc acc[N];
     for (int i = 0; i < N; ++i) {
       acc[i] = Acc(0);
@@ -102,7 +119,7 @@ __device__ __forceinline__ void sum_run_rows_packed(const T* __restrict__ src, c
       value.lane[i] = narrow<T>(static_cast<Acc>(widen(value.lane[i])) + acc[i]);
     }
     dst_packs[e] = value;
-  }
+  });
 }
 
 }  // namespace sc
@@ -116,12 +133,9 @@ __device__ __forceinline__ void sum_run_rows_packed(const T* __restrict__ src, c
 template <typename T>
 __global__ void sc_gather_rows(const T* __restrict__ src, const int* __restrict__ rows, long long m,
                                long long channels, int vector, T* __restrict__ out) {
-  switch (vector) {
-    case 8: sc::gather_rows_packed<T, 8>(src, rows, m, channels, out); break;
-    case 4: sc::gather_rows_packed<T, 4>(src, rows, m, channels, out); break;
-    case 2: sc::gather_rows_packed<T, 2>(src, rows, m, channels, out); break;
-    default: sc::gather_rows_packed<T, 1>(src, rows, m, channels, out); break;
-  }
+  sc::with_vector_width(vector, [&](auto width) {
+    sc::gather_rows_packed<T, decltype(width)::value>(src, rows, m, channels, out);
+  });
 }
 
 // dst[rows[r], :] += src[r, :] for r < m, skipping rows[r] < 0.
@@ -133,12 +147,9 @@ __global__ void sc_gather_rows(const T* __restrict__ src, const int* __restrict_
 template <typename T>
 __global__ void sc_scatter_add_rows_unique(const T* __restrict__ src, const int* __restrict__ rows,
                                            long long m, long long channels, int vector, T* __restrict__ dst) {
-  switch (vector) {
-    case 8: sc::scatter_add_rows_packed<T, 8>(src, rows, m, channels, dst); break;
-    case 4: sc::scatter_add_rows_packed<T, 4>(src, rows, m, channels, dst); break;
-    case 2: sc::scatter_add_rows_packed<T, 2>(src, rows, m, channels, dst); break;
-    default: sc::scatter_add_rows_packed<T, 1>(src, rows, m, channels, dst); break;
-  }
+  sc::with_vector_width(vector, [&](auto width) {
+    sc::scatter_add_rows_packed<T, decltype(width)::value>(src, rows, m, channels, dst);
+  });
 }
 
 // Segmented row sum, in one launch for all segments:
@@ -201,10 +212,7 @@ template <typename T, typename Acc>
 __global__ void sc_sum_run_rows(const T* __restrict__ src, const int* __restrict__ slots, long long num_runs,
                                 long long slot_stride, long long n, long long channels, int vector,
                                 T* __restrict__ dst) {
-  switch (vector) {
-    case 8: sc::sum_run_rows_packed<T, Acc, 8>(src, slots, num_runs, slot_stride, n, channels, dst); break;
-    case 4: sc::sum_run_rows_packed<T, Acc, 4>(src, slots, num_runs, slot_stride, n, channels, dst); break;
-    case 2: sc::sum_run_rows_packed<T, Acc, 2>(src, slots, num_runs, slot_stride, n, channels, dst); break;
-    default: sc::sum_run_rows_packed<T, Acc, 1>(src, slots, num_runs, slot_stride, n, channels, dst); break;
-  }
+  sc::with_vector_width(vector, [&](auto width) {
+    sc::sum_run_rows_packed<T, Acc, decltype(width)::value>(src, slots, num_runs, slot_stride, n, channels, dst);
+  });
 }
