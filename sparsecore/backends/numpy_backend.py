@@ -184,7 +184,7 @@ class NumpyBackend:
 
     def max_pool_backward_pairs(self, grad_output: np.ndarray, argmax: np.ndarray, pair_input: np.ndarray,
                                 pair_output: np.ndarray, run_starts: tuple[int, ...], num_input: int) -> np.ndarray:
-        wide = np.dtype(np.float32) if grad_output.dtype == np.float16 else grad_output.dtype
+        wide = self.compute_dtype(grad_output.dtype)  # float32 for float16, as the kernel's accumulator
         grad = np.zeros((num_input, grad_output.shape[1]), dtype=wide)
         for start, stop in zip(run_starts[:-1], run_starts[1:]):
             if stop == start:
