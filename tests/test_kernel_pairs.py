@@ -191,12 +191,12 @@ def test_hash_lookup_window_writes_into_out(target):
 def test_compute_dtypes():
     assert NUMPY_BACKEND.compute_dtype(np.float16) == np.float32
     assert NUMPY_BACKEND.compute_dtype(np.float64) == np.float64
-    assert KernelBackend(np, numpy_twins_launcher()).compute_dtype(np.float16) == np.float32
-    assert KernelBackend(np, numpy_twins_launcher(), native_float16=True).compute_dtype(np.float16) == np.float16
-    assert KernelBackend(np, numpy_twins_launcher(), native_float16=True).compute_dtype(np.float32) == np.float32
+    assert KernelBackend(np, _unused_launcher()).compute_dtype(np.float16) == np.float32
+    assert KernelBackend(np, _unused_launcher(), native_float16=True).compute_dtype(np.float16) == np.float16
+    assert KernelBackend(np, _unused_launcher(), native_float16=True).compute_dtype(np.float32) == np.float32
 
 
-def numpy_twins_launcher():
+def _unused_launcher():
     class _Unused:
         def launch(self, expression, grid, block, args):  # pragma: no cover - never called
             raise AssertionError("no launch expected")
