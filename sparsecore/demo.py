@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .benchmark.scenes import COORDINATE_RANGE, VOXEL_SIZE, load_points
+from .benchmark.scenes import COORDINATE_RANGE, POINTS_FILE_NAME, VOXEL_SIZE, load_points, require_data_file
 from .scene import lidar_scene
 
 if TYPE_CHECKING:
@@ -221,9 +221,7 @@ def _load(points_file: str | None, seed: int) -> tuple[np.ndarray, str]:
     if points_file is None:
         scene = lidar_scene(seed)
         return scene.points, f"synthetic 64-beam scan (seed {seed})"
-    from pathlib import Path
-
-    return load_points(Path(points_file)), points_file
+    return load_points(require_data_file(points_file, POINTS_FILE_NAME)), points_file
 
 
 def run_demo(points_file: str | None = None, device: str = "cpu", seed: int = 0) -> DemoResult:
@@ -334,7 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"--device {args.device}: torch sees no CUDA device here.", file=sys.stderr)
         return 2
-    result = run_demo(args.points, args.device, args.seed)
+    try:
+        result = run_demo(args.points, args.device, args.seed)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(format_table(result, args.device))
     return 0 if result.check.passed else 1
 

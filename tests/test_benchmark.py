@@ -71,6 +71,30 @@ def test_missing_explicit_data_file_is_an_error(tmp_path: Path) -> None:
         scenes.find_data_file(str(tmp_path / "absent.npz"), scenes.VOXELS_FILE_NAME)
 
 
+def test_real_scans_are_in_the_repository() -> None:
+    voxels = scenes.load_voxel_scene(scenes.require_data_file(None, scenes.VOXELS_FILE_NAME))
+    assert len(voxels.indices) == 125_562 and voxels.spatial_shape == (80, 1600, 1600)
+    assert len(np.unique(voxels.indices, axis=0)) == len(voxels.indices)
+    points = scenes.load_points(scenes.require_data_file(None, scenes.POINTS_FILE_NAME))
+    assert points.shape == (198_130, 3)
+    repository_data = Path(scenes.__file__).resolve().parents[2] / "data"
+    assert scenes.default_data_directories()[-1] == repository_data
+
+
+def test_missing_data_file_names_the_file_and_the_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(scenes.DATA_DIRECTORY_VARIABLE, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="absent.npz is in none of: .*" + tmp_path.name + ".*SPARSECORE_DATA_DIR"):
+        scenes.require_data_file(None, "absent.npz")
+
+
+def test_demo_with_a_missing_points_file_exits_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from sparsecore import demo
+
+    assert demo.main(["--points", str(tmp_path / "absent.npz")]) == 2
+    error = capsys.readouterr().err
+    assert "absent.npz" in error and "does not exist" in error and "Traceback" not in error
+
+
 def test_table_lists_every_row_with_ratio() -> None:
     rows = [cases.Row(case, stage, 2.0, 3.0, "ok") for case, stage in cases.expected_row_keys()]
     text = report.format_table({"cpu": "test"}, rows)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from sparsecore.voxelization import (
     voxelize_batch,
 )
 
-LIDAR = "/work/shared/data/lidar_points_198k.npz"
+LIDAR = str(Path(__file__).resolve().parents[1] / "data" / "lidar_points_198k.npz")
 
 
 # --------------------------------------------------------------------------- oracle
@@ -415,8 +416,6 @@ def spconv_point_to_voxel(points, voxel_size, coordinate_range, max_points, max_
 
 
 def lidar_points(count, with_intensity=True):
-    if not os.path.exists(LIDAR):
-        pytest.skip(f"{LIDAR} not present")
     points = np.load(LIDAR)["points"][:count]
     if with_intensity:  # a synthetic 4th feature, so every column is checked to travel along
         points = np.concatenate([points, np.linspace(0, 1, len(points), dtype=np.float32)[:, None]], axis=1)

@@ -32,11 +32,7 @@ from .tensor import SparseTensor
 def _scene(num_voxels: int) -> tuple[np.ndarray, tuple[int, ...]]:
     from sparsecore.benchmark import scenes
 
-    path = scenes.find_data_file(None, scenes.VOXELS_FILE_NAME)
-    if path is not None:
-        scene = scenes.load_voxel_scene(path)
-    else:
-        scene = scenes.synthetic_voxel_scene(scenes.SYNTHETIC_SCALES["full"])
+    scene = scenes.load_voxel_scene(scenes.require_data_file(None, scenes.VOXELS_FILE_NAME))
     indices = scene.indices
     centre = np.asarray(scene.spatial_shape) // 2
     distance = np.abs(indices[:, 2] - centre[1]) + np.abs(indices[:, 3] - centre[2])

@@ -35,13 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Rulebook build, forward and backward of SubMConv3d 16->16 and 64->64 and of "
             "SparseConv3d 64->64 (k3 s2 p1) on a LiDAR scan, and voxelization of its first "
-            f"120,000 points. The scan is read from ${scenes.DATA_DIRECTORY_VARIABLE} or "
-            "../shared/data beside the repository; without it a synthetic scene is used."
+            f"120,000 points. The real scan is read from the repository's data/ folder (or "
+            f"${scenes.DATA_DIRECTORY_VARIABLE}); a missing file is an error. --synthetic uses a "
+            "synthetic scene instead."
         ),
     )
     cpu.add_argument("--voxels", metavar="PATH", help=f"voxelized scan (default: {scenes.VOXELS_FILE_NAME})")
     cpu.add_argument("--points", metavar="PATH", help=f"raw points (default: {scenes.POINTS_FILE_NAME})")
-    cpu.add_argument("--synthetic", action="store_true", help="use a synthetic scene even when the scan exists")
+    cpu.add_argument("--synthetic", action="store_true", help="use a synthetic scene instead of the real scan")
     cpu.add_argument(
         "--scale",
         choices=sorted(scenes.SYNTHETIC_SCALES),
@@ -182,8 +183,8 @@ def load_inputs(arguments: argparse.Namespace) -> Any:
     from sparsecore.benchmark.cpu import BenchmarkInputs
 
     scale = scenes.SYNTHETIC_SCALES[arguments.scale]
-    voxels_path = None if arguments.synthetic else scenes.find_data_file(arguments.voxels, scenes.VOXELS_FILE_NAME)
-    points_path = None if arguments.synthetic else scenes.find_data_file(arguments.points, scenes.POINTS_FILE_NAME)
+    voxels_path = None if arguments.synthetic else scenes.require_data_file(arguments.voxels, scenes.VOXELS_FILE_NAME)
+    points_path = None if arguments.synthetic else scenes.require_data_file(arguments.points, scenes.POINTS_FILE_NAME)
     if voxels_path is not None:
         scene = scenes.load_voxel_scene(voxels_path)
     else:

@@ -223,13 +223,7 @@ def network_scene(name: str, scale: str = "small", seed: int = 0) -> scenes.Voxe
     file_name = {"basic": scenes.VOXELS_FILE_NAME, "large": scenes.POINTS_FILE_NAME}.get(name)
     if file_name is None:
         raise ValueError(f"scene must be one of {SCENE_NAMES}, got {name!r}")
-    path = scenes.find_data_file(None, file_name)
-    if path is None:
-        searched = ", ".join(str(directory) for directory in scenes.default_data_directories())
-        raise FileNotFoundError(
-            f"scene {name!r} needs {file_name}; it is in none of {searched} "
-            f"(set ${scenes.DATA_DIRECTORY_VARIABLE})"
-        )
+    path = scenes.require_data_file(None, file_name)
     return scenes.load_voxel_scene(path) if name == "basic" else _large_scene(path)
 
 

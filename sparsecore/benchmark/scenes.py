@@ -1,7 +1,8 @@
 """Inputs for the benchmark: the real LiDAR scan when it is present, a synthetic one otherwise.
 
-The real data are two files of one outdoor scan (see ``shared/data/README.md``
-beside the repository): ``lidar_voxels_125k.npz`` (features, indices in
+The real data are two files of one outdoor scan, kept in the repository's
+``data/`` folder (``data/README.md`` says where they come from):
+``lidar_voxels_125k.npz`` (features, indices in
 (batch, z, y, x) order and the spatial shape of a 0.1 m grid over
 x, y in [-80, 80] m and z in [-2, 6] m) and ``lidar_points_198k.npz`` (raw
 points). The synthetic scene imitates such a scan: a ground plane sampled with
@@ -30,6 +31,7 @@ __all__ = [
     "SYNTHETIC_SCALES",
     "default_data_directories",
     "find_data_file",
+    "require_data_file",
     "load_voxel_scene",
     "load_points",
     "synthetic_points",
@@ -92,17 +94,14 @@ def default_data_directories() -> list[Path]:
     """Directories searched for the data files, in order.
 
     Returns:
-        ``$SPARSECORE_DATA_DIR`` when set, then ``../shared/data`` next to the
-        repository that holds this package (an editable install or a checkout),
-        then ``../shared/data`` relative to the working directory.
+        ``$SPARSECORE_DATA_DIR`` when set, then the ``data/`` folder of the
+        repository that holds this package (a checkout or an editable install).
     """
     directories: list[Path] = []
     from_environment = os.environ.get(DATA_DIRECTORY_VARIABLE)
     if from_environment:
         directories.append(Path(from_environment))
-    repository_root = Path(__file__).resolve().parents[2]
-    directories.append(repository_root.parent / "shared" / "data")
-    directories.append(Path.cwd().parent / "shared" / "data")
+    directories.append(Path(__file__).resolve().parents[2] / "data")
     return directories
 
 
@@ -122,13 +121,40 @@ def find_data_file(explicit_path: str | None, file_name: str) -> Path | None:
     if explicit_path is not None:
         path = Path(explicit_path)
         if not path.is_file():
-            raise FileNotFoundError(f"data file {explicit_path!r} does not exist")
+            raise FileNotFoundError(
+                f"data file {explicit_path!r} does not exist (looked for it from {Path.cwd()}); "
+                f"the repository's real scans are {', '.join(str(d / file_name) for d in default_data_directories())}"
+            )
         return path
     for directory in default_data_directories():
         candidate = directory / file_name
         if candidate.is_file():
             return candidate
     return None
+
+
+def require_data_file(explicit_path: str | None, file_name: str) -> Path:
+    """Locates one data file, or says clearly which file is missing and where it was looked for.
+
+    Args:
+        explicit_path: a path given on the command line, or None to search.
+        file_name: the file's name in the data directory.
+
+    Returns:
+        The path found.
+
+    Raises:
+        FileNotFoundError: naming the file, the folders searched and how to get it.
+    """
+    path = find_data_file(explicit_path, file_name)
+    if path is None:
+        searched = ", ".join(str(directory) for directory in default_data_directories())
+        raise FileNotFoundError(
+            f"the real scan {file_name} is in none of: {searched}. It ships in the data/ folder of the "
+            f"sparsecore repository (a git clone has it; an installed wheel does not): run from a clone, "
+            f"or set ${DATA_DIRECTORY_VARIABLE} to a folder holding {file_name}"
+        )
+    return path
 
 
 def load_voxel_scene(path: Path) -> VoxelScene:
