@@ -1,7 +1,7 @@
 """sparsecore: spatially sparse convolution on NumPy (CPU) and CuPy (GPU).
 
 The core imports neither torch nor jax, and CuPy only when a GPU array arrives.
-See docs/api.md for the functional API and DESIGN.md for the data flow:
+See docs/api.md for the functional API and docs/architecture.md for the data flow:
 geometry (keys, hash tables, rulebooks) kept apart from the differentiable
 feature passes (gather-GEMM-scatter, pooling).
 """

@@ -1,6 +1,6 @@
 """spconv's reference benchmark network, built on sparsecore's core API (no torch needed).
 
-How the layout was read (``shared/data/README.md``, and spconv 2.3.8's own
+How the layout was read (``data/README.md``, and spconv 2.3.8's own
 benchmark module ``spconv/benchmark/basic.py`` read for the exact order):
 
 - Seven blocks. Block ``b`` is two SubMConv3d (kernel 3, no bias) sharing the
