@@ -329,7 +329,9 @@ class Plan:
 
     def device_put(self) -> "Plan":
         """The plan with every array a ``jax.Array`` (entries are built as NumPy; call outside jit)."""
-        arrays = jax.tree_util.tree_map(jnp.asarray, Plan(self.sites, self.rulebooks))
+        # jax.device_put transfers without compiling anything (jnp.asarray compiles a small
+        # program per distinct shape)
+        arrays = jax.tree_util.tree_map(jax.device_put, Plan(self.sites, self.rulebooks))
         return Plan(arrays.sites, arrays.rulebooks, self.policy)
 
     def is_concrete(self) -> bool:

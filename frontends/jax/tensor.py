@@ -207,8 +207,11 @@ class SparseTensor:
         cap = policy.capacity(rows, name)
         info = SitesInfo(name, core.spatial_shape, core.batch_size, cap)
         sites = Sites.from_numpy(core_indices, info)
-        padded = jnp.zeros((cap, features.shape[1]), features.dtype).at[:rows].set(jnp.asarray(features))
-        return cls(padded, Plan({name: sites}, {}, policy).device_put(), name)
+        # pad on the host and transfer once: jnp.zeros(...).at[:rows].set(...) would compile an XLA
+        # program for every distinct row count, and JAX keeps them all (a leak when streaming clouds)
+        padded = np.zeros((cap, features.shape[1]), np.dtype(features.dtype))
+        padded[:rows] = np.asarray(features)
+        return cls(jax.device_put(padded), Plan({name: sites}, {}, policy).device_put(), name)
 
     @classmethod
     def from_dense(cls, dense: Any, *, channels_first: bool = False,
