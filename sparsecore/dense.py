@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ._dispatch import array_module, to_core_array
-from ._validation import as_batch_size, as_features, as_indices, as_spatial_shape, check_indices_in_range
+from .interop import (as_batch_size, as_features, as_indices, as_spatial_shape, check_dense_size,
+                      check_indices_in_range, check_unique_sites)
 from .backends import backend_for
 from .hashing import pack_keys, unpack_keys
 
@@ -33,7 +34,15 @@ def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_si
     features = as_features(features, indices.shape[0])
     check_indices_in_range(indices, shape, batch)
     xp = array_module(features)
-    dense = xp.zeros((batch,) + shape + (features.shape[1],), dtype=features.dtype)
+    size = check_dense_size(batch, shape, features.shape[1], features.dtype.itemsize)
+    try:
+        dense = xp.zeros((batch,) + shape + (features.shape[1],), dtype=features.dtype)
+    except (MemoryError, ValueError) as error:
+        raise ValueError(
+            f"cannot allocate the dense grid of batch_size {batch} x spatial_shape {shape} x "
+            f"{features.shape[1]} channels ({size / 2**30:.3g} GiB): {error}. Densify a cropped "
+            "region or a coarser grid, or stay sparse"
+        ) from None
     sites = tuple(indices[:, axis] for axis in range(indices.shape[1]))
     if indices.shape[0] > 1:
         # one int per cell (the dense grid costs C of these anyway) finds duplicates
@@ -78,7 +87,7 @@ def from_dense(dense: Any, channels_first: bool = False) -> tuple[Any, Any]:
 
 
 def union_sites(indices_list: Sequence[Any], spatial_shape: Sequence[int],
-                batch_size: int) -> tuple[Any, list[Any]]:
+                batch_size: int, *, assume_unique: bool = False) -> tuple[Any, list[Any]]:
     """The sorted union of several site sets and, per set, the union row of each site.
 
     Args:
@@ -86,10 +95,29 @@ def union_sites(indices_list: Sequence[Any], spatial_shape: Sequence[int],
         spatial_shape: ``D`` ints.
         batch_size: ``B``.
 
+        assume_unique: skip the range and duplicate checks, for site sets the
+            library checked or produced.
+
     Returns:
         ``(union_indices [U, 1 + D] int32, rows)`` with ``rows[i]`` int64 ``[N_i]``.
+
+    Raises:
+        ValueError: no site set, sets of the wrong shape, out-of-range sites, or a
+            set that holds one site twice (its rows would collide in the union).
     """
-    keys = [pack_keys(indices, spatial_shape, batch_size) for indices in indices_list]
+    if isinstance(indices_list, (str, bytes)) or not isinstance(indices_list, Sequence) or not indices_list:
+        raise ValueError(f"indices_list must be a non-empty sequence of [N, 1 + D] arrays, got {indices_list!r}")
+    shape = as_spatial_shape(spatial_shape)
+    batch = as_batch_size(batch_size)
+    checked = []
+    for position, indices in enumerate(indices_list):
+        name = f"indices_list[{position}]"
+        indices = as_indices(indices, len(shape), name)
+        if not assume_unique:
+            check_indices_in_range(indices, shape, batch, name)
+            check_unique_sites(indices, shape, batch, name)
+        checked.append(indices)
+    keys = [pack_keys(indices, shape, batch, assume_in_range=True) for indices in checked]
     xp = array_module(keys[0])
     backend = backend_for(keys[0])
     union_keys, inverse = backend.unique_inverse(xp.concatenate(keys))
@@ -97,4 +125,4 @@ def union_sites(indices_list: Sequence[Any], spatial_shape: Sequence[int],
     for part in keys:
         rows.append(inverse[start:start + part.shape[0]])
         start += part.shape[0]
-    return unpack_keys(union_keys, spatial_shape), rows
+    return unpack_keys(union_keys, shape), rows

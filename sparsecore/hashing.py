@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from ._dispatch import array_module, to_core_array
 from .backends import backend_for
+from .interop import INT64_MAX, array_module, as_batch_size, as_spatial_shape, check_integer_array, to_core_array
 
 __all__ = ["pack_keys", "unpack_keys", "key_strides", "check_packable", "HashTable"]
 
-_INT64_LIMIT = 2**63 - 1
+_INT64_LIMIT = INT64_MAX
 
 
 def check_packable(spatial_shape: Sequence[int], batch_size: int, margin: Sequence[int] | None = None) -> None:
@@ -56,6 +56,8 @@ def pack_keys(
     spatial_shape: Sequence[int],
     batch_size: int,
     margin: Sequence[int] | None = None,
+    *,
+    assume_in_range: bool = False,
 ) -> Any:
     """Packs ``(batch, coords...)`` rows into int64 keys, row-major.
 
@@ -65,19 +67,37 @@ def pack_keys(
         batch_size: number of batch elements.
         margin: per-axis offset added to each coordinate; the grid is padded by
             it on both sides (rulebook builders use the kernel's reach).
+        assume_in_range: skip the range check, for sites the library checked or
+            produced (no host synchronisation on the GPU).
 
     Returns:
         int64 ``[N]`` keys; ``key = ((b * S_0 + c_0 + m_0) * S_1 + c_1 + m_1) ...``
         with ``S_d = spatial_shape[d] + 2 m_d``.
 
     Raises:
-        ValueError: when the padded grid cannot be packed into int64.
+        ValueError: when the padded grid cannot be packed into int64, or a batch
+            index or coordinate lies outside the (padded) grid: such a site
+            would share its key with another one.
+        TypeError: for non-integer indices.
     """
-    indices = to_core_array(indices, "indices")
+    indices = check_integer_array(indices, "indices", ndim=2)
     xp = array_module(indices)
-    spatial_shape = tuple(int(size) for size in spatial_shape)
+    if assume_in_range:
+        spatial_shape = tuple(int(size) for size in spatial_shape)
+    else:
+        spatial_shape = as_spatial_shape(spatial_shape)
+        batch_size = as_batch_size(batch_size)
+    if indices.shape[1] != len(spatial_shape) + 1:
+        raise ValueError(
+            f"indices must have shape [N, {len(spatial_shape) + 1}] (batch index, then one column per "
+            f"axis of spatial_shape {spatial_shape}), got shape {tuple(indices.shape)}"
+        )
     check_packable(spatial_shape, batch_size, margin)
-    margin = tuple(margin) if margin is not None else (0,) * len(spatial_shape)
+    margin = tuple(int(extra) for extra in margin) if margin is not None else (0,) * len(spatial_shape)
+    if len(margin) != len(spatial_shape) or min(margin, default=0) < 0:
+        raise ValueError(f"margin must be {len(spatial_shape)} non-negative ints, got {margin}")
+    if not assume_in_range:
+        _check_packable_sites(indices, spatial_shape, batch_size, margin)
     strides = key_strides(spatial_shape, margin)
     keys = indices[:, 0].astype(xp.int64) * strides[0]
     for axis, extra in enumerate(margin):
@@ -88,9 +108,28 @@ def pack_keys(
     return keys
 
 
+def _check_packable_sites(indices: Any, spatial_shape: tuple[int, ...], batch_size: int,
+                          margin: tuple[int, ...]) -> None:
+    if indices.shape[0] == 0:
+        return
+    limits = [(0, batch_size)] + [(-extra, size + extra) for size, extra in zip(spatial_shape, margin)]
+    for column, (low, high) in enumerate(limits):
+        lowest, highest = int(indices[:, column].min()), int(indices[:, column].max())
+        if lowest >= low and highest < high:
+            continue
+        bad = lowest if lowest < low else highest
+        row = int((indices[:, column] == bad).nonzero()[0][0])
+        what = "batch index" if column == 0 else f"coordinate on axis {column - 1}"
+        raise ValueError(
+            f"indices[{row}] = {indices[row].tolist()} has {what} {bad}, outside [{low}, {high}) "
+            f"(batch_size {batch_size}, spatial_shape {spatial_shape}, margin {margin}); it would "
+            "pack into the key of another site. Crop the sites to the grid or enlarge spatial_shape"
+        )
+
+
 def unpack_keys(keys: Any, spatial_shape: Sequence[int], margin: Sequence[int] | None = None) -> Any:
     """Inverse of `pack_keys`: int64 keys ``[N]`` to int32 ``[N, 1 + D]`` indices."""
-    keys = to_core_array(keys, "keys")
+    keys = check_integer_array(keys, "keys", ndim=1)
     xp = array_module(keys)
     spatial_shape = tuple(int(size) for size in spatial_shape)
     margin = tuple(margin) if margin is not None else (0,) * len(spatial_shape)
@@ -148,8 +187,12 @@ class HashTable:
         return self._size
 
     def lookup(self, queries: Any) -> Any:
-        """Values of ``queries`` (int64 ``[M]``), ``-1`` for keys not in the table."""
-        queries = to_core_array(queries, "queries")
+        """Values of ``queries`` (integer ``[M]``), ``-1`` for keys not in the table.
+
+        Raises:
+            TypeError: for float (or other non-integer) queries: 20.7 is no key.
+        """
+        queries = check_integer_array(queries, "queries", ndim=1)
         xp = array_module(queries)
         return self._backend.hash_lookup(self._table, queries.astype(xp.int64, copy=False))
 

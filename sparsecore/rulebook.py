@@ -57,6 +57,14 @@ class PairMap:
             (a fixed-capacity layout such as ``sparsecore.jax``'s, used without
             reading its true counts back to the host). Only backends whose
             ``skips_negative_rows`` is true (the GPU kernels) accept it.
+        trusted: the pairs come from a rulebook the library built, so the range
+            check of the rows is skipped (no host synchronisation on the GPU).
+
+    Raises:
+        ValueError: offsets that do not match the kernel or the pair arrays, or
+            (unless ``trusted``) a row outside ``[0, num_input)`` /
+            ``[0, num_output)``; only a ``padded`` map may hold -1 (no pair).
+        TypeError: non-integer pair arrays.
     """
 
     pair_input: Any
@@ -67,6 +75,7 @@ class PairMap:
     kernel_size: tuple[int, ...]
     identity_offset: int = -1
     padded: bool = False
+    trusted: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         volume = 1
@@ -82,6 +91,33 @@ class PairMap:
                 f"pair arrays have {self.pair_input.shape[0]} / {self.pair_output.shape[0]} "
                 f"entries but offset_starts ends at {self.offset_starts[-1]}"
             )
+        if not self.trusted:
+            self._check_rows()
+
+    def _check_rows(self) -> None:
+        starts = tuple(self.offset_starts)
+        if starts[0] != 0 or any(b < a for a, b in zip(starts[:-1], starts[1:])):
+            raise ValueError(f"offset_starts must start at 0 and never decrease, got {starts}")
+        for name, rows, limit in (("pair_input", self.pair_input, self.num_input),
+                                  ("pair_output", self.pair_output, self.num_output)):
+            if getattr(rows, "ndim", None) != 1 or getattr(rows, "dtype", None) is None or rows.dtype.kind not in "iu":
+                raise TypeError(
+                    f"{name} must be a 1-D integer array of rows, got "
+                    f"{getattr(rows, 'dtype', type(rows).__name__)} with shape {getattr(rows, 'shape', None)}"
+                )
+            if rows.shape[0] == 0:
+                continue
+            lowest, highest = int(rows.min()), int(rows.max())
+            floor = -1 if self.padded else 0
+            if lowest < floor or highest >= limit:
+                bad = lowest if lowest < floor else highest
+                raise ValueError(
+                    f"{name} holds row {bad}, outside [{floor}, {limit}) ("
+                    + ("num_input" if name == "pair_input" else "num_output")
+                    + f" = {limit}); rows index the feature arrays"
+                    + ("" if self.padded else
+                       "; negative rows are never wrapped (only a padded=True map may hold -1 = no pair)")
+                )
 
     @property
     def kernel_volume(self) -> int:
@@ -163,7 +199,7 @@ class Rulebook:
     def pair_map(self) -> PairMap:
         """The feature-pass view of this rulebook (no copies)."""
         return PairMap(self.pair_input, self.pair_output, self.offset_starts, self.num_input,
-                       self.num_output, self.kernel_size, self.identity_offset)
+                       self.num_output, self.kernel_size, self.identity_offset, trusted=True)
 
     @property
     def offset_counts(self) -> tuple[int, ...]:
@@ -214,7 +250,7 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
                  backend: ArrayBackend, assume_unique: bool) -> Rulebook:
     xp = backend.xp
     reach = tuple(d * (k - 1) // 2 for k, d in zip(geometry.kernel_size, geometry.dilation))
-    keys = pack_keys(indices, shape, batch, margin=reach)
+    keys = pack_keys(indices, shape, batch, margin=reach, assume_in_range=True)
     rows = xp.arange(indices.shape[0], dtype=xp.int64)
     table, duplicate = backend.hash_build(keys, rows, check_duplicates=not assume_unique)
     if duplicate is not None:
@@ -262,7 +298,7 @@ def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeo
         )
     check_packable(out_shape, batch)
     if not assume_unique and indices.shape[0] > 1:
-        keys = pack_keys(indices, shape, batch)
+        keys = pack_keys(indices, shape, batch, assume_in_range=True)
         _, duplicate = backend.hash_build(keys, xp.arange(indices.shape[0], dtype=xp.int64))
         if duplicate is not None:
             _raise_duplicate(indices, duplicate, "indices")

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from ._dispatch import check_same_device
-from ._validation import as_batch_size, as_features, as_indices, as_spatial_shape, check_indices_in_range
+from .interop import (as_batch_size, as_features, as_indices, as_spatial_shape, check_indices_in_range,
+                      check_unique_sites)
 from .dense import from_dense, to_dense
 from .rulebook import Rulebook
 
@@ -61,7 +62,9 @@ class SparseTensor:
         rulebooks: a cache to share; a fresh one when omitted.
 
     Raises:
-        ValueError / TypeError: on malformed shapes, dtypes, devices or out-of-range sites.
+        ValueError / TypeError: on malformed shapes, dtypes, devices, out-of-range
+            or duplicate sites (checked once here; tensors derived by the library
+            keep the guarantee without a new check).
     """
 
     features: Any
@@ -79,6 +82,8 @@ class SparseTensor:
         check_same_device(features=features, indices=indices)
         if not self._checked:
             check_indices_in_range(indices, shape, batch)
+            check_unique_sites(indices, shape, batch)
+            object.__setattr__(self, "_checked", True)
         object.__setattr__(self, "spatial_shape", shape)
         object.__setattr__(self, "batch_size", batch)
         object.__setattr__(self, "indices", indices)
