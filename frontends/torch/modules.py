@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .fx import FxLeafModule, traces_into_containers
 from .tensor import SparseConvTensor
 
 __all__ = [
@@ -34,8 +35,11 @@ __all__ = [
 ]
 
 
-class SparseModule(nn.Module):
-    """Marker base class: `SparseSequential` hands these modules the whole `SparseConvTensor`."""
+class SparseModule(FxLeafModule, nn.Module):
+    """Marker base class: `SparseSequential` hands these modules the whole `SparseConvTensor`.
+
+    Under ``torch.fx`` tracing a sparse module is a leaf (one ``call_module`` node).
+    """
 
     def __init__(self, name: Optional[str] = None) -> None:
         super().__init__()
@@ -43,7 +47,7 @@ class SparseModule(nn.Module):
         self._sparse_unique_name = ""
 
 
-class SparseBatchNorm(nn.BatchNorm1d):
+class SparseBatchNorm(FxLeafModule, nn.BatchNorm1d):
     """``BatchNorm1d`` on the features of a `SparseConvTensor` (or on a plain tensor)."""
 
     def forward(self, input):
@@ -52,7 +56,7 @@ class SparseBatchNorm(nn.BatchNorm1d):
         return super().forward(input)
 
 
-class SparseSyncBatchNorm(nn.SyncBatchNorm):
+class SparseSyncBatchNorm(FxLeafModule, nn.SyncBatchNorm):
     """``SyncBatchNorm`` on the features of a `SparseConvTensor`."""
 
     def forward(self, input):
@@ -61,7 +65,7 @@ class SparseSyncBatchNorm(nn.SyncBatchNorm):
         return super().forward(input)
 
 
-class SparseReLU(nn.ReLU):
+class SparseReLU(FxLeafModule, nn.ReLU):
     """``ReLU`` on the features of a `SparseConvTensor`."""
 
     def forward(self, input):
@@ -70,7 +74,7 @@ class SparseReLU(nn.ReLU):
         return super().forward(input)
 
 
-class SparseIdentity(nn.Identity):
+class SparseIdentity(FxLeafModule, nn.Identity):
     """``Identity`` on the features of a `SparseConvTensor`."""
 
     def forward(self, input):
@@ -119,6 +123,10 @@ class SparseSequential(SparseModule):
             if name in self._modules:
                 raise ValueError(f"SparseSequential: module name {name!r} exists")
             self.add_module(name, module)
+
+    def fx_is_leaf(self, tracer) -> bool:
+        """A leaf for plain fx tracers; traced into by the quantization tracer (see `sparsecore.torch.fx`)."""
+        return not traces_into_containers(tracer) and super().fx_is_leaf(tracer)
 
     def __getitem__(self, idx: int) -> nn.Module:
         if not -len(self) <= idx < len(self):

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torch.fx
 
 import sparsecore as sc
 from sparsecore._validation import check_indices_in_range
@@ -109,8 +110,14 @@ def _check_sites(indices: torch.Tensor, spatial_shape: list[int], batch_size: in
         check_indices_in_range(core_view(indices, "indices"), spatial_shape, batch_size)
 
 
-class SparseConvTensor:
+class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
     """Features on the active sites of a batched grid (spconv ``SparseConvTensor``).
+
+    Under ``torch.fx`` tracing, constructing one from traced values is a graph node
+    (the metaclass); torch functions that act row by row (``F.relu``,
+    ``F.batch_norm``, ``F.linear``, ...) applied to the tensor act on its features
+    (``__torch_function__``), so a traced ``nn.ReLU`` / ``nn.BatchNorm1d`` node
+    fed a SparseConvTensor runs as it does inside a `SparseSequential`.
 
     Args:
         features: ``[N, C]`` float tensor.
@@ -356,9 +363,39 @@ class SparseConvTensor:
         self._features = self._features + self._other_features(other)
         return self
 
+    # ------------------------------------------------------------------ torch functions on the features
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Row-wise torch functions (`_feature_functions`) on a SparseConvTensor act on its features.
+
+        As in `SparseSequential`, a tensor without active sites is returned unchanged.
+        """
+        kwargs = {} if kwargs is None else kwargs
+        if not args or not isinstance(args[0], SparseConvTensor) or func not in _feature_functions():
+            return NotImplemented
+        source = args[0]
+        if source.indices.shape[0] == 0:
+            return source
+        return source.replace_feature(func(source.features, *args[1:], **kwargs))
+
+    def dim(self) -> int:
+        """Dimensions of the features (2), for ``nn`` modules that check their input's rank."""
+        return self._features.dim()
+
     def __repr__(self) -> str:
         return (f"SparseConvTensor[shape={tuple(self._features.shape)}, spatial_shape={self.spatial_shape}, "
                 f"batch_size={self.batch_size}]")
+
+
+def _feature_functions() -> frozenset:
+    """The torch functions that act on each feature row alone (applied to a SparseConvTensor's features)."""
+    functional = torch.nn.functional
+    return frozenset((
+        functional.relu, functional.relu_, torch.relu, torch.relu_, functional.relu6, functional.leaky_relu,
+        functional.elu, functional.gelu, functional.silu, functional.hardtanh, functional.sigmoid, torch.sigmoid,
+        torch.tanh, functional.batch_norm, functional.linear, functional.dropout, functional.layer_norm,
+    ))
 
 
 def _validate(features: Any, indices: Any, spatial_shape: list[int], batch_size: Any) -> None:
