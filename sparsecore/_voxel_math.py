@@ -27,6 +27,8 @@ import math
 import struct
 from typing import Any, NamedTuple
 
+from .interop import memory_limit
+
 INT64_MAX = 2**63 - 1
 
 
@@ -331,6 +333,7 @@ def voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: An
     point_voxel_id = xp.full((num_points,), -1, dtype=xp.int64)
     point_voxel_id[point_of_sorted] = voxel_of_sorted
 
+    check_voxels_size(xp, num_voxels, max_points, num_features, points.dtype.itemsize, counts, num_points)
     if max_points == 1:  # only first points are stored: a gather in row order
         voxels = xp.empty((num_voxels, num_features), dtype=points.dtype)
         copy_rows(xp, scratch, voxels, None, points, voxel_first)
@@ -399,6 +402,37 @@ def copy_rows(xp: Any, scratch: Scratch, destination: Any, rows: Any, source: An
             destination[:, column] = values
         else:
             destination[:, column][rows] = values
+
+
+def check_voxels_size(xp: Any, num_voxels: int, max_points: int, num_features: int, itemsize: int,
+                      counts: Any, num_points: int) -> None:
+    """Raises before allocating a ``[M, max_points, F]`` voxels array larger than the memory it needs.
+
+    Args:
+        xp: the array module.
+        num_voxels: ``M``.
+        max_points: the caller's ``max_num_points_per_voxel``.
+        num_features: ``F``.
+        itemsize: bytes per value.
+        counts: int64 points per occupied voxel (any order).
+        num_points: points in the input.
+
+    Raises:
+        ValueError: naming ``max_num_points_per_voxel``, the size it implies, the
+            densest voxel's point count and the number of points.
+    """
+    size = num_voxels * max_points * num_features * itemsize
+    limit = memory_limit(xp)
+    if size <= limit:
+        return
+    densest = int(counts.max()) if counts.shape[0] else 0
+    raise ValueError(
+        f"max_num_points_per_voxel={max_points} makes the voxels array [{num_voxels}, {max_points}, "
+        f"{num_features}] of {size / 2**30:.4g} GiB, more than the {limit / 2**30:.4g} GiB of memory "
+        f"it would live in; expected at most the number of points ({num_points}), and here the "
+        f"densest voxel holds {densest}. Use a smaller value (e.g. {max(1, min(densest, max_points))}, "
+        "which stores every point; spconv models use 5 to 35)"
+    )
 
 
 def stored_point_mask(xp: Any, num_points_per_voxel: Any, max_points: int) -> Any:

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from ._dispatch import array_module, to_core_array
 from .interop import (as_batch_size, as_features, as_indices, as_spatial_shape, check_dense_size,
-                      check_indices_in_range, check_unique_sites)
+                      check_indices_in_range, check_unique_sites, memory_limit)
 from .backends import backend_for
 from .hashing import pack_keys, unpack_keys
 
@@ -33,8 +33,9 @@ def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_si
     indices = as_indices(indices, len(shape))
     features = as_features(features, indices.shape[0])
     check_indices_in_range(indices, shape, batch)
+    check_unique_sites(indices, shape, batch)  # a dense grid holds one feature vector per site
     xp = array_module(features)
-    size = check_dense_size(batch, shape, features.shape[1], features.dtype.itemsize)
+    size = check_dense_size(batch, shape, features.shape[1], features.dtype.itemsize, memory_limit(xp))
     try:
         dense = xp.zeros((batch,) + shape + (features.shape[1],), dtype=features.dtype)
     except (MemoryError, ValueError) as error:
@@ -44,19 +45,6 @@ def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_si
             "region or a coarser grid, or stay sparse"
         ) from None
     sites = tuple(indices[:, axis] for axis in range(indices.shape[1]))
-    if indices.shape[0] > 1:
-        # one int per cell (the dense grid costs C of these anyway) finds duplicates
-        owner = xp.full((batch,) + shape, -1, dtype=xp.int64)
-        owner[sites] = xp.arange(indices.shape[0])
-        kept = owner[sites]
-        lost = xp.nonzero(kept != xp.arange(indices.shape[0]))[0]
-        if lost.shape[0]:
-            row = int(lost[0])
-            raise ValueError(
-                f"indices contain duplicate sites: rows {row} and {int(kept[row])} are both "
-                f"{indices[row].tolist()}; a dense grid holds one feature vector per site. "
-                "Merge duplicates first (sparsecore.voxelize or summing their features)"
-            )
     dense[sites] = features
     if channels_first:
         dense = xp.ascontiguousarray(xp.moveaxis(dense, -1, 1))

@@ -15,6 +15,7 @@ new check.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -57,6 +58,7 @@ __all__ = [
     "is_jax_tracer",
     "is_numpy_array",
     "is_torch_tensor",
+    "memory_limit",
     "to_core_array",
 ]
 
@@ -269,6 +271,16 @@ def as_features(features: Any, num_rows: int | None = None, name: str = "feature
             f"{rows_meaning}"
         )
     return array
+
+
+def memory_limit(xp: Any) -> int:
+    """Bytes of the memory an array of module ``xp`` lives in (host RAM, or the current GPU's)."""
+    if xp.__name__ == "numpy":
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):
+            return INT64_MAX
+    return int(xp.cuda.Device().mem_info[1])
 
 
 def check_dense_size(batch_size: int, spatial_shape: Sequence[int], channels: int, itemsize: int,
