@@ -37,6 +37,7 @@ from .functional import (
     subm_conv,
     to_dense,
 )
+from .norm import batch_norm, init_batch_norm
 from .ops import IMPLS, default_impl, set_default_impl
 from .parallel import data_parallel_grad, local, repad, stack
 from .params import conv_weight_shape, init_conv, params_from_state_dict
@@ -59,12 +60,14 @@ __all__ = [
     "Sites",
     "SitesInfo",
     "SparseTensor",
+    "batch_norm",
     "conv_transpose",
     "conv_weight_shape",
     "data_parallel_grad",
     "default_impl",
     "global_avg_pool",
     "global_max_pool",
+    "init_batch_norm",
     "init_conv",
     "inverse_conv",
     "local",
