@@ -41,6 +41,20 @@ def _tensor(features, indices, spatial_shape, batch_size, requires_grad=True):
                                    batch_size)
 
 
+def _stored_weight(weight, kind, stride, groups):
+    """The tensor a layer stores to compute with the core-layout ``weight`` (the oracle's).
+
+    A layer spconv sends down its 1x1 shortcut (kernel volume 1, and subm or stride 1;
+    spconv has no groups) reads its ``[out, 1, ..., 1, in]`` weight as ``view(in, out)``:
+    the core's ``W[:, 0, ..., 0, :].T`` is then stored as ``W.reshape(out, in).T``. The map
+    permutes entries, so it carries weight gradients the same way.
+    """
+    volume = math.prod(weight.shape[1:-1])
+    if volume != 1 or groups != 1 or not (kind == "subm" or math.prod(stride) == 1):
+        return weight
+    return np.ascontiguousarray(weight.reshape(weight.shape[0], weight.shape[-1]).T).reshape(weight.shape)
+
+
 def _layer(case: do.ConvCase, weight, bias, kind=None, indice_key=None):
     kind = kind or case.kind
     layer = spconv.SparseConvolution(
@@ -48,7 +62,7 @@ def _layer(case: do.ConvCase, weight, bias, kind=None, indice_key=None):
         case.dilation, case.groups, bias=True, subm=kind == "subm", transposed=kind == "transposed",
         output_padding=case.output_padding if kind == "transposed" else 0, indice_key=indice_key).double()
     with torch.no_grad():
-        layer.weight.copy_(torch.from_numpy(weight))
+        layer.weight.copy_(torch.from_numpy(_stored_weight(weight, kind, case.stride, case.groups)))
         layer.bias.copy_(torch.from_numpy(bias))
     return layer
 
@@ -100,7 +114,8 @@ def _check_against_dense(case: do.ConvCase):
     assert out.batch_size == case.batch_size
     do.assert_close(out.features.detach().numpy(), oracle.values, "features")
     do.assert_close(x.features.grad.numpy(), oracle.grad_features, "grad features")
-    do.assert_close(layer.weight.grad.numpy(), oracle.grad_weight, "grad weight")
+    do.assert_close(layer.weight.grad.numpy(), _stored_weight(oracle.grad_weight, case.kind, case.stride, case.groups),
+                    "grad weight")
     do.assert_close(layer.bias.grad.numpy(), oracle.grad_bias, "grad bias")
 
 
@@ -136,7 +151,7 @@ def test_inverse_conv_layer(case):
     inv_weight = do.random_weight(rng, case.in_channels, case.kernel_size, case.out_channels // case.groups)
     inv_bias = rng.standard_normal(case.in_channels)
     with torch.no_grad():
-        inverse.weight.copy_(torch.from_numpy(inv_weight))
+        inverse.weight.copy_(torch.from_numpy(_stored_weight(inv_weight, "inverse", (1,) * case.ndim, case.groups)))
         inverse.bias.copy_(torch.from_numpy(inv_bias))
     default = do.output_shape("transposed", coarse_shape, case.kernel_size, case.stride, case.padding,
                               case.dilation)
@@ -154,7 +169,8 @@ def test_inverse_conv_layer(case):
     assert list(out.spatial_shape) == list(case.spatial_shape)
     do.assert_close(out.features.detach().numpy(), oracle.values, "inverse features")
     do.assert_close(y.features.grad.numpy(), oracle.grad_features, "inverse grad features")
-    do.assert_close(inverse.weight.grad.numpy(), oracle.grad_weight, "inverse grad weight")
+    do.assert_close(inverse.weight.grad.numpy(),
+                    _stored_weight(oracle.grad_weight, "inverse", (1,) * case.ndim, case.groups), "inverse grad weight")
     do.assert_close(inverse.bias.grad.numpy(), oracle.grad_bias, "inverse grad bias")
 
 
@@ -175,7 +191,8 @@ def test_4d_conv_layer_against_naive_loops(case):
     assert tuple(out.spatial_shape) == naive.output_spatial_shape
     do.assert_close(out.features.detach().numpy(), oracle.values, "4D features")
     do.assert_close(x.features.grad.numpy(), oracle.grad_features, "4D grad features")
-    do.assert_close(layer.weight.grad.numpy(), oracle.grad_weight, "4D grad weight")
+    do.assert_close(layer.weight.grad.numpy(), _stored_weight(oracle.grad_weight, case.kind, case.stride, case.groups),
+                    "4D grad weight")
 
 
 @pytest.mark.parametrize("ndim", [1, 2, 3])
@@ -386,12 +403,19 @@ def test_record_voxel_count():
     assert spconv.SubMConv3d(3, 2, 3).get_max_num_voxels() is None
 
 
-def test_one_by_one_conv_uses_documented_weight():
+def test_one_by_one_conv_reads_weight_as_spconv():
+    """spconv's 1x1 shortcut: features @ weight.view(in, out) (its issue #450); gradients reach the parameter."""
     x = _input()
     layer = spconv.SubMConv3d(3, 5, 1).double()
     out = layer(x)
-    expected = x.features @ layer.weight.reshape(5, 3).T + layer.bias
+    expected = x.features @ layer.weight.detach().reshape(3, 5) + layer.bias.detach()
     assert torch.allclose(out.features, expected)
+    assert not torch.allclose(out.features, x.features @ layer.weight.detach().reshape(5, 3).T + layer.bias)
+    out.features.square().sum().backward()
+    grad = x.features.detach().T @ (2 * out.features.detach())  # d/dM of |f @ M + b|^2, M = view(in, out)
+    torch.testing.assert_close(layer.weight.grad, grad.reshape(layer.weight.shape))
+    grouped = spconv.SubMConv3d(4, 6, 1, groups=2).double()  # spconv has no groups: the documented reading
+    assert not grouped.reads_weight_as_spconv_1x1
 
 
 def test_fused_activation_and_add_input():

@@ -6,10 +6,17 @@ classes ``SparseConv{1,2,3,4}d``, ``SubMConv{1,2,3,4}d``,
 spconv's exact constructor signatures. Weights are ``[out, *kernel, in //
 groups]``, initialised as spconv does (kaiming-uniform, ``a = sqrt(5)``).
 
-Differences from spconv (see docs/migrating_from_spconv.md): ``groups`` works;
-a 1x1 layer uses the weight as documented (spconv reinterprets the buffer);
-a transposed conv's output shape follows ``torch.nn.ConvTranspose`` including
-dilation; ``algo`` / ``fp32_accum`` / ``large_kernel_fast_algo`` are recorded
+1x1 layers compute what spconv's compute with the same stored tensor: where
+spconv takes its matrix-product shortcut (kernel volume 1, and submanifold or
+stride 1) it reads the ``[out, 1, ..., 1, in]`` weight as ``weight.view(in,
+out)`` (spconv issue #450), and so does this layer (`spconv_1x1_weight`), so
+checkpoints move unchanged in both directions.
+
+Differences from spconv (see docs/migrating_from_spconv.md): ``groups`` works
+(a grouped 1x1 layer, which spconv cannot build, reads its weight as
+documented); a 1x1 layer adds ``add_input`` as every other layer does (spconv's
+shortcut drops it); a transposed conv's output shape follows
+``torch.nn.ConvTranspose`` including dilation; ``algo`` / ``fp32_accum`` / ``large_kernel_fast_algo`` are recorded
 and ignored; a fused ``act_type`` also works in training.
 """
 
@@ -55,6 +62,25 @@ def _activation_name(act_type: Any) -> Optional[str]:
     if key not in _ACTIVATIONS:
         raise ValueError(f"act_type must be None, 'relu', 'sigmoid' or 'leaky_relu', got {act_type!r}")
     return _ACTIVATIONS[key]
+
+
+def spconv_1x1_weight(weight: torch.Tensor, in_channels: int, out_channels: int) -> torch.Tensor:
+    """The core-layout weight that computes spconv's 1x1 product with the stored tensor.
+
+    spconv 2.x computes a 1x1 layer as ``features @ weight.view(in, out)``; the
+    core computes ``features @ weight[:, 0, ..., 0, :].T``. This returns
+    ``weight.reshape(in, out).T`` laid out as ``[out, 1, ..., 1, in]``, a
+    differentiable function of ``weight``, so gradients reach the stored
+    parameter in spconv's reading too.
+
+    Args:
+        weight: ``[out, 1, ..., 1, in]``, as stored in the module and its state_dict.
+        in_channels, out_channels: the layer's channels.
+
+    Returns:
+        A tensor of ``weight``'s shape, dtype and device.
+    """
+    return weight.reshape(in_channels, out_channels).t().reshape(weight.shape)
 
 
 def autocast_inputs(*tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
@@ -135,6 +161,8 @@ class SparseConvolution(SparseModule):
         self.dilation = expand_nd(ndim, dilation, "dilation")
         self.output_padding = expand_nd(ndim, output_padding, "output_padding")
         kernel_volume = math.prod(self.kernel_size)
+        # spconv's 1x1 shortcut condition (spconv/pytorch/conv.py): kernel volume 1, and
+        # submanifold or stride 1; such a layer reads its weight as view(in, out)
         self.conv1x1 = kernel_volume == 1 and (subm or math.prod(self.stride) == 1)
         self.groups = groups
         self.subm = subm
@@ -170,6 +198,15 @@ class SparseConvolution(SparseModule):
             self.register_parameter("bias", None)
         self.reset_parameters()
         self.register_load_state_dict_pre_hook(_weight_layout_hook)
+
+    @property
+    def reads_weight_as_spconv_1x1(self) -> bool:
+        """True when the layer computes ``features @ weight.view(in, out)``, as spconv's 1x1 shortcut.
+
+        That is every layer spconv sends down its 1x1 path (`conv1x1`), ungrouped
+        (spconv has no groups; a grouped 1x1 layer reads its weight as documented).
+        """
+        return self.conv1x1 and self.groups == 1
 
     def _fan_in(self) -> int:
         return (self.in_channels // self.groups) * math.prod(self.kernel_size)
@@ -223,10 +260,16 @@ class SparseConvolution(SparseModule):
         check_input(layer, input, self.in_channels, self.ndim)
         check_same_device(layer, features=input.features, indices=input.indices, weight=self.weight)
         record = start_benchmark(self, input, "SparseConvolution", self._benchmark_params) if input.benchmark else None
-        data, indice_dict = layer_indice_data(layer, input, self._geometry, self.indice_key, self.algo)
+        # spconv's 1x1 shortcut neither reads nor saves its indice_key (models share a 3x3's key
+        # with a 1x1 projection); an inverse conv always needs its key
+        indice_key = None if self.conv1x1 and not self.inverse else self.indice_key
+        data, indice_dict = layer_indice_data(layer, input, self._geometry, indice_key, self.algo)
         if record is not None:
             record.indices_done()
-        features, weight, bias = autocast_inputs(input.features, self.weight, self.bias)
+        weight = self.weight
+        if self.reads_weight_as_spconv_1x1:
+            weight = spconv_1x1_weight(weight, self.in_channels, self.out_channels)
+        features, weight, bias = autocast_inputs(input.features, weight, self.bias)
         out_features = sparse_conv_features(features, weight, bias, data, self.groups)
         if record is not None:
             record.done(input.features.shape[0], out_features.shape[0])

@@ -1,4 +1,4 @@
-"""spconv 2.x utilities: `PointToVoxel`, `gather_features_by_pc_voxel_id`; and a checkpoint helper.
+"""spconv 2.x utilities: `PointToVoxel`, `gather_features_by_pc_voxel_id`; and a deprecated checkpoint helper.
 
 `PointToVoxel` wraps `sparsecore.voxelize` (sort-based, O(points) memory:
 spconv's CPU build allocates a dense int32 grid of ``prod(grid_size)`` cells).
@@ -9,6 +9,7 @@ zyx coordinates follow spconv; see `sparsecore.voxelize` for the exact rules.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence, Union
 
 import torch
@@ -107,23 +108,28 @@ def gather_features_by_pc_voxel_id(seg_res_features: torch.Tensor, pc_voxel_id: 
 
 
 def convert_spconv_1x1_weights(model: nn.Module, state_dict: dict) -> dict:
-    """A copy of an spconv ``state_dict`` whose 1x1 conv weights give spconv's results in ``model``.
+    """Deprecated, and now the identity: a shallow copy of ``state_dict``, unchanged.
 
     spconv 2.3.8 computes a layer with a 1x1 kernel (subm, or stride 1) as
-    ``features @ weight.view(in, out)``, reinterpreting the ``[out, 1, ..., 1, in]``
-    buffer (issue #450); sparsecore computes ``features @ weight[:, 0, ..., 0, :].T``
-    as documented. This rewrites each such weight ``w`` as
-    ``w.reshape(in, out).T.reshape(w.shape)`` so ``model`` (built from the same
-    module tree with sparsecore.torch) reproduces the spconv model.
-    """
-    from .conv import SparseConvolution
+    ``features @ weight.view(in, out)`` (its issue #450). sparsecore.torch's
+    layers now compute the very same product from the same stored tensor
+    (`SparseConvolution.reads_weight_as_spconv_1x1`), so an spconv checkpoint
+    loads as it is, with ``model.load_state_dict(state_dict)``, and a
+    sparsecore.torch checkpoint loads into spconv as it is. Earlier versions
+    rewrote each 1x1 weight here; rewriting now would break the match, so this
+    returns the weights untouched and warns. Remove the call.
 
-    converted = dict(state_dict)
-    for name, module in model.named_modules():
-        if isinstance(module, SparseConvolution) and module.conv1x1:
-            key = f"{name}.weight" if name else "weight"
-            if key in converted:
-                weight = converted[key]
-                converted[key] = weight.reshape(module.in_channels, module.out_channels).t().reshape(
-                    weight.shape).contiguous()
-    return converted
+    Args:
+        model: the sparsecore.torch model (unused; kept for old call sites).
+        state_dict: an spconv (or sparsecore.torch) state_dict.
+
+    Returns:
+        A new dict holding the same tensors.
+    """
+    del model
+    warnings.warn(
+        "convert_spconv_1x1_weights is no longer needed and returns the state_dict unchanged: "
+        "sparsecore.torch's 1x1 layers read the stored weight as spconv does (weight.view(in, out)). "
+        "Load spconv checkpoints directly with model.load_state_dict(state_dict) and remove this call.",
+        DeprecationWarning, stacklevel=2)
+    return dict(state_dict)
