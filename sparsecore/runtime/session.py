@@ -1,0 +1,207 @@
+"""Runs a parsed libspconv graph on NumPy (CPU) or CuPy (GPU) arrays through the core's public API.
+
+Each run starts a fresh rulebook cache: layers naming the same ``rulebook``
+(spconv's ``indice_key``) share one geometry, built once per run, exactly as
+the torch model's ``indice_dict`` does; an inverse conv reverses the rulebook
+of the strided conv under its key. Nothing here imports torch or jax, and
+CuPy is touched only when CuPy arrays arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from .._dispatch import array_module, device_of, to_core_array
+from ..functional import sparse_conv
+from ..tensor import SparseTensor
+from .graph import AddNode, ConvNode, Graph, GraphError, ReluNode, ReshapeNode, ScatterDenseNode, TransposeNode
+
+__all__ = ["Session", "RuntimeOutput", "DTYPES"]
+
+DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class RuntimeOutput:
+    """What one run returns.
+
+    Attributes:
+        dense: the dense output array (``[B, C, *spatial]`` after ``ScatterDense``, or its
+            reshaped / transposed view) when the graph ends densely, else None.
+        sparse: the output `sparsecore.SparseTensor` (``features [N, C]``, ``indices
+            [N, 1 + D]`` int32, ``spatial_shape``) when the graph ends on sparse sites, else None.
+    """
+
+    dense: Any
+    sparse: Union[SparseTensor, None]
+
+    @property
+    def value(self) -> Any:
+        """The dense array, or the sparse tensor."""
+        return self.sparse if self.dense is None else self.dense
+
+
+def _activate(node: ConvNode, features: Any) -> Any:
+    xp = array_module(features)
+    if node.activation == "ReLU":
+        return xp.maximum(features, features.dtype.type(0))
+    if node.activation == "Sigmoid":
+        return (1 / (1 + xp.exp(-features.astype(np.float32)))).astype(features.dtype)
+    if node.activation == "LeakyReLU":
+        return xp.where(features >= 0, features, features * features.dtype.type(node.activation_alpha))
+    return features
+
+
+class Session:
+    """An executable graph (see `sparsecore.runtime.load`).
+
+    Args:
+        graph: the parsed graph.
+        dtype: ``"float32"`` (weights widened from FP16) or ``"float16"`` (FP16 storage, float32
+            accumulation in the core's products).
+    """
+
+    def __init__(self, graph: Graph, dtype: str = "float32") -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if any(isinstance(node, ConvNode) and "int8" in (node.precision, node.output_precision)
+               for node in graph.nodes):
+            layers = [node.name for node in graph.nodes if isinstance(node, ConvNode) and node.precision == "int8"]
+            raise GraphError(
+                f"nodes {layers} are int8 (precision='int8'); sparsecore.runtime runs float32 and float16 "
+                "graphs only. Export the model with precision='fp16' for the runtime (libspconv runs the "
+                "int8 file)"
+            )
+        self.graph = graph
+        self.dtype = np.dtype(dtype)
+        # weights converted to this session's dtype, per device: (node name, device) -> (weight, bias)
+        self._weights: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def _parameters(self, node: ConvNode, like: Any) -> tuple[Any, Any]:
+        device = device_of(like)
+        key = (node.name, device)
+        cached = self._weights.get(key)
+        if cached is None:
+            xp = array_module(like)
+            cached = (xp.asarray(node.weight.astype(self.dtype)), xp.asarray(node.bias.astype(self.dtype)))
+            self._weights[key] = cached
+        return cached
+
+    def _conv(self, node: ConvNode, x: SparseTensor) -> SparseTensor:
+        if x.num_channels != node.in_channels:
+            raise GraphError(f"node {node.name!r} (SparseConvolution) expects {node.in_channels} input channels, "
+                             f"its input {node.input!r} has {x.num_channels}")
+        weight, bias = self._parameters(node, x.features)
+        try:
+            out = sparse_conv(x, weight, bias, kind=node.kind, stride=node.stride, padding=node.padding,
+                              dilation=node.dilation, output_padding=node.output_padding, groups=node.groups,
+                              indice_key=node.rulebook or None)
+        except ValueError as error:
+            raise GraphError(f"node {node.name!r} (SparseConvolution, {node.kind}, rulebook "
+                             f"{node.rulebook!r}): {error}") from error
+        return out.replace(_activate(node, out.features))
+
+    @staticmethod
+    def _add(node: AddNode, first: Any, second: Any) -> Any:
+        if isinstance(first, SparseTensor):
+            same = first.indices is second.indices or (
+                first.indices.shape == second.indices.shape
+                and bool(array_module(first.indices).array_equal(first.indices, second.indices)))
+            if not same or first.num_channels != second.num_channels:
+                raise GraphError(
+                    f"node {node.name!r} (Add) adds {node.inputs[0]!r} ({first.num_active} sites, "
+                    f"{first.num_channels} channels) and {node.inputs[1]!r} ({second.num_active} sites, "
+                    f"{second.num_channels} channels): libspconv's Add needs the same sites and channels"
+                )
+            return first.replace(first.features + second.features)
+        if first.shape != second.shape:
+            raise GraphError(f"node {node.name!r} (Add) adds arrays of shapes {first.shape} and {second.shape}")
+        return first + second
+
+    @staticmethod
+    def _dense_op(node: Union[ReshapeNode, TransposeNode], array: Any) -> Any:
+        xp = array_module(array)
+        try:
+            if isinstance(node, ReshapeNode):
+                return xp.reshape(array, node.dims)
+            return xp.ascontiguousarray(xp.transpose(array, node.dims))
+        except ValueError as error:
+            op = type(node).__name__.replace("Node", "")
+            raise GraphError(
+                f"node {node.name!r} ({op}, dims {list(node.dims)}) cannot act on the array of shape "
+                f"{tuple(array.shape)}: {error}. The dims were recorded at export for the traced batch "
+                "size and grid; run with the same batch size and spatial_shape"
+            ) from None
+
+    def run(self, features: Any, indices: Any, batch_size: int, spatial_shape: Any) -> RuntimeOutput:
+        """Runs the graph on one batch of voxels.
+
+        Args:
+            features: ``[N, C]`` float array (NumPy or CuPy; any DLPack array), C the graph input's channels.
+            indices: int ``[N, 1 + D]`` (batch, then coordinates in ``spatial_shape``'s order, zyx for 3D),
+                unique sites, on the features' device.
+            batch_size: ``B``.
+            spatial_shape: ``D`` ints, the input grid.
+
+        Returns:
+            A `RuntimeOutput`: the dense array or the sparse tensor the graph ends with, in the
+            session's dtype, on the input's device.
+
+        Raises:
+            ValueError: bad inputs (named), or a `GraphError` naming the node that cannot run.
+        """
+        features = to_core_array(features, "features")
+        if features.ndim != 2 or features.shape[1] != self.graph.input_channels:
+            raise ValueError(
+                f"features must be [N, {self.graph.input_channels}] (the graph input's channels), got "
+                f"shape {tuple(features.shape)}"
+            )
+        if features.dtype.kind != "f":
+            raise TypeError(f"features must be a float array, got dtype {features.dtype}")
+        features = features.astype(self.dtype, copy=False)
+        values: dict[str, Any] = {self.graph.input: SparseTensor(features, indices, spatial_shape, batch_size)}
+        for node in self.graph.nodes:
+            if isinstance(node, ConvNode):
+                result = self._conv(node, values[node.input])
+            elif isinstance(node, AddNode):
+                result = self._add(node, values[node.inputs[0]], values[node.inputs[1]])
+            elif isinstance(node, ReluNode):
+                value = values[node.input]
+                if isinstance(value, SparseTensor):
+                    result = value.replace(array_module(value.features).maximum(value.features, 0))
+                else:
+                    result = array_module(value).maximum(value, value.dtype.type(0))
+            elif isinstance(node, ScatterDenseNode):
+                result = values[node.input].dense(channels_first=True)
+            else:
+                result = self._dense_op(node, values[node.input])
+            values[node.output] = result
+        output = values[self.graph.output]
+        if isinstance(output, SparseTensor):
+            return RuntimeOutput(None, output)
+        return RuntimeOutput(output, None)
+
+    def describe(self) -> str:
+        """A table of the nodes: name, op type, value names, and each conv's kind, shape and rulebook."""
+        rows = [("node", "op", "input", "output", "details")]
+        for node in self.graph.nodes:
+            if isinstance(node, ConvNode):
+                details = (f"{node.kind} {node.in_channels}->{node.out_channels} k{list(node.kernel_size)} "
+                           f"s{list(node.stride)} p{list(node.padding)} rulebook={node.rulebook!r} "
+                           f"act={node.activation}")
+                op, source = "SparseConvolution", node.input
+            elif isinstance(node, AddNode):
+                details, op, source = "", "Add", " + ".join(node.inputs)
+            elif isinstance(node, ReluNode):
+                details, op, source = "", "Relu", node.input
+            elif isinstance(node, ScatterDenseNode):
+                details, op, source = f"traced {list(node.traced_output_shape)}", "ScatterDense", node.input
+            else:
+                details, op, source = f"dims {list(node.dims)}", type(node).__name__[:-4], node.input
+            rows.append((node.name, op, source, node.output, details))
+        widths = [max(len(row[column]) for row in rows) for column in range(4)]
+        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
+                         for row in rows)
