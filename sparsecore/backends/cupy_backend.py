@@ -17,6 +17,7 @@ from typing import Any
 import cupy
 
 from . import kernel_registry
+from ._cublas_gemm import CublasGemm, tf32_from_environment
 from .kernel_backend import KernelBackend
 
 __all__ = ["CupyLauncher", "CUPY_BACKEND"]
@@ -32,4 +33,6 @@ class CupyLauncher:
         kernel((grid,), (block,), args)  # a RawKernel launches on the current stream
 
 
-CUPY_BACKEND = KernelBackend(cupy, CupyLauncher(), name="cupy", native_float16=True)
+# Matrix products: cuBLAS strided-batched GEMMs; float32 in TF32 when CUPY_TF32 > 0 at import (CuPy's switch).
+CUPY_BACKEND = KernelBackend(cupy, CupyLauncher(), name="cupy", native_float16=True,
+                             gemm=CublasGemm(tf32=tf32_from_environment()))

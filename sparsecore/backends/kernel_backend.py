@@ -13,9 +13,11 @@ runs a registered kernel instantiation:
 Each wrapper makes its inputs contiguous (a RawKernel ignores strides), checks
 dtypes and shapes, sizes the grid, never launches zero blocks (empty inputs
 give empty outputs), and does nothing else. Sorting, scans and compaction of
-flags use ``xp`` (CuPy's are CUB/Thrust kernels); matrix products are
-``xp.matmul`` (cuBLAS on CuPy, where float32 uses TF32 only when asked with
-``CUPY_TF32=1``). Feature dtypes: float32, float64, float16 and bfloat16.
+flags use ``xp`` (CuPy's are CUB/Thrust kernels); matrix products go to
+the backend's ``gemm`` (on the GPU `CublasGemm`: one cuBLAS strided-batched
+GEMM per product, float16 with float32 compute, TF32 only when asked), or
+``xp.matmul`` without one. Feature dtypes: float32, float64, float16 and
+bfloat16.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class KernelBackend:
         native_float16: multiply float16 features as float16 (cuBLAS, float32
             accumulation) instead of converting them to float32 first.
         skips_negative_rows: always true: every kernel skips row -1 (padding).
+        gemm: the engine of `matmul`, an object with ``matmul(xp, left, right)``
+            (`sparsecore.backends._cublas_gemm.CublasGemm` on the GPU); None
+            means ``xp.matmul`` (the CPU emulation).
     """
 
     xp: Any
@@ -84,6 +89,7 @@ class KernelBackend:
     chunk_elements: int = 1 << 26
     native_float16: bool = False
     skips_negative_rows: bool = True
+    gemm: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.launcher, KernelLauncher):
@@ -333,5 +339,11 @@ class KernelBackend:
         return out.reshape(size)
 
     def matmul(self, left: Any, right: Any) -> Any:
-        """``xp.matmul`` (cuBLAS on CuPy; float32 without TF32 unless ``CUPY_TF32=1``)."""
-        return self.xp.matmul(left, right)
+        """``left @ right`` (NumPy semantics, 2 or more axes) through ``gemm``, else ``xp.matmul``.
+
+        On the GPU one cuBLAS strided-batched GEMM per call, transposed and
+        strided operands read in place (see `CublasGemm.matmul`).
+        """
+        if self.gemm is None:
+            return self.xp.matmul(left, right)
+        return self.gemm.matmul(self.xp, left, right)
