@@ -260,9 +260,10 @@ class SparseConvolution(SparseModule):
         check_input(layer, input, self.in_channels, self.ndim)
         check_same_device(layer, features=input.features, indices=input.indices, weight=self.weight)
         record = start_benchmark(self, input, "SparseConvolution", self._benchmark_params) if input.benchmark else None
-        # spconv's 1x1 shortcut neither reads nor saves its indice_key (models share a 3x3's key
-        # with a 1x1 projection); an inverse conv always needs its key
-        indice_key = None if self.conv1x1 and not self.inverse else self.indice_key
+        # spconv's 1x1 shortcut neither reads nor saves its indice_key, so spconv models give a
+        # SubM 1x1 projection the key of a 3x3 layer; a regular 1x1 layer keeps its key (an
+        # inverse conv may need it)
+        indice_key = None if self.conv1x1 and self.subm else self.indice_key
         data, indice_dict = layer_indice_data(layer, input, self._geometry, indice_key, self.algo)
         if record is not None:
             record.indices_done()
