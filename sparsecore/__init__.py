@@ -19,6 +19,7 @@ from .functional import (
 )
 from .geometry import CONV_KINDS, ConvGeometry
 from .hashing import HashTable, pack_keys, unpack_keys
+from .int8 import RequantParameters, dequantize, int8_conv_forward, int8_max_pool_forward, quantize, requant_parameters
 from .pool import (
     avg_pool_backward,
     avg_pool_forward,
@@ -42,6 +43,7 @@ __all__ = [
     "HashTable",
     "PairMap",
     "Rulebook",
+    "RequantParameters",
     "RulebookCache",
     "SparseTensor",
     "BatchedVoxels",
@@ -55,6 +57,7 @@ __all__ = [
     "check_rulebook_fits",
     "conv_backward",
     "conv_forward",
+    "dequantize",
     "from_dense",
     "gather_voxel_features",
     "global_avg_pool",
@@ -63,11 +66,15 @@ __all__ = [
     "global_max_pool",
     "global_max_pool_backward",
     "global_max_pool_forward",
+    "int8_conv_forward",
+    "int8_max_pool_forward",
     "inverse_rulebook",
     "layer_rulebook",
     "max_pool_backward",
     "max_pool_forward",
     "pack_keys",
+    "quantize",
+    "requant_parameters",
     "sparse_add",
     "sparse_avg_pool",
     "sparse_conv",

@@ -144,6 +144,16 @@ class ArrayBackend(Protocol):
             ``[num_input, C]`` in ``grad_output``'s dtype.
         """
 
+    def int8_conv_pairs(self, features: Any, weight: Any, pair_input: Any, pair_output: Any,
+                        run_starts: tuple[int, ...], num_output: int, identity_offset: int, groups: int,
+                        epilogue: Any) -> Any:
+        """The int8 conv pass of `sparsecore.int8.int8_conv_forward`: exact int32 sums over the pairs, then
+        ``epilogue`` (a ``backends._numpy_int8.Int8Epilogue``): int8 or float32 ``[num_output, C_out]``."""
+
+    def int8_max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
+                            num_output: int) -> Any:
+        """Maximum of int8 ``features[pair_input[p]]`` over each output's pairs; 0 without pairs (int8)."""
+
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         """Deterministic sum of ``values [M]`` into ``size`` bins by int ``index [M]``.
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernel_pairs, _launch
+from . import _kernel_int8, _kernel_pairs, _launch
 from ._launch import INT64_MAX, KernelLauncher, check_float, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
@@ -286,6 +286,18 @@ class KernelBackend:
                                 run_starts: tuple[int, ...], num_input: int) -> Any:
         """Max-pool gradient by input rows with ``sc_max_pool_backward`` (``run_starts`` unused)."""
         return _kernel_pairs.max_pool_backward_pairs(self, grad_output, argmax, pair_input, pair_output, num_input)
+
+    def int8_conv_pairs(self, features: Any, weight: Any, pair_input: Any, pair_output: Any,
+                        run_starts: tuple[int, ...], num_output: int, identity_offset: int, groups: int,
+                        epilogue: Any) -> Any:
+        """int8 conv with ``sc_int8_conv`` (dp4a, fused epilogue; ``identity_offset`` unused)."""
+        return _kernel_int8.conv_pairs(self, features, weight, pair_input, pair_output, run_starts, num_output,
+                                       groups, epilogue)
+
+    def int8_max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
+                            num_output: int) -> Any:
+        """int8 max pool with ``sc_int8_max_pool`` (``run_starts`` unused)."""
+        return _kernel_int8.max_pool_pairs(self, features, pair_input, pair_output, num_output)
 
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         """Deterministic float64 sums of ``values`` into ``size`` bins by ``index``.

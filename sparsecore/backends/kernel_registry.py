@@ -150,6 +150,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
         ),
     ),
     KernelFile("voxelize.cu", (_per_type("sc_voxel_keys", POINT_TYPES),)),
+    KernelFile("int8.cu", (_per_type("sc_int8_conv", ("signed char", "float")), KernelSpec("sc_int8_max_pool"))),
 )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _numpy_int8
 from ._sorting import unique_inverse
 
 __all__ = ["NumpyBackend", "SortedTable"]
@@ -195,6 +196,16 @@ class NumpyBackend:
             contribution = np.where(chosen, np.take(grad_output, output_rows, axis=0).astype(wide), wide.type(0))
             self.scatter_add_rows(grad, input_rows, contribution)
         return grad.astype(grad_output.dtype, copy=False)
+
+    def int8_conv_pairs(self, features: np.ndarray, weight: np.ndarray, pair_input: np.ndarray,
+                        pair_output: np.ndarray, run_starts: tuple[int, ...], num_output: int,
+                        identity_offset: int, groups: int, epilogue: Any) -> np.ndarray:
+        return _numpy_int8.conv_pairs(self, features, weight, pair_input, pair_output, run_starts, num_output,
+                                      identity_offset, groups, epilogue)
+
+    def int8_max_pool_pairs(self, features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
+                            run_starts: tuple[int, ...], num_output: int) -> np.ndarray:
+        return _numpy_int8.max_pool_pairs(features, pair_input, pair_output, run_starts, num_output)
 
     def index_add(self, size: int, index: np.ndarray, values: np.ndarray) -> np.ndarray:
         return np.bincount(index, weights=values, minlength=size)

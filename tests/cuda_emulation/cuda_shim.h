@@ -145,6 +145,24 @@ inline __nv_bfloat16 __float2bfloat16_rn(float value) {
 }
 inline __nv_bfloat16 __float2bfloat16(float value) { return __float2bfloat16_rn(value); }
 
+// ---- int8 dot products and correctly rounded float32 arithmetic (int8.cu) ----
+// __dp4a: the four signed byte products of a and b, summed into c (int32, wrapping).
+inline int __dp4a(int a, int b, int c) {
+  unsigned int sum = static_cast<unsigned int>(c);
+  for (int lane = 0; lane < 4; ++lane) {
+    const int x = static_cast<signed char>((a >> (8 * lane)) & 0xff);
+    const int y = static_cast<signed char>((b >> (8 * lane)) & 0xff);
+    sum += static_cast<unsigned int>(x * y);
+  }
+  return static_cast<int>(sum);
+}
+// Each rounds once to nearest even, as on the GPU (g++ in ISO C++ mode never
+// contracts them into an FMA).
+inline float __int2float_rn(int value) { return static_cast<float>(value); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+
 // ---- launching ----
 namespace sc_emu {
 
