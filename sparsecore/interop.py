@@ -89,7 +89,8 @@ def as_spatial_shape(spatial_shape: Any, name: str = "spatial_shape") -> tuple[i
         raw = np.asarray(value)
     except (TypeError, ValueError):
         raw = np.asarray(None)
-    if raw.dtype.kind not in "iu" or raw.ndim > 1:
+    has_bool = isinstance(value, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in value)
+    if raw.dtype.kind not in "iu" or raw.ndim > 1 or has_bool:
         raise ValueError(
             f"{name} must be a sequence of 1 to {MAX_SPATIAL_AXES} positive ints (one per spatial "
             f"axis), got {spatial_shape!r}; pass integers, e.g. [41, 1600, 1408], after rounding "

@@ -4,6 +4,9 @@ derived tensors and their shared indice_dict, dense / from_dense, select_by_inde
 
 from __future__ import annotations
 
+import pickle
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -76,12 +79,29 @@ def test_coordinates_are_range_checked():
         spconv.SparseConvTensor(features, bad, SHAPE, 2)
 
 
-def test_duplicate_sites_are_rejected_by_the_first_layer():
+def test_duplicate_sites_are_rejected_where_the_tensor_is_made():
     features, indices = _data()
     indices[1] = indices[0]
-    x = spconv.SparseConvTensor(features, indices, SHAPE, 2)
     with pytest.raises(ValueError, match="duplicate sites: rows 0 and 1"):
-        spconv.SubMConv3d(3, 3, 3)(x.replace_feature(x.features.float()))
+        spconv.SparseConvTensor(features, indices, SHAPE, 2)
+
+
+@pytest.mark.parametrize("shape, seen", [([1.9, 2, 2], "1.9"), ([float("nan"), 2, 2], "nan"),
+                                         (["4", 5, 6], "'4'"), ("456", "'456'"), ([4, 0, 6], "0"),
+                                         ([True, 5, 6], "True")])
+def test_spatial_shape_must_be_positive_ints(shape, seen):
+    features, indices = _data()
+    with pytest.raises(ValueError, match=rf"spatial_shape must be .*positive ints.*{seen}"):
+        spconv.SparseConvTensor(features, indices, shape, 2)
+    x = _tensor()
+    with pytest.raises(ValueError, match=r"spatial_shape must be"):
+        x.spatial_shape = shape
+
+
+def test_spatial_shape_accepts_integer_arrays_and_tensors():
+    features, indices = _data()
+    for shape in (np.array(SHAPE), torch.tensor(SHAPE), tuple(SHAPE)):
+        assert spconv.SparseConvTensor(features, indices, shape, 2).spatial_shape == SHAPE
 
 
 def test_tensors_on_different_devices():
@@ -266,3 +286,99 @@ def test_assigned_indices_are_checked_again():
     z.spatial_shape = [4, 5, 3]  # smaller than the sites
     with pytest.raises(ValueError, match="outside"):
         spconv.SparseConv3d(3, 3, 3).double()(z)
+
+
+# --------------------------------------------------------------------------- the sites rule after assignment
+
+
+def _with_duplicate(x):
+    """``x`` with its last row's site replaced by its first (rows unchanged in count)."""
+    x.indices = torch.cat([x.indices[:-1], x.indices[:1]])
+    return x
+
+
+_PATHS = {
+    "dense": lambda x: x.dense(),
+    "ToDense": lambda x: spconv.ToDense()(x),
+    "global max pool": lambda x: spconv.SparseGlobalMaxPool()(x),
+    "global avg pool": lambda x: spconv.SparseGlobalAvgPool()(x),
+    "JoinTable": lambda x: spconv.JoinTable()([x, x]),
+    "AddTable": lambda x: spconv.AddTable()([x, x]),
+    "x + x": lambda x: x + x,
+    "x + tensor": lambda x: x + x.features,
+    "replace_feature": lambda x: x.replace_feature(x.features * 2),
+    "BatchNorm in SparseSequential": lambda x: spconv.SparseSequential(torch.nn.BatchNorm1d(3).double())(x),
+    "sparse_add": lambda x: spconv.functional.sparse_add(x, x.select_by_index(torch.arange(3))),
+    "SubMConv3d": lambda x: spconv.SubMConv3d(3, 3, 3).double()(x),
+    "SparseMaxPool3d": lambda x: spconv.SparseMaxPool3d(2)(x),
+}
+
+
+@pytest.mark.parametrize("path", sorted(_PATHS))
+def test_duplicate_sites_are_refused_on_every_path(path):
+    x = _with_duplicate(_tensor(10))
+    with pytest.raises(ValueError, match=r"indices contains duplicate sites: rows 0 and \d+"):
+        _PATHS[path](x)
+
+
+@pytest.mark.parametrize("path", sorted(_PATHS))
+def test_reassigned_indices_with_another_row_count_are_refused(path):
+    x = _tensor(10)
+    x.indices = x.indices[:-2]
+    with pytest.raises(ValueError, match=r"rows"):
+        _PATHS[path](x)
+
+
+@pytest.mark.parametrize("path", sorted(_PATHS))
+def test_a_smaller_spatial_shape_is_refused_on_every_path(path):
+    x = _tensor(10)
+    x.spatial_shape = [2, 2, 2]
+    with pytest.raises(ValueError, match=r"outside \[0, 2\) \(spatial_shape\[\d\] = 2\)"):
+        _PATHS[path](x)
+
+
+def test_a_valid_reassignment_is_checked_once_and_then_works():
+    x = _tensor(12)
+    x.indices = torch.flip(x.indices, [0])  # the same sites in another order: valid
+    x.batch_size = 3
+    assert not x._trusted
+    expected = do.densify(x.features, x.indices.numpy(), SHAPE, 3)
+    assert torch.equal(x.dense(), expected.to(x.features.dtype)) and x._trusted
+
+
+def test_unpickled_tensors_are_checked_again():
+    x = _tensor(14)
+    state = pickle.loads(pickle.dumps(x))
+    assert not state._trusted
+    assert torch.equal(state.dense(), x.dense()) and state._trusted
+    tampered = pickle.loads(pickle.dumps(x))
+    tampered._indices = torch.cat([x.indices[:-1], x.indices[:1]])  # as a crafted pickle could hold
+    with pytest.raises(ValueError, match="duplicate sites"):
+        tampered.dense()
+
+
+def test_batch_size_assignment_is_checked():
+    x = _tensor()
+    for bad in (0, 1.5, "2", True):
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            x.batch_size = bad
+
+
+def test_dense_of_a_huge_grid_names_its_size():
+    features = torch.ones(1, 2)
+    indices = torch.zeros(1, 4, dtype=torch.int32)
+    x = spconv.SparseConvTensor(features, indices, [2**20] * 3, 1)
+    with pytest.raises(ValueError, match=r"dense grid of batch_size 1 x spatial_shape \(1048576, 1048576, 1048576\)"):
+        x.dense()
+
+
+def test_sparse_add_of_overlapping_inputs_matches_the_dense_sum_over_many_trials():
+    # the former holes of torch.empty_like: inputs whose union is the largest one's sites
+    for seed in range(20):
+        a = _tensor(100 + seed)
+        keep = torch.from_numpy(do.make_rng(92000, seed).random(a.indices.shape[0]) < 0.5)
+        b = a.select_by_index(keep).replace_feature(a.features[keep] * 3)
+        total = spconv.functional.sparse_add(b, a)
+        expected = do.densify(a.features, a.indices.numpy(), SHAPE, 2) + do.densify(
+            b.features, b.indices.numpy(), SHAPE, 2)
+        assert torch.allclose(total.dense(), expected)

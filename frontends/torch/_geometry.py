@@ -31,9 +31,11 @@ __all__ = ["layer_indice_data", "check_input"]
 
 
 def check_input(layer: str, x: Any, in_channels: Optional[int] = None, ndim: Optional[int] = None) -> None:
-    """Raises a clear error for a non-SparseConvTensor input or a channel / dimension mismatch."""
+    """Raises a clear error for a non-SparseConvTensor input, a tensor that fails its checks
+    (shapes, rows, range, duplicate sites), or a channel / dimension mismatch."""
     if not isinstance(x, SparseConvTensor):
         raise TypeError(f"{layer} expects a sparsecore.torch.SparseConvTensor, got {type(x).__name__}")
+    x._ensure_valid()  # free for a tensor known valid; a full check after reassigned indices / unpickling
     if ndim is not None and len(x.spatial_shape) != ndim:
         raise ValueError(
             f"{layer} is a {ndim}-D layer but the input has {len(x.spatial_shape)} spatial axes "

@@ -18,7 +18,8 @@ __all__ = ["sparse_add", "sparse_add_hash_based"]
 def _union_rows(tensors: tuple[SparseConvTensor, ...]) -> tuple[Any, list[torch.Tensor]]:
     first = tensors[0]
     with core_context(first.indices.device):
-        union, rows = sc.union_sites([t.core_indices() for t in tensors], first.spatial_shape, first.batch_size)
+        union, rows = sc.union_sites([t.core_indices() for t in tensors], first.spatial_shape, first.batch_size,
+                                     assume_unique=True)
         return union, [to_torch(r) for r in rows]
 
 
@@ -48,6 +49,8 @@ def sparse_add(*tens: SparseConvTensor) -> SparseConvTensor:
                 f"{first.spatial_shape}, {first.batch_size}, {first.features.shape[1]}; input {position} has "
                 f"{other.spatial_shape}, {other.batch_size}, {other.features.shape[1]}"
             )
+    for other in tens:
+        other._ensure_valid()  # unique, in-range sites: each input's union rows are distinct
     check_same_device("sparse_add", **{f"input {i}": t.features for i, t in enumerate(tens)})
     if all(t.indices is first.indices for t in tens):
         total = first.features
@@ -62,6 +65,7 @@ def sparse_add(*tens: SparseConvTensor) -> SparseConvTensor:
     count = int(union.shape[0])
     if count == tens[largest].indices.shape[0]:
         # the union is the largest input's site set: keep its rows, order and rulebooks
+        # (its sites are unique, so its union rows are a permutation and fill every entry)
         order = torch.empty_like(rows[largest])
         order[rows[largest]] = torch.arange(count, device=order.device)
         rows = [order[r] for r in rows]

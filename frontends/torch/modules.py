@@ -151,6 +151,7 @@ class SparseSequential(SparseModule):
             if is_spconv_module(module):
                 input = module(input)
             elif isinstance(input, SparseConvTensor):
+                input._ensure_valid()  # before a feature module (BatchNorm statistics) sees the rows
                 if input.indices.shape[0] != 0:
                     input = input.replace_feature(module(input.features))
             else:

@@ -25,6 +25,7 @@ def _check_aligned(table: str, inputs: Sequence[SparseConvTensor], same_channels
     for position, tensor in enumerate(inputs):
         if not isinstance(tensor, SparseConvTensor):
             raise TypeError(f"{table} input {position} is a {type(tensor).__name__}, not a SparseConvTensor")
+        tensor._ensure_valid()
         problems = []
         if tensor.spatial_shape != first.spatial_shape:
             problems.append(f"spatial_shape {tensor.spatial_shape} vs {first.spatial_shape}")

@@ -17,7 +17,8 @@ import torch
 import torch.fx
 
 import sparsecore as sc
-from sparsecore._validation import check_indices_in_range
+from sparsecore.interop import (as_batch_size, as_spatial_shape, check_dense_size, check_indices_in_range,
+                               check_unique_sites, memory_limit)
 
 from ._convert import core_context, core_view
 
@@ -96,18 +97,16 @@ class IndiceData:
 
 
 def _as_shape_list(spatial_shape: Any) -> list[int]:
-    if isinstance(spatial_shape, torch.Tensor):
-        spatial_shape = spatial_shape.tolist()
-    try:
-        return [int(v) for v in spatial_shape]
-    except TypeError:
-        raise ValueError(f"spatial_shape must be a sequence of ints, got {spatial_shape!r}") from None
+    return list(as_spatial_shape(spatial_shape))
 
 
 @torch.compiler.disable
 def _check_sites(indices: torch.Tensor, spatial_shape: list[int], batch_size: int) -> None:
+    """The sites rule (see `sparsecore.interop`): in range and unique, checked once per tensor."""
     with core_context(indices.device):
-        check_indices_in_range(core_view(indices, "indices"), spatial_shape, batch_size)
+        sites = core_view(indices, "indices")
+        check_indices_in_range(sites, spatial_shape, batch_size)
+        check_unique_sites(sites, spatial_shape, batch_size)
 
 
 class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
@@ -144,7 +143,8 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
         shape = _as_shape_list(spatial_shape)
         _validate(features, indices, shape, batch_size)
         _check_sites(indices, shape, int(batch_size))
-        self._init(features, indices, shape, int(batch_size), grid, voxel_num, indice_dict, benchmark)
+        self._init(features, indices, shape, int(batch_size), grid, voxel_num, indice_dict, benchmark,
+                   trusted=True)
         self.force_algo = force_algo
 
     def _init(self, features, indices, spatial_shape, batch_size, grid, voxel_num, indice_dict,
@@ -162,7 +162,9 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
         self._timer = None
         self.force_algo = None
         self.int8_scale = None
-        # True when the sites were produced by the library (unique and in range).
+        # True when the sites are known valid (checked here, or produced by the library):
+        # unique, in range, one per feature row. Assigning indices, spatial_shape or
+        # batch_size, or unpickling, clears it; `_ensure_valid` checks again once.
         self._trusted = trusted
         self._core_indices: tuple[Any, Any] | None = None
 
@@ -200,7 +202,26 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
         raise ValueError(_FEATURES_MESSAGE)
 
     # Assigning indices, spatial_shape or batch_size (as spconv code sometimes does) makes the
-    # next layer re-check the sites (range and duplicates) before building a rulebook.
+    # next use (a layer, dense(), replace_feature, +, tables, sparse_add) re-check the whole
+    # tensor once: shapes, dtypes, rows, range and duplicates.
+
+    def _ensure_valid(self) -> "SparseConvTensor":
+        """Checks the tensor unless it is known valid (then free); returns it.
+
+        Raises:
+            ValueError / TypeError: as the constructor does.
+        """
+        if not self._trusted:
+            _validate(self._features, self._indices, self._spatial_shape, self._batch_size)
+            _check_sites(self._indices, self._spatial_shape, self._batch_size)
+            self._trusted = True
+        return self
+
+    def __setstate__(self, state: dict) -> None:
+        # an unpickled (or copied) tensor is checked again at its first use
+        self.__dict__.update(state)
+        self._trusted = False
+        self._core_indices = None
 
     @property
     def indices(self) -> torch.Tensor:
@@ -229,7 +250,7 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        self._batch_size = int(value)
+        self._batch_size = as_batch_size(value)
         self._trusted = False
 
     @property
@@ -260,6 +281,7 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
 
     def replace_feature(self, feature: torch.Tensor) -> "SparseConvTensor":
         """The same sites, rulebooks (shared dict) and settings with new features ``[N, C']``."""
+        self._ensure_valid()
         if not isinstance(feature, torch.Tensor) or feature.ndim != 2 or feature.shape[0] != self.indices.shape[0]:
             shape = tuple(feature.shape) if isinstance(feature, torch.Tensor) else type(feature).__name__
             raise ValueError(
@@ -311,9 +333,15 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
     # ------------------------------------------------------------------ dense
 
     def dense(self, channels_first: bool = True) -> torch.Tensor:
-        """The dense grid ``[B, C, *spatial]`` (or ``[B, *spatial, C]``); differentiable."""
+        """The dense grid ``[B, C, *spatial]`` (or ``[B, *spatial, C]``); differentiable.
+
+        Raises:
+            ValueError: for a tensor that fails its checks (e.g. reassigned indices
+                outside a smaller spatial_shape), or a grid larger than the memory.
+        """
+        self._ensure_valid()
         channels = self._features.shape[1]
-        out = self._features.new_zeros((self.batch_size, *self.spatial_shape, channels))
+        out = _dense_zeros(self._features, self.batch_size, self.spatial_shape)
         index = self.indices.to(self._features.device).long()
         out = out.index_put(tuple(index.unbind(1)), self._features)
         if not channels_first:
@@ -340,7 +368,9 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
     # ------------------------------------------------------------------ arithmetic
 
     def _other_features(self, other: Union["SparseConvTensor", torch.Tensor]) -> torch.Tensor:
+        self._ensure_valid()
         if isinstance(other, SparseConvTensor):
+            other._ensure_valid()
             if other.indices is not self.indices and (
                     other.indices.shape != self.indices.shape or not torch.equal(other.indices, self.indices)):
                 raise ValueError(
@@ -398,6 +428,24 @@ def _feature_functions() -> frozenset:
     ))
 
 
+def _dense_zeros(features: torch.Tensor, batch_size: int, spatial_shape: list[int]) -> torch.Tensor:
+    """Zeros ``[B, *spatial, C]`` like ``features``, sized before allocating."""
+    channels = features.shape[1]
+    if features.device.type == "cuda":
+        limit = torch.cuda.mem_get_info(features.device)[1]
+    else:
+        limit = memory_limit(np)
+    size = check_dense_size(batch_size, spatial_shape, channels, features.element_size(), limit)
+    try:
+        return features.new_zeros((batch_size, *spatial_shape, channels))
+    except (RuntimeError, MemoryError) as error:
+        raise ValueError(
+            f"dense(): cannot allocate the grid of batch_size {batch_size} x spatial_shape {spatial_shape} x "
+            f"{channels} channels ({size / 2**30:.3g} GiB): {error}. Densify a cropped region or a coarser "
+            "grid, or stay sparse"
+        ) from None
+
+
 def _validate(features: Any, indices: Any, spatial_shape: list[int], batch_size: Any) -> None:
     if not isinstance(features, torch.Tensor) or not isinstance(indices, torch.Tensor):
         raise TypeError(
@@ -420,10 +468,8 @@ def _validate(features: Any, indices: Any, spatial_shape: list[int], batch_size:
             f"{spatial_shape} ({len(spatial_shape)} axes) plus the batch column, got shape "
             f"{tuple(indices.shape)}"
         )
-    if any(size < 1 for size in spatial_shape):
-        raise ValueError(f"spatial_shape must be positive ints, got {spatial_shape}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    as_spatial_shape(spatial_shape)
+    as_batch_size(batch_size)
     if features.shape[0] != indices.shape[0]:
         raise ValueError(
             f"features has {features.shape[0]} rows but indices has {indices.shape[0]}; they must "
