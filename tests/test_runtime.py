@@ -1,0 +1,307 @@
+"""sparsecore.runtime on hand-written libspconv graphs, against the dense float64 oracle.
+
+The graphs are built here with ``onnx.helper`` (not by the exporter), so the
+runtime is checked on its own: each layer kind against the dense convolution
+of the densified input read at the active sites, rulebook sharing by counting
+rulebook builds, and the errors for corrupt, foreign and malformed files.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+torch = pytest.importorskip("torch")
+
+from onnx import helper  # noqa: E402
+
+import sparsecore  # noqa: E402
+import sparsecore.functional  # noqa: E402
+import sparsecore.runtime as runtime  # noqa: E402
+from tests.dense_oracle import (  # noqa: E402
+    densify,
+    dense_conv,
+    dense_conv_transpose,
+    make_rng,
+    occupancy,
+    random_features,
+    random_indices,
+    read_sites,
+    sites_of,
+)
+
+FP16 = helper.TensorProto.FLOAT16
+
+
+class GraphBuilder:
+    """Collects nodes and FP16 initializers of a libspconv graph."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.nodes: list = []
+        self.initializers: list = []
+        self.weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def conv(self, name: str, source: str, target: str, in_channels: int, out_channels: int, *, kind: str = "subm",
+             kernel: int = 3, stride: int = 1, padding: int = 0, rulebook: str = "", activation: str = "None",
+             ndim: int = 3) -> None:
+        weight = (self.rng.standard_normal((out_channels, *(kernel,) * ndim, in_channels)) / np.sqrt(in_channels * 9))
+        weight = weight.astype(np.float16)
+        bias = self.rng.uniform(-0.3, 0.3, out_channels).astype(np.float16)
+        self.weights[name] = (weight.astype(np.float64), bias.astype(np.float64))
+        for suffix, value in (("weight", weight), ("bias", bias)):
+            self.initializers.append(helper.make_tensor(f"{name}.{suffix}", FP16, list(value.shape), value.tobytes(),
+                                                        raw=True))
+        self.nodes.append(helper.make_node(
+            "SparseConvolution", [source, f"{name}.weight", f"{name}.bias"], [target], name, ndim=ndim,
+            in_channels=in_channels, out_channels=out_channels, kernel_size=[kernel] * ndim, stride=[stride] * ndim,
+            padding=[padding] * ndim, dilation=[1] * ndim, output_padding=[0] * ndim, groups=1,
+            subm=int(kind == "subm"), transposed=int(kind == "transposed"), inverse=int(kind == "inverse"),
+            rulebook=rulebook, activation=activation, precision="fp16", output_precision="fp16"))
+
+    def op(self, op_type: str, inputs: list[str], target: str, name: str, **attributes) -> None:
+        self.nodes.append(helper.make_node(op_type, inputs, [target], name, **attributes))
+
+    def model(self, channels: int, output: str) -> "onnx.ModelProto":
+        graph = helper.make_graph(self.nodes, "scn", [helper.make_tensor_value_info("0", FP16, [None, channels])],
+                                  [helper.make_tensor_value_info(output, FP16, None)], self.initializers)
+        return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("ai.onnx", 11)])
+
+
+def _dense_subm(dense, weight, bias, mask, relu=False):
+    out = (dense_conv(dense, torch.from_numpy(weight), 1, 1, 1) + torch.from_numpy(bias).view(1, -1, 1, 1, 1)) * mask
+    return out.clamp(min=0) * mask if relu else out
+
+
+def _case(seed: int, shape=(9, 11, 7), batch: int = 2, channels: int = 4, num: int = 120):
+    rng = make_rng(seed)
+    indices = random_indices(rng, shape, batch, num=num)
+    return rng, indices, random_features(rng, len(indices), channels)
+
+
+def _check_sites(runtime_indices, expected_mask) -> None:
+    got = runtime_indices[np.lexsort(runtime_indices.T[::-1])]
+    np.testing.assert_array_equal(got, sites_of(expected_mask))
+
+
+def test_subm_strided_dense_reshape_transpose_match_the_dense_oracle() -> None:
+    rng, indices, features = _case(1)
+    shape, batch = (9, 11, 7), 2
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 8, kind="subm", rulebook="subm1", activation="ReLU")
+    builder.conv("conv1", "1", "2", 8, 6, kind="regular", stride=2, padding=1, rulebook="down")
+    builder.op("ScatterDense", ["2"], "3", "scatter0", input_spatial_shape=[5, 6, 4], format="zyx",
+               output_shape=[batch, 6, 5, 6, 4], output_layout="NCHW")
+    builder.op("Reshape", ["3"], "4", "reshape0", dims=[batch, 30, 6, 4])
+    builder.op("Transpose", ["4"], "5", "transpose0", dims=[0, 2, 3, 1])
+    session = runtime.load_model(builder.model(4, "5"))
+    out = session.run(features.astype(np.float32), indices, batch, shape)
+    # oracle: dense float64 convolutions of the densified input, read at the active sites
+    mask = occupancy(indices, shape, batch)
+    hidden = _dense_subm(densify(features, indices, shape, batch), *builder.weights["conv0"], mask, relu=True)
+    weight, bias = builder.weights["conv1"]
+    down_mask = (dense_conv(mask, torch.ones(1, 3, 3, 3, 1, dtype=torch.float64), 2, 1, 1) > 0).double()
+    down = (dense_conv(hidden, torch.from_numpy(weight), 2, 1, 1) + torch.from_numpy(bias).view(1, -1, 1, 1, 1))
+    expected = (down * down_mask).reshape(batch, 30, 6, 4).permute(0, 2, 3, 1).numpy()
+    assert out.sparse is None and out.dense.dtype == np.float32 and out.dense.shape == expected.shape
+    np.testing.assert_allclose(out.dense, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_shared_rulebooks_are_built_once_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng, indices, features = _case(2)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, rulebook="a", activation="ReLU")
+    builder.conv("conv1", "1", "2", 4, 4, rulebook="a", activation="ReLU")
+    builder.conv("conv2", "2", "3", 4, 4, rulebook="a")
+    builder.op("Add", ["3", "1"], "4", "add0")
+    builder.op("Relu", ["4"], "5", "relu0")
+    builder.conv("conv3", "5", "6", 4, 4, rulebook="b")
+    session = runtime.load_model(builder.model(4, "6"))
+    builds = []
+    original = sparsecore.functional.build_rulebook
+    monkeypatch.setattr(sparsecore.functional, "build_rulebook",
+                        lambda *args, **kwargs: builds.append(1) or original(*args, **kwargs))
+    out = session.run(features, indices, 2, (9, 11, 7))
+    assert len(builds) == 2  # key "a" once, key "b" once
+    session.run(features, indices, 2, (9, 11, 7))
+    assert len(builds) == 4  # a fresh cache per run
+    mask = occupancy(indices, (9, 11, 7), 2)
+    dense = densify(features, indices, (9, 11, 7), 2)
+    first = _dense_subm(dense, *builder.weights["conv0"], mask, relu=True)
+    second = _dense_subm(first, *builder.weights["conv1"], mask, relu=True)
+    third = (_dense_subm(second, *builder.weights["conv2"], mask) + first).clamp(min=0)
+    expected = read_sites(_dense_subm(third, *builder.weights["conv3"], mask), out.sparse.indices).numpy()
+    np.testing.assert_array_equal(out.sparse.indices, indices)
+    np.testing.assert_allclose(out.sparse.features, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_inverse_conv_reverses_the_strided_rulebook() -> None:
+    rng, indices, features = _case(3)
+    shape, batch = (9, 11, 7), 2
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 6, kind="regular", stride=2, padding=1, rulebook="down")
+    builder.conv("conv1", "1", "2", 6, 5, kind="inverse", rulebook="down")
+    out = runtime.load_model(builder.model(4, "2")).run(features, indices, batch, shape)
+    mask = occupancy(indices, shape, batch)
+    down_mask = (dense_conv(mask, torch.ones(1, 3, 3, 3, 1, dtype=torch.float64), 2, 1, 1) > 0).double()
+    weight, bias = builder.weights["conv0"]
+    down = (dense_conv(densify(features, indices, shape, batch), torch.from_numpy(weight), 2, 1, 1)
+            + torch.from_numpy(bias).view(1, -1, 1, 1, 1)) * down_mask
+    weight, bias = builder.weights["conv1"]
+    up = dense_conv_transpose(down, torch.from_numpy(weight), 2, 1, 1) + torch.from_numpy(bias).view(1, -1, 1, 1, 1)
+    np.testing.assert_array_equal(out.sparse.indices, indices)
+    assert tuple(out.sparse.spatial_shape) == shape
+    np.testing.assert_allclose(out.sparse.features, read_sites(up, indices).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_transposed_conv_matches_the_dense_transposed_convolution() -> None:
+    rng, indices, features = _case(4, shape=(4, 5, 3), num=30)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 3, kind="transposed", kernel=2, stride=2, activation="ReLU")
+    out = runtime.load_model(builder.model(4, "1")).run(features, indices, 2, (4, 5, 3))
+    weight, bias = builder.weights["conv0"]
+    mask = occupancy(indices, (4, 5, 3), 2)
+    up_mask = dense_conv_transpose(mask, torch.ones(1, 2, 2, 2, 1, dtype=torch.float64), 2, 0, 1) > 0
+    up = dense_conv_transpose(densify(features, indices, (4, 5, 3), 2), torch.from_numpy(weight), 2, 0, 1)
+    up = (up + torch.from_numpy(bias).view(1, -1, 1, 1, 1)).clamp(min=0)
+    _check_sites(out.sparse.indices, up_mask.double())
+    assert tuple(out.sparse.spatial_shape) == (8, 10, 6)
+    np.testing.assert_allclose(out.sparse.features, read_sites(up, out.sparse.indices).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_float16_session_is_within_fp16_tolerance_of_float32() -> None:
+    rng, indices, features = _case(5)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 16, rulebook="a", activation="ReLU")
+    builder.conv("conv1", "1", "2", 16, 8, kind="regular", stride=2, padding=1)
+    model = builder.model(4, "2")
+    full = runtime.load_model(model).run(features, indices, 2, (9, 11, 7)).sparse
+    half = runtime.load_model(model, dtype="float16").run(features, indices, 2, (9, 11, 7)).sparse
+    assert half.features.dtype == np.float16 and full.features.dtype == np.float32
+    np.testing.assert_array_equal(half.indices, full.indices)
+    np.testing.assert_allclose(half.features.astype(np.float32), full.features, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_input_gives_empty_sparse_and_zero_dense_outputs() -> None:
+    rng = make_rng(6)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 8, rulebook="a", activation="ReLU")
+    builder.conv("conv1", "1", "2", 8, 8, kind="regular", stride=2, padding=1)
+    builder.op("ScatterDense", ["2"], "3", "scatter0", input_spatial_shape=[5, 6, 4], format="zyx",
+               output_shape=[1, 8, 5, 6, 4], output_layout="NCHW")
+    empty_features, empty_indices = np.zeros((0, 4), np.float32), np.zeros((0, 4), np.int32)
+    dense = runtime.load_model(builder.model(4, "3")).run(empty_features, empty_indices, 1, (9, 11, 7)).dense
+    assert dense.shape == (1, 8, 5, 6, 4) and not dense.any()
+    sparse = runtime.load_model(builder.model(4, "1")).run(empty_features, empty_indices, 1, (9, 11, 7)).sparse
+    assert sparse.features.shape == (0, 8) and sparse.indices.shape == (0, 4)
+
+
+def test_add_of_different_sites_names_the_node() -> None:
+    rng, indices, features = _case(7)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, rulebook="a")
+    builder.conv("conv1", "0", "2", 4, 4, kind="regular", stride=2, padding=1)
+    builder.op("Add", ["1", "2"], "3", "add_mismatch")
+    session = runtime.load_model(builder.model(4, "3"))
+    with pytest.raises(runtime.GraphError, match="add_mismatch.*same sites"):
+        session.run(features, indices, 2, (9, 11, 7))
+
+
+def test_bad_run_inputs_are_named() -> None:
+    rng, indices, features = _case(8)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, rulebook="a")
+    session = runtime.load_model(builder.model(4, "1"))
+    with pytest.raises(ValueError, match=r"features must be \[N, 4\]"):
+        session.run(features[:, :3], indices, 2, (9, 11, 7))
+    with pytest.raises(ValueError, match="indices"):
+        session.run(features, indices[:, :3], 2, (9, 11, 7))
+    with pytest.raises(ValueError, match="out of range|outside|range"):
+        session.run(features, indices, 1, (9, 11, 7))
+    with pytest.raises(ValueError, match="dtype"):
+        runtime.load_model(builder.model(4, "1"), dtype="int4")
+
+
+def test_corrupt_and_foreign_files_are_clear_errors(tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(make_rng(9).bytes(300))
+    with pytest.raises(runtime.GraphError, match="corrupt.onnx.*not a readable ONNX model"):
+        runtime.load(corrupt)
+    with pytest.raises(FileNotFoundError, match="missing.onnx"):
+        runtime.load(tmp_path / "missing.onnx")
+    weight = helper.make_tensor("w", helper.TensorProto.FLOAT, [2, 3, 3, 3], np.ones(54, np.float32))
+    foreign = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], "plain_conv")], "cnn",
+        [helper.make_tensor_value_info("x", helper.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", helper.TensorProto.FLOAT, None)], [weight]))
+    onnx.save(foreign, tmp_path / "foreign.onnx")
+    with pytest.raises(runtime.GraphError, match="node 0 'plain_conv' \\(Conv\\).*not part of libspconv"):
+        runtime.load(tmp_path / "foreign.onnx")
+
+
+def test_malformed_nodes_are_named() -> None:
+    rng = make_rng(10)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, rulebook="a")
+    del builder.nodes[0].attribute[[a.name for a in builder.nodes[0].attribute].index("kernel_size")]
+    with pytest.raises(runtime.GraphError, match="node 0 'conv0'.*'kernel_size' is missing"):
+        runtime.load_model(builder.model(4, "1"))
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, rulebook="a")
+    builder.nodes[0].attribute[[a.name for a in builder.nodes[0].attribute].index("out_channels")].i = 5
+    with pytest.raises(runtime.GraphError, match="conv0.*weight.*shape"):
+        runtime.load_model(builder.model(4, "1"))
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, rulebook="a")
+    builder.op("Relu", ["missing"], "2", "relu_orphan")
+    with pytest.raises(runtime.GraphError, match="relu_orphan.*'missing'"):
+        runtime.load_model(builder.model(4, "2"))
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, kind="inverse", rulebook="never_built")
+    session = runtime.load_model(builder.model(4, "1"))
+    _, indices, features = _case(11)
+    with pytest.raises(runtime.GraphError, match="conv0.*inverse"):
+        session.run(features, indices, 2, (9, 11, 7))
+
+
+def test_runtime_imports_neither_torch_nor_jax(tmp_path: Path) -> None:
+    builder = GraphBuilder(make_rng(12))
+    builder.conv("conv0", "0", "1", 4, 4, rulebook="a", activation="ReLU")
+    builder.op("ScatterDense", ["1"], "2", "scatter0", input_spatial_shape=[9, 11, 7], format="zyx",
+               output_shape=[2, 4, 9, 11, 7], output_layout="NCHW")
+    onnx.save(builder.model(4, "2"), tmp_path / "graph.onnx")
+    _, indices, features = _case(12)
+    np.savez(tmp_path / "input.npz", features=features, indices=indices)
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        import sparsecore.runtime as runtime
+        data = np.load({str(tmp_path / 'input.npz')!r})
+        out = runtime.load({str(tmp_path / 'graph.onnx')!r}).run(data["features"], data["indices"], 2, (9, 11, 7))
+        assert out.dense.shape == (2, 4, 9, 11, 7) and out.dense.any()
+        print("LOADED:" + ",".join(sorted(m for m in ("torch", "jax", "jaxlib", "cupy") if m in sys.modules)))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "LOADED:\n" in done.stdout, done.stdout
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_give_the_numpy_result() -> None:
+    import cupy
+
+    rng, indices, features = _case(13)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 8, rulebook="a", activation="ReLU")
+    builder.conv("conv1", "1", "2", 8, 8, kind="regular", stride=2, padding=1)
+    session = runtime.load_model(builder.model(4, "2"))
+    cpu = session.run(features, indices, 2, (9, 11, 7)).sparse
+    gpu = session.run(cupy.asarray(features), cupy.asarray(indices), 2, (9, 11, 7)).sparse
+    np.testing.assert_array_equal(cupy.asnumpy(gpu.indices), cpu.indices)
+    np.testing.assert_allclose(cupy.asnumpy(gpu.features), cpu.features, rtol=1e-4, atol=1e-4)
