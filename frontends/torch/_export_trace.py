@@ -142,6 +142,7 @@ class _Recorder(TorchFunctionMode):
         self.records: list[Any] = []
         self.stack: list[tuple[str, nn.Module]] = []
         self.quiet = 0  # > 0 inside a layer recorded whole (a conv, dense())
+        self.tainted: dict[int, str] = {}  # results of calls with no libspconv node -> "<module> calls <op>"
         self.counter = 0
 
     # values ---------------------------------------------------------------------------
@@ -181,18 +182,8 @@ class _Recorder(TorchFunctionMode):
     def conv(self, name: str, module: SparseConvolution, args: tuple, kwargs: dict, output: Any) -> None:
         x = args[0] if args else kwargs.get("input")
         add = args[1] if len(args) > 1 else kwargs.get("add_input")
-        source = self.name_of(x)
-        if source is None:
-            raise ExportError(
-                f"{_describe(name, module)} reads a tensor the exporter did not record: it was made by an "
-                "operation outside libspconv's format (or by code the recorder cannot see). Build the input "
-                "from the model input through sparse convs, BatchNorm, ReLU and '+' only"
-            )
-        added = None
-        if add is not None:
-            added = self.name_of(add)
-            if added is None:
-                raise ExportError(f"{_describe(name, module)}: its add_input was not recorded")
+        source = self.require(x, _describe(name, module))
+        added = None if add is None else self.require(add, f"{_describe(name, module)} (its add_input)")
         self.records.append(ConvRecord(
             name, module, source, self.new(output.features), added, tuple(x.features.shape),
             tuple(output.features.shape), tuple(x.spatial_shape), tuple(output.spatial_shape)))
@@ -201,14 +192,12 @@ class _Recorder(TorchFunctionMode):
     def dense(self, original: Any, tensor: SparseConvTensor, channels_first: bool = True) -> torch.Tensor:
         if self.quiet:
             return original(tensor, channels_first)
-        source = self.name_of(tensor)
+        source = self.require(tensor, f"{self.where()} (.dense())")
         self.quiet += 1
         try:
             result = original(tensor, channels_first)
         finally:
             self.quiet -= 1
-        if source is None:
-            raise ExportError(f"{self.where()} calls .dense() on a tensor the exporter did not record")
         channels = int(tensor.features.shape[1])
         shape = (tensor.batch_size, channels, *tensor.spatial_shape)
         if channels_first:
@@ -224,24 +213,57 @@ class _Recorder(TorchFunctionMode):
         return result
 
     # torch calls --------------------------------------------------------------------------
+    def taint(self, result: Any, origin: str) -> Any:
+        for value in _flatten(result):
+            if isinstance(value, torch.Tensor):
+                self.tainted[id(value)] = origin
+                self.keep.append(value)
+        return result
+
+    def unsupported(self, origin: str) -> ExportError:
+        return ExportError(
+            f"{origin} on recorded features; libspconv's format has no node for it (it has SparseConvolution, "
+            "Add, Relu, ScatterDense, Reshape and Transpose). Custom layers cannot be exported; rewrite the "
+            "layer with sparse convs, BatchNorm, ReLU and '+'"
+        )
+
+    def require(self, value: Any, reader: str) -> str:
+        """The recorded name of ``value``; an `ExportError` naming where it came from otherwise."""
+        tensor = value.features if isinstance(value, SparseConvTensor) else value
+        name = self.name_of(tensor)
+        if name is not None:
+            return name
+        if isinstance(tensor, torch.Tensor) and id(tensor) in self.tainted:
+            raise self.unsupported(self.tainted[id(tensor)])
+        raise ExportError(
+            f"{reader} reads a tensor the exporter did not record (not derived from the model input, or made "
+            "by code the recorder cannot see). Build it from the model input through sparse convs, "
+            "BatchNorm, ReLU and '+' only"
+        )
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if self.quiet:
             return func(*args, **kwargs)
-        recorded = [(value, self.values[id(value)]) for value in _flatten((args, kwargs))
-                    if isinstance(value, torch.Tensor) and id(value) in self.values]
-        if not recorded:
+        flat = [value for value in _flatten((args, kwargs)) if isinstance(value, torch.Tensor)]
+        recorded = [(value, self.values[id(value)]) for value in flat if id(value) in self.values]
+        tainted = [self.tainted[id(value)] for value in flat if id(value) in self.tainted]
+        if not recorded and not tainted:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
         if name in _TO_PYTHON:
+            origin = f" (computed by {tainted[0].split(' calls ')[-1]} in {tainted[0].split(' calls ')[0]})" \
+                if tainted else ""
             raise ExportError(
-                f"{self.where()} turns recorded features into a Python value ({name}): data-dependent "
+                f"{self.where()} turns recorded features into a Python value ({name}{origin}): data-dependent "
                 "control flow or arithmetic cannot be written as a static graph. Remove the branch (or "
                 "move it out of the exported model)"
             )
         result = func(*args, **kwargs)
         if not any(isinstance(value, torch.Tensor) for value in _flatten(result)):
             return result  # shape, dtype, device queries
+        if tainted:  # an unsupported result flows on: the error comes where it is used
+            return self.taint(result, tainted[0])
         if name in _ADD:
             return self.add(func, args, result)
         if name in _RELU:
@@ -259,19 +281,10 @@ class _Recorder(TorchFunctionMode):
             self.values[id(result)] = recorded[0][1]
             self.keep.append(result)
             return result
-        raise ExportError(
-            f"{self.where()} calls {name} on recorded features; libspconv's format has no node for it "
-            "(it has SparseConvolution, Add, Relu, ScatterDense, Reshape and Transpose). Custom layers "
-            "cannot be exported; rewrite the layer with sparse convs, BatchNorm, ReLU and '+'"
-        )
+        return self.taint(result, f"{self.where()} calls {name}")
 
     def add(self, func: Any, args: tuple, result: torch.Tensor) -> torch.Tensor:
-        operands = [self.name_of(value) for value in args[:2]]
-        if None in operands:
-            raise ExportError(
-                f"{self.where()} adds a tensor the exporter did not record (a constant or another input) "
-                "to recorded features; libspconv's Add sums two values of the graph"
-            )
+        operands = [self.require(value, f"{self.where()} (an add)") for value in args[:2]]
         self.records.append(OpRecord("add", self.where(), tuple(operands), self.new(result), (), tuple(result.shape)))
         return result
 
@@ -350,7 +363,5 @@ def record(model: nn.Module, example_input: Any) -> Trace:
     else:
         raise ExportError(f"the model returned a {type(output).__name__}; libspconv graphs have one output, "
                           "a SparseConvTensor or a dense tensor")
-    name = recorder.name_of(value)
-    if name is None:
-        raise ExportError("the model's output was not produced by recorded operations")
+    name = recorder.require(value, "the model's output")
     return Trace(input_name, tuple(features.shape), tuple(recorder.records), name, dense, tuple(value.shape))

@@ -77,9 +77,30 @@ def _consumers(trace: Trace) -> dict[str, int]:
     return counts
 
 
+def _effective_weight(module: Any) -> torch.Tensor:
+    """The ``[out, *kernel, in]`` weight the layer computes with (spconv's 1x1 reading applied)."""
+    weight = module.weight.detach()
+    if getattr(module, "reads_weight_as_spconv_1x1", False):
+        from .conv import spconv_1x1_weight
+
+        weight = spconv_1x1_weight(weight, module.in_channels, module.out_channels)
+    return weight
+
+
+def _rulebook_name(module: Any, index: int) -> str:
+    """The layer's ``indice_key`` where it uses one; a name of its own otherwise.
+
+    A submanifold 1x1 layer neither reads nor saves its key (spconv's shortcut,
+    kept by sparsecore.torch), so it gets its own name too.
+    """
+    if module.indice_key and not (getattr(module, "conv1x1", False) and module.subm):
+        return module.indice_key
+    return f"auto.conv{index}"
+
+
 def _conv_steps(entry: ConvRecord) -> list[_Step]:
     module = entry.module
-    weight = module.weight.detach().to(torch.float64).cpu().numpy()
+    weight = _effective_weight(module).to(torch.float64).cpu().numpy()
     bias = (np.zeros(module.out_channels) if module.bias is None
             else module.bias.detach().to(torch.float64).cpu().numpy())
     activation = module._activation
@@ -186,7 +207,7 @@ def _conv_node(helper: Any, conv: _Conv, index: int, names: dict[str, str], prec
         output_bound=int(getattr(module, "output_bound", DEFAULT_OUTPUT_BOUND)), stride=list(module.stride),
         dilation=list(module.dilation), padding=list(module.padding), transposed=int(bool(module.transposed)),
         inverse=int(bool(module.inverse)), output_padding=list(module.output_padding), groups=module.groups,
-        subm=int(bool(module.subm)), rulebook=module.indice_key or f"auto.conv{index}",
+        subm=int(bool(module.subm)), rulebook=_rulebook_name(module, index),
         activation=_ACTIVATION_NAMES[conv.activation], input_shape=list(entry.input_shape),
         output_shape=list(entry.output_shape), precision=precision, output_precision=precision,
     )
