@@ -120,10 +120,22 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *, rulebook
     return _scatter_by_argmax(grad_output, argmax, num_input, backend)
 
 
-def _window_counts(rulebook: Rulebook | PairMap, xp: Any) -> Any:
-    # shifted by one, so padding pairs (output row -1, see PairMap) fall in bin 0 and drop out
-    counts = xp.bincount(rulebook.pair_output.astype(xp.int64) + 1, minlength=rulebook.num_output + 1)[1:]
-    return xp.maximum(counts, 1)[:, None]
+def _window_counts(backend: ArrayBackend, rulebook: Rulebook | PairMap, dtype: Any) -> Any:
+    """Active inputs in each output's window, at least 1: ``[N_out, 1]`` in ``dtype``.
+
+    A scatter-add of ones over the pairs (`ArrayBackend.scatter_add_pairs`),
+    sized by the rulebook, so it stays on the device with no host read
+    (``bincount`` would read the largest row back to size its result). A pair
+    padded on either side (row -1, see `PairMap`) counts for nothing.
+    """
+    xp = backend.xp
+    count_dtype = xp.float64 if dtype == xp.float64 else xp.float32  # exact counts for 16-bit storage too
+    counts = xp.zeros((rulebook.num_output, 1), dtype=count_dtype)
+    ones = (rulebook.pair_input >= 0).astype(count_dtype).reshape(-1, 1)
+    for chunk in pair_chunks(tuple(rulebook.offset_starts), 1, backend.chunk_elements):
+        backend.scatter_add_pairs(counts, rulebook.pair_output[chunk.start:chunk.stop], ones[chunk.start:chunk.stop],
+                                  chunk.local_starts)
+    return xp.maximum(counts, 1).astype(dtype, copy=False)
 
 
 def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
@@ -146,7 +158,7 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     source = xp.ascontiguousarray(features, dtype=dtype)
     out = xp.zeros((rulebook.num_output, features.shape[1]), dtype=dtype)
     _gather_scatter(backend, out, source, rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts))
-    out /= _window_counts(rulebook, xp).astype(dtype)
+    out /= _window_counts(backend, rulebook, dtype)
     return out.astype(features.dtype, copy=False)
 
 
@@ -167,7 +179,7 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
     check_padded_pairs(rulebook, backend)
     xp = backend.xp
     dtype = _sum_dtype(xp, grad_output.dtype)
-    scaled = xp.ascontiguousarray(grad_output, dtype=dtype) / _window_counts(rulebook, xp).astype(dtype)
+    scaled = xp.ascontiguousarray(grad_output, dtype=dtype) / _window_counts(backend, rulebook, dtype)
     grad = xp.zeros((rulebook.num_input, grad_output.shape[1]), dtype=dtype)
     _gather_scatter(backend, grad, scaled, rulebook.pair_output, rulebook.pair_input, tuple(rulebook.offset_starts))
     return grad.astype(grad_output.dtype, copy=False)

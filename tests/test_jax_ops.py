@@ -32,8 +32,10 @@ except ImportError:
         mask_of, ones_kernel, random_features, random_sites, read_sites, x64)  # noqa: F401 (x64: fixture)
 
 try:
+    from .cuda_emulation import device_arrays
     from .kernel_targets import emulated_backend
 except ImportError:
+    from cuda_emulation import device_arrays  # type: ignore[no-redef]
     from kernel_targets import emulated_backend  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -44,22 +46,25 @@ ORACLE_IMPLS = IMPLS + ["callback-device"]
 
 
 def _use_impl(impl, monkeypatch):
-    """The impl to pass to the ops; for "callback-device", routes the callback through its GPU branch."""
+    """The impl to pass to the ops; for "callback-device", routes the callback through its GPU branch.
+
+    The callback's buffers become `device_arrays.DeviceArray` views and its
+    backend the emulated kernels on `device_arrays.DEVICE_NUMPY`, and the GPU
+    branch runs with host reads forbidden: any device-to-host read (int(),
+    float(), bool(), item(), tolist(), get(), asnumpy, a boolean mask, bincount,
+    nonzero...) fails the test, whichever function makes it.
+    """
     if impl != "callback-device":
         return impl
-    import contextlib
-
     from sparsecore.jax import callback
 
-    backend = emulated_backend()
-
-    def no_host_reads(*args):
-        raise AssertionError("the GPU branch read a count back to the host")
-
-    monkeypatch.setattr(callback, "_scalar", no_host_reads)
-    monkeypatch.setattr(callback, "_pair_map", no_host_reads)
+    backend = device_arrays.device_backend(emulated_backend())
+    core_view = callback._view
+    device_arrays.use_device_arrays(monkeypatch)
+    monkeypatch.setattr(callback, "_view", lambda buffer, name: core_view(buffer, name).view(
+        device_arrays.DeviceArray))
     monkeypatch.setattr(callback, "is_cupy_array", lambda value: True)
-    monkeypatch.setattr(callback, "_core_scope", lambda ctx, probe: contextlib.nullcontext())
+    monkeypatch.setattr(callback, "_core_scope", lambda ctx, probe: device_arrays.forbid_host_reads())
     monkeypatch.setattr(callback, "_gpu_backend", lambda: backend)
     return "callback"
 TOL = dict(rtol=1e-10, atol=1e-10)

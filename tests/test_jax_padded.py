@@ -21,9 +21,11 @@ from sparsecore.jax import padded  # noqa: E402
 from sparsecore.jax.plan import PaddedRulebook, SitesInfo  # noqa: E402
 
 try:
-    from kernel_targets import random_sites, rng_for, target  # noqa: F401
+    from cuda_emulation import device_arrays
+    from kernel_targets import emulated_backend, random_sites, rng_for, target  # noqa: F401
 except ImportError:  # tests/ imported as a package
-    from tests.kernel_targets import random_sites, rng_for, target  # noqa: F401
+    from tests.cuda_emulation import device_arrays
+    from tests.kernel_targets import emulated_backend, random_sites, rng_for, target  # noqa: F401
 
 SHAPE = (7, 8, 6)
 GEOMETRIES = {
@@ -125,3 +127,61 @@ def test_padded_pair_maps_are_refused_by_the_numpy_backend():
         sc.conv_forward(features, np.ones((2, 3, 3, 3, 2), np.float32), pairs)
     with pytest.raises(ValueError, match="PairMap is padded"):
         sc.max_pool_forward(features, pairs)
+
+
+def _device_passes(kind: str, seed: int):
+    """Runs every padded pass of one layer on emulated device arrays; returns the results on the host."""
+    layout = _layout(kind, 90, seed)
+    rulebook, padded_rb, capacity_in, capacity_out = layout
+    rng = rng_for(43, len(kind), seed)
+    backend = device_arrays.device_backend(emulated_backend())
+    put = device_arrays.to_device
+    x = put(_padded_rows(rng, rng.standard_normal((rulebook.num_input, 3)).astype(np.float32), capacity_in))
+    grad = put(_padded_rows(rng, rng.standard_normal((rulebook.num_output, 3)).astype(np.float32), capacity_out))
+    weight = put(rng.standard_normal((4, *rulebook.kernel_size, 3)).astype(np.float32))
+    grad_conv = put(_padded_rows(rng, rng.standard_normal((rulebook.num_output, 4)).astype(np.float32),
+                                 capacity_out))
+    n_in, n_out = (put(np.asarray(value, np.int32)) for value in (rulebook.num_input, rulebook.num_output))
+    with device_arrays.forbid_host_reads():
+        pairs = padded.padded_pair_map(put(padded_rb.pair_input), put(padded_rb.pair_output), capacity_in,
+                                       capacity_out, n_in, rulebook.kernel_size, rulebook.identity_offset)
+        results = {"conv": padded.conv_forward(backend, x, weight, pairs, n_in, n_out, groups=1)}
+        results["conv grads"] = padded.conv_backward(backend, grad_conv, x, weight, pairs, n_in, n_out, groups=1)
+        results["max"], argmax = padded.max_pool_forward(backend, x, pairs)
+        results["max backward"] = padded.max_pool_backward(backend, grad, argmax, pairs)
+        results["avg"] = padded.avg_pool_forward(backend, x, pairs)
+        results["avg backward"] = padded.avg_pool_backward(backend, grad, pairs)
+    return results
+
+
+@pytest.mark.parametrize("kind", ["pool", "subm", "regular"])
+def test_padded_passes_never_read_the_device(monkeypatch, kind):
+    """The GPU callback's contract: no device-to-host read anywhere in a feature pass.
+
+    The arrays are `device_arrays.DeviceArray`: any int()/float()/bool()/item()/
+    tolist()/get()/asnumpy, boolean mask or data-sized function (bincount,
+    nonzero, unique...) on them raises, whoever calls it.
+    """
+    device_arrays.use_device_arrays(monkeypatch)
+    results = _device_passes(kind, 8)
+    for name, value in results.items():  # all computed, and still "on the device"
+        for array in (value if isinstance(value, tuple) else (value,)):
+            assert isinstance(array, device_arrays.DeviceArray), name
+
+
+def test_the_host_read_detector_catches_bincount_and_conversions(monkeypatch):
+    """The detector itself: the reads CuPy would synchronise on are refused (bincount reads its max back)."""
+    device_arrays.use_device_arrays(monkeypatch)
+    xp = device_arrays.DEVICE_NUMPY
+    rows = device_arrays.to_device(np.array([0, 2, 2, -1], np.int32))
+    with device_arrays.forbid_host_reads():
+        for read in (lambda: xp.bincount(rows + 1), lambda: np.bincount(rows + 1), lambda: int(rows[0]),
+                     lambda: float(rows.sum()), lambda: bool((rows >= 0).all()), lambda: rows.max().item(),
+                     lambda: rows.tolist(), lambda: rows.get(), lambda: xp.asnumpy(rows),
+                     lambda: rows[rows >= 0], lambda: xp.nonzero(rows), lambda: xp.unique(rows),
+                     lambda: list(rows), lambda: xp.repeat(rows, rows + 1)):
+            with pytest.raises(device_arrays.HostReadError):
+                read()
+        total = xp.zeros(3, np.float32)  # device-side work is fine
+        total[rows.clip(0)] += 1
+    assert isinstance(total, device_arrays.DeviceArray) and total.tolist() == [1.0, 0.0, 1.0]
