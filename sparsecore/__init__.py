@@ -6,6 +6,7 @@ geometry (keys, hash tables, rulebooks) kept apart from the differentiable
 feature passes (gather-GEMM-scatter, pooling).
 """
 
+from . import _dispatch
 from .conv import conv_backward, conv_forward
 from .dense import from_dense, to_dense, union_sites
 from .functional import (
@@ -86,3 +87,8 @@ __all__ = [
     "voxelize",
     "voxelize_batch",
 ]
+
+# The one place the public API meets the caller's arrays: each public function hands its
+# array results back in the library of its first array argument (torch in, torch out; JAX in,
+# JAX out), and refuses torch tensors that require grad and JAX tracers (sparsecore._dispatch).
+_dispatch.wrap_public_functions(globals(), __all__)

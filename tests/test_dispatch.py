@@ -89,10 +89,16 @@ def test_torch_cpu_tensor_to_numpy_shares_memory() -> None:
     assert float(tensor[1, 2]) == -5.0
 
 
-def test_torch_tensor_requiring_grad_is_viewed_detached() -> None:
+def test_torch_tensor_requiring_grad_is_refused_with_a_pointer_to_the_torch_frontend() -> None:
     torch = pytest.importorskip("torch")
     tensor = torch.ones(4, requires_grad=True)
-    view = _dispatch.to_core_array(tensor, "features")
+    with pytest.raises(TypeError) as caught:
+        _dispatch.to_core_array(tensor, "features")
+    message = str(caught.value)
+    assert "features is a torch tensor that requires grad" in message
+    assert "sparsecore.torch" in message and "features.detach()" in message and "no_grad" in message
+    with torch.no_grad():  # grad mode off: the caller asked for no gradient, so the tensor is viewed
+        view = _dispatch.to_core_array(tensor, "features")
     assert isinstance(view, np.ndarray)
     assert _address(view) == tensor.data_ptr()
 
@@ -105,6 +111,28 @@ def test_numpy_back_to_torch_shares_memory() -> None:
     assert tensor.data_ptr() == _address(array)
     array[3] = 42.0
     assert float(tensor[3]) == 42.0
+
+
+def test_hands_back_to_torch_without_copy_and_through_tuples() -> None:
+    torch = pytest.importorskip("torch")
+    first, second = np.arange(6.0), np.arange(3, dtype=np.int32)
+    result = _dispatch.hands_back((first, [second, "label"], None), like=torch.zeros(1))
+    assert isinstance(result, tuple) and isinstance(result[0], torch.Tensor) and result[0].data_ptr() == _address(first)
+    assert isinstance(result[1][0], torch.Tensor) and result[1][0].dtype == torch.int32
+    assert result[1][1] == "label" and result[2] is None
+    frozen = np.arange(4.0)
+    frozen.flags.writeable = False
+    copied = _dispatch.from_core_array(frozen, like=torch.zeros(1))  # torch has no read-only tensors
+    assert copied.data_ptr() != _address(frozen) and torch.equal(copied, torch.arange(4.0, dtype=torch.float64))
+
+
+def test_caller_array_is_the_first_array_argument() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.zeros(2)
+    assert _dispatch.caller_array([None, 3, tensor, np.zeros(2)]) is tensor
+    assert _dispatch.caller_array([np.zeros(2), tensor]) is None
+    assert _dispatch.caller_array([(1, 2), [tensor]]) is tensor
+    assert _dispatch.caller_array(["key", 1.5]) is None
 
 
 # --- JAX -----------------------------------------------------------------------------------------
@@ -159,6 +187,22 @@ def test_jax_tracer_inside_jit_is_rejected_with_advice() -> None:
     assert "outside jit" in message and "geometry" in message
 
 
+def test_jax_without_x64_narrows_64_bit_results_and_refuses_integers_that_would_wrap() -> None:
+    jax = pytest.importorskip("jax")
+    if jax.config.jax_enable_x64:
+        pytest.skip("64-bit JAX types are enabled in this process")
+    like = jax.numpy.zeros(1)
+    keys = _dispatch.from_core_array(np.array([5, -7, 2**31 - 1], dtype=np.int64), like=like)
+    assert keys.dtype == jax.numpy.int32 and np.asarray(keys).tolist() == [5, -7, 2**31 - 1]
+    values = _dispatch.from_core_array(np.array([0.5, 1.25]), like=like)
+    assert values.dtype == jax.numpy.float32 and np.asarray(values).tolist() == [0.5, 1.25]
+    with pytest.raises(ValueError) as caught:
+        _dispatch.from_core_array(np.array([1, 2**40], dtype=np.int64), like=like)
+    message = str(caught.value)
+    assert "int64 result" in message and "outside the int32 range" in message and "1099511627776" in message
+    assert "jax_enable_x64" in message
+
+
 def test_jax_tracer_as_like_is_rejected() -> None:
     jax = pytest.importorskip("jax")
 
@@ -199,3 +243,98 @@ def test_check_same_device_names_each_argument(monkeypatch: pytest.MonkeyPatch) 
     message = str(caught.value)
     assert "features on cpu" in message and "weight on cuda:1" in message
     assert "different devices" in message
+
+
+# --- the public API hands results back in the caller's library --------------------------------------
+
+
+def _oracle_module():
+    pytest.importorskip("torch")
+    try:
+        from . import dense_oracle
+    except ImportError:
+        import dense_oracle
+    return dense_oracle
+
+
+def _subm_problem(seed: int):
+    """Sites, float64 features, a 3x3x3 weight and the dense-conv oracle's output at the sites."""
+    do = _oracle_module()
+    import torch
+
+    rng = do.make_rng(96000, seed)
+    shape, batch = (6, 5, 7), 2
+    indices = do.random_indices(rng, shape, batch, 0.3)
+    features = do.random_features(rng, indices.shape[0], 3)
+    weight = do.random_weight(rng, 4, (3, 3, 3), 3)
+    dense = do.dense_conv(do.densify(features, indices, shape, batch), torch.from_numpy(weight), 1, 1, 1)
+    return indices, features, weight, shape, batch, do.read_sites(dense, indices).numpy()
+
+
+def test_public_functions_hand_torch_tensors_back() -> None:
+    torch = pytest.importorskip("torch")
+    import sparsecore as sc
+
+    indices, features, weight, shape, batch, expected = _subm_problem(1)
+    geometry = sc.ConvGeometry.create(3, 3, kind="subm")
+    rulebook = sc.build_rulebook(torch.from_numpy(indices), shape, batch, geometry)
+    out = sc.conv_forward(torch.from_numpy(features), torch.from_numpy(weight), rulebook)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.shape == expected.shape
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-10, atol=1e-10)
+    grads = sc.conv_backward(torch.ones_like(out), torch.from_numpy(features), torch.from_numpy(weight), rulebook)
+    assert isinstance(grads, tuple) and all(isinstance(grad, torch.Tensor) for grad in grads)
+    dense = sc.to_dense(torch.from_numpy(features), torch.from_numpy(indices), shape, batch)
+    assert isinstance(dense, torch.Tensor) and dense.shape == (batch, 3, *shape)
+    np.testing.assert_array_equal(dense.numpy()[tuple(indices[:, 0]), :, tuple(indices[:, 1]), tuple(indices[:, 2]),
+                                                tuple(indices[:, 3])], features)
+    back_features, back_indices = sc.from_dense(dense, channels_first=True)
+    assert isinstance(back_features, torch.Tensor) and isinstance(back_indices, torch.Tensor)
+    assert back_features.shape == (indices.shape[0], 3)
+    keys = sc.pack_keys(torch.from_numpy(indices), shape, batch)
+    assert isinstance(keys, torch.Tensor) and keys.shape == (indices.shape[0],)
+    assert isinstance(sc.conv_forward(features, weight, rulebook), np.ndarray), "NumPy in, NumPy out"
+
+
+def test_public_functions_refuse_tensors_that_require_grad_naming_the_argument() -> None:
+    torch = pytest.importorskip("torch")
+    import sparsecore as sc
+
+    indices, features, weight, shape, batch, _ = _subm_problem(2)
+    rulebook = sc.build_rulebook(indices, shape, batch, sc.ConvGeometry.create(3, 3, kind="subm"))
+    trained = torch.from_numpy(weight).requires_grad_()
+    with pytest.raises(TypeError) as caught:
+        sc.conv_forward(torch.from_numpy(features), trained, rulebook)
+    message = str(caught.value)
+    assert message.startswith("weight is a torch tensor that requires grad")
+    assert "sparsecore.torch" in message and "silently lose its gradient" in message
+    with pytest.raises(TypeError, match="features is a torch tensor that requires grad"):
+        sc.SparseTensor(torch.from_numpy(features).requires_grad_(), indices, shape, batch)
+    clouds = [np.random.default_rng(5).random((20, 4)), torch.rand(20, 4, dtype=torch.float64, requires_grad=True)]
+    with pytest.raises(TypeError, match="point_clouds is a torch tensor that requires grad"):
+        sc.voxelize_batch(clouds, (0.1, 0.1, 0.1), (0, 0, 0, 1, 1, 1), 4, 100)
+    with torch.no_grad():
+        out = sc.conv_forward(torch.from_numpy(features), trained, rulebook)
+    assert isinstance(out, torch.Tensor) and not out.requires_grad
+
+
+def test_public_functions_hand_jax_arrays_back_and_refuse_tracers() -> None:
+    jax = pytest.importorskip("jax")
+    import sparsecore as sc
+
+    indices, features, weight, shape, batch, expected = _subm_problem(3)
+    rulebook = sc.build_rulebook(jax.numpy.asarray(indices), shape, batch, sc.ConvGeometry.create(3, 3, kind="subm"))
+    out = sc.conv_forward(jax.numpy.asarray(features, jax.numpy.float32),
+                          jax.numpy.asarray(weight, jax.numpy.float32), rulebook)
+    assert _dispatch.array_library(out) == "jax" and out.dtype == jax.numpy.float32
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+    dense = sc.to_dense(jax.numpy.asarray(features, jax.numpy.float32), jax.numpy.asarray(indices), shape, batch)
+    assert _dispatch.array_library(dense) == "jax" and dense.shape == (batch, 3, *shape)
+
+    @jax.jit
+    def inside_jit(values: object) -> object:
+        return sc.to_dense(values, indices, shape, batch)
+
+    with pytest.raises(TypeError) as caught:
+        inside_jit(jax.numpy.asarray(features, jax.numpy.float32))
+    message = str(caught.value)
+    assert message.startswith("features is a JAX tracer") and "sparsecore.jax" in message

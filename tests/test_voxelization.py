@@ -393,9 +393,11 @@ def test_torch_input_and_jax_tracer():
     torch = pytest.importorskip("torch")
     cloud = random_cloud(np.random.default_rng(9), 3, 200, *CONFIGS[3][0])
     expected = voxelize(cloud, *CONFIGS[3][0], 2, 1000)
-    got = voxelize(torch.from_numpy(cloud).requires_grad_(True), *CONFIGS[3][0], 2, 1000)
+    got = voxelize(torch.from_numpy(cloud), *CONFIGS[3][0], 2, 1000)
     np.testing.assert_array_equal(got.voxels, expected.voxels)
     np.testing.assert_array_equal(got.point_voxel_id, expected.point_voxel_id)
+    with pytest.raises(TypeError, match="points is a torch tensor that requires grad.*sparsecore.torch"):
+        voxelize(torch.from_numpy(cloud).requires_grad_(True), *CONFIGS[3][0], 2, 1000)
     jax = pytest.importorskip("jax")
     with pytest.raises(TypeError, match="points is a JAX tracer"):
         jax.jit(lambda p: voxelize(p, *CONFIGS[3][0], 2, 1000).voxels)(cloud)
