@@ -43,6 +43,10 @@ def check_input(layer: str, x: Any, in_channels: Optional[int] = None, ndim: Opt
         )
     if x.features.ndim != 2:
         raise ValueError(f"{layer}: features must be 2-D [N, C], got shape {tuple(x.features.shape)}")
+    if x.features.dtype in (torch.qint8, torch.quint8, torch.int8):
+        raise TypeError(
+            f"{layer} is a float layer but its input features are {x.features.dtype} (int8): dequantize them "
+            "first (x.dequantize()), or convert this layer too (sparsecore.torch.quantization)")
     if in_channels is not None and x.features.shape[1] != in_channels:
         raise ValueError(
             f"{layer} has in_channels={in_channels} but the input features have "

@@ -1,0 +1,80 @@
+"""Folding a batch norm into the sparse convolution before it (``fuse_spconv_bn_eval``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..conv import SparseConvolution
+
+__all__ = ["fuse_spconv_bn_weights", "fuse_spconv_bn_eval", "clone_sparse_conv"]
+
+
+def fuse_spconv_bn_weights(weight: torch.Tensor, bias: Optional[torch.Tensor], running_mean: torch.Tensor,
+                           running_var: torch.Tensor, eps: float, bn_weight: Optional[torch.Tensor],
+                           bn_bias: Optional[torch.Tensor]) -> tuple[nn.Parameter, nn.Parameter]:
+    """The weight ``[out, *kernel, in]`` and bias ``[out]`` of ``bn(conv(x))`` as one conv.
+
+    ``w' = w * g / sqrt(var + eps)`` per output channel (axis 0) and
+    ``b' = (b - mean) * g / sqrt(var + eps) + beta`` (``b = 0`` without a conv bias).
+    """
+    if bias is None:
+        bias = torch.zeros_like(running_mean)
+    if bn_weight is None:
+        bn_weight = torch.ones_like(running_mean)
+    if bn_bias is None:
+        bn_bias = torch.zeros_like(running_mean)
+    scale = bn_weight * torch.rsqrt(running_var + eps)
+    fused_weight = weight * scale.reshape([-1] + [1] * (weight.dim() - 1)).to(weight.dtype)
+    fused_bias = ((bias - running_mean) * scale + bn_bias).to(weight.dtype)
+    return nn.Parameter(fused_weight, weight.requires_grad), nn.Parameter(fused_bias, weight.requires_grad)
+
+
+def clone_sparse_conv(conv: SparseConvolution) -> SparseConvolution:
+    """A plain `SparseConvolution` (the base class) with ``conv``'s configuration and parameters."""
+    if not isinstance(conv, SparseConvolution):
+        raise TypeError(f"expected a sparse convolution layer, got {type(conv).__name__}")
+    out = SparseConvolution(conv.ndim, conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                            conv.padding, conv.dilation, conv.groups, conv.bias is not None, subm=conv.subm,
+                            output_padding=conv.output_padding, transposed=conv.transposed,
+                            inverse=conv.inverse, indice_key=conv.indice_key, algo=conv.algo,
+                            fp32_accum=conv.fp32_accum, record_voxel_count=conv.record_voxel_count,
+                            act_type=conv.act_type, act_alpha=conv.act_alpha, act_beta=conv.act_beta,
+                            name=conv.name, device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(conv.weight)
+        if conv.bias is not None:
+            out.bias.copy_(conv.bias)
+    for name, buffer in conv.named_buffers(recurse=False):
+        setattr(out, name, buffer.clone())
+    out.train(conv.training)
+    return out
+
+
+def fuse_spconv_bn_eval(conv: SparseConvolution, bn: nn.modules.batchnorm._BatchNorm) -> SparseConvolution:
+    """A copy of ``conv`` computing ``bn(conv(x))`` with ``bn``'s running statistics (eval mode).
+
+    Raises:
+        ValueError: when ``conv`` or ``bn`` is in training mode, or their channels differ.
+    """
+    if conv.training or bn.training:
+        raise ValueError("fuse_spconv_bn_eval folds eval-mode layers only: call .eval() on the model first "
+                         f"(conv training={conv.training}, bn training={bn.training})")
+    if bn.num_features != conv.out_channels:
+        raise ValueError(f"batch norm has {bn.num_features} features but the conv has {conv.out_channels} "
+                         "output channels")
+    if not bn.track_running_stats or bn.running_mean is None:
+        raise ValueError("cannot fold a batch norm without running statistics (track_running_stats=False)")
+    fused = clone_sparse_conv(conv)
+    if fused.bias is None:
+        fused.bias = nn.Parameter(torch.zeros(conv.out_channels, device=conv.weight.device,
+                                              dtype=conv.weight.dtype))
+    fused.weight, fused.bias = fuse_spconv_bn_weights(
+        conv.weight.detach(), None if conv.bias is None else conv.bias.detach(), bn.running_mean,
+        bn.running_var, bn.eps, None if bn.weight is None else bn.weight.detach(),
+        None if bn.bias is None else bn.bias.detach())
+    return fused
+
+
