@@ -300,4 +300,6 @@ def test_bad_inputs_name_the_argument() -> None:
 
 def test_exported_from_the_package() -> None:
     for name in q8.__all__:
-        assert getattr(sc, name) is getattr(q8, name)
+        assert name in sc.__all__ and callable(getattr(sc, name))
+    x = _rng(21).standard_normal((6, 3)).astype(np.float32)
+    same_bits(sc.quantize(x, 0.02), q8.quantize(x, 0.02), "sparsecore.quantize")

@@ -62,24 +62,45 @@ def requantize(xp: Any, values: Any, scale: Any) -> Any:
     return values.astype(xp.int8)
 
 
+_EPILOGUE_BLOCK_ELEMENTS = 1 << 16  # NumPy runs the elementwise steps on cache-sized row blocks
+
+
+def _epilogue_rows(xp: Any, values: Any, residual: Any | None, epilogue: Int8Epilogue) -> Any:
+    xp.multiply(values, epilogue.multiplier, out=values)
+    if epilogue.bias is not None:
+        xp.add(values, epilogue.bias, out=values)
+    if residual is not None:
+        skip = residual.astype(xp.float32)
+        xp.multiply(skip, epilogue.residual_scale, out=skip)
+        xp.add(values, skip, out=values)
+    if epilogue.relu:
+        # y is never -0.0 here (a zero sum gives +0.0, x + (-x) gives +0.0), so maximum(y, 0)
+        # is the kernel's "y < 0 ? 0 : y"
+        xp.maximum(values, xp.float32(0), out=values)
+    if epilogue.output_scale is None:
+        return values
+    return requantize(xp, values, epilogue.output_scale)
+
+
 def apply_epilogue(xp: Any, values: Any, epilogue: Int8Epilogue) -> Any:
     """Applies the epilogue to float32 ``values [M, C_out]`` (``float32(acc)``), in place where it can.
+
+    Every step is elementwise, so running it on blocks of rows (NumPy, to stay
+    in cache) or on the whole array gives the same bits.
 
     Returns:
         int8 ``[M, C_out]`` when ``epilogue.output_scale`` is set, else ``values`` (float32).
     """
-    xp.multiply(values, epilogue.multiplier, out=values)
-    if epilogue.bias is not None:
-        xp.add(values, epilogue.bias, out=values)
-    if epilogue.residual is not None:
-        skip = epilogue.residual.astype(xp.float32)
-        xp.multiply(skip, epilogue.residual_scale, out=skip)
-        xp.add(values, skip, out=values)
-    if epilogue.relu:
-        xp.copyto(values, xp.float32(0), where=values < 0)  # -0.0 stays, like the kernel's y < 0 test
-    if epilogue.output_scale is None:
-        return values
-    return requantize(xp, values, epilogue.output_scale)
+    count, channels = values.shape
+    rows = max(1, _EPILOGUE_BLOCK_ELEMENTS // max(channels, 1))
+    if xp is not np or count <= rows:
+        return _epilogue_rows(xp, values, epilogue.residual, epilogue)
+    out = values if epilogue.output_scale is None else np.empty((count, channels), dtype=np.int8)
+    for start in range(0, count, rows):
+        block = slice(start, start + rows)
+        residual = None if epilogue.residual is None else epilogue.residual[block]
+        out[block] = _epilogue_rows(np, values[block], residual, epilogue)
+    return out
 
 
 def _grouped_product(rows: np.ndarray, matrices: np.ndarray) -> np.ndarray:
@@ -142,15 +163,16 @@ def conv_pairs(backend: Any, features: np.ndarray, weight: np.ndarray, pair_inpu
     largest_weight = int(np.abs(flat_weight.astype(np.int32)).max()) if flat_weight.size else 0
     row_sums = np.abs(flat_weight.astype(np.int64)).sum(axis=2).max(axis=0) if out_channels else None  # [K]
     accumulator = _Accumulator(num_output, out_channels)
-    source = np.ascontiguousarray(features, dtype=np.float32).reshape(num_input, groups, in_per_group)
+    features = np.ascontiguousarray(features)
     slices = _channel_slices(in_per_group, largest_input * largest_weight)
     for offset in range(volume):
         start, stop = run_starts[offset], run_starts[offset + 1]
         if stop == start or out_channels == 0 or in_channels == 0:
             continue
         identity = offset == identity_offset and num_input == num_output
-        gathered = source if identity else backend.gather_rows(
-            source.reshape(num_input, in_channels), pair_input[start:stop]).reshape(stop - start, groups, -1)
+        # int8 rows gathered, then widened: a quarter of the random reads of a float32 gather
+        rows = features if identity else backend.gather_rows(features, pair_input[start:stop])
+        gathered = rows.astype(np.float32).reshape(rows.shape[0], groups, in_per_group)
         for channels in slices:
             bound = largest_input * (int(row_sums[offset]) if len(slices) == 1
                                      else largest_weight * (channels.stop - channels.start))

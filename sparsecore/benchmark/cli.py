@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Iterator, Sequence
 
-from sparsecore.benchmark import scenes
+from sparsecore.benchmark import int8 as int8_suite, scenes
 from sparsecore.benchmark.timing import THREAD_VARIABLES
 
 __all__ = ["build_parser", "load_inputs", "thread_limit", "main"]
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_network_arguments(gpu, gpu_suite=True)
+    int8_suite.add_parser(suites)
     return parser
 
 
@@ -214,6 +215,8 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     arguments = build_parser().parse_args(argv)
+    if arguments.suite == "int8":
+        return int8_suite.run_int8_command(arguments)
     if arguments.suite in ("network", "gpu"):
         from sparsecore.benchmark.network_command import run_network_command
 
