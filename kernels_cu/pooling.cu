@@ -13,7 +13,9 @@
 //   by input (backward):  output_rows[input_starts[i] .. input_starts[i + 1])
 //                         are the output rows that input i feeds (a stable
 //                         argsort of pair_input).
-// Starts are int64 [rows + 1], non-decreasing, starting at 0. Global pooling
+// Starts are int64 [rows + 1], non-decreasing, starting at 0. A row of -1 in
+// either grouping is padding (a pair of a padded pair map with no input or no
+// output): every kernel skips it without reading through it. Global pooling
 // uses the same kernels: group sites by batch element for the forward, and
 // give each input its single batch element (input_starts = 0, 1, ..., N) for
 // the backward.
@@ -22,13 +24,14 @@
 
 // out[o, j] = max over the group of o of features[i, j]; argmax[o, j] = that i.
 //   features      T     [num_in, channels]
-//   input_rows    int32 [P]                  grouped by output, offset order
+//   input_rows    int32 [P]                  grouped by output, offset order; -1 skipped
 //   output_starts int64 [num_out + 1]
 //   out           T     [num_out, channels]
 //   argmax        int32 [num_out, channels]
 // The first input of a group is taken, and a later one replaces it only when
-// strictly greater, so ties (and NaNs after the first input) keep the earliest
-// kernel offset. An empty group gives out = 0 and argmax = -1.
+// strictly greater, so ties keep the earliest kernel offset; a NaN replaces a
+// number and is kept (NaN propagates, as in torch's max_pool and NumPy's max).
+// An empty group gives out = 0 and argmax = -1.
 template <typename T>
 __global__ void sc_max_pool_forward(const T* __restrict__ features,
                                     const int* __restrict__ input_rows,
@@ -47,8 +50,11 @@ __global__ void sc_max_pool_forward(const T* __restrict__ features,
     int best_row = -1;
     for (long long p = begin; p < end; ++p) {
       const int row = __ldg(input_rows + p);
+      if (row < 0) {
+        continue;  // padding: no input
+      }
       const Acc value = static_cast<Acc>(sc::widen(features[static_cast<long long>(row) * channels + j]));
-      if (best_row < 0 || value > best) {
+      if (best_row < 0 || value > best || (value != value && best == best)) {
         best = value;
         best_row = row;
       }
@@ -62,7 +68,7 @@ __global__ void sc_max_pool_forward(const T* __restrict__ features,
 // argmax[o, j] == i of grad_out[o, j]. Overwrites every row of grad_in.
 //   grad_out     T     [num_out, channels]
 //   argmax       int32 [num_out, channels]   from sc_max_pool_forward
-//   output_rows  int32 [P]                   grouped by input
+//   output_rows  int32 [P]                   grouped by input; -1 skipped
 //   input_starts int64 [num_in + 1]
 //   grad_in      T     [num_in, channels]
 template <typename T>
@@ -80,7 +86,11 @@ __global__ void sc_max_pool_backward(const T* __restrict__ grad_out, const int* 
     const long long end = __ldg(input_starts + i + 1);
     Acc acc = Acc(0);
     for (long long p = begin; p < end; ++p) {
-      const long long o_element = static_cast<long long>(__ldg(output_rows + p)) * channels + j;
+      const int o = __ldg(output_rows + p);
+      if (o < 0) {
+        continue;  // padding: no output
+      }
+      const long long o_element = static_cast<long long>(o) * channels + j;
       if (__ldg(argmax + o_element) == i) {
         acc += static_cast<Acc>(sc::widen(grad_out[o_element]));
       }
@@ -89,10 +99,10 @@ __global__ void sc_max_pool_backward(const T* __restrict__ grad_out, const int* 
   }
 }
 
-// out[o, j] = (sum over the group of o of features[i, j]) / (group size), in
-// Acc, summed in group order; 0 for an empty group.
+// out[o, j] = (sum over the group of o of features[i, j]) / (its inputs that
+// are not -1), in Acc, summed in group order; 0 for a group without inputs.
 //   features      T     [num_in, channels]
-//   input_rows    int32 [P]                  grouped by output
+//   input_rows    int32 [P]                  grouped by output; -1 skipped
 //   output_starts int64 [num_out + 1]
 //   out           T     [num_out, channels]
 template <typename T>
@@ -109,20 +119,25 @@ __global__ void sc_avg_pool_forward(const T* __restrict__ features,
     const long long begin = __ldg(output_starts + o);
     const long long end = __ldg(output_starts + o + 1);
     Acc acc = Acc(0);
+    long long count = 0;
     for (long long p = begin; p < end; ++p) {
       const long long row = __ldg(input_rows + p);
+      if (row < 0) {
+        continue;  // padding: no input
+      }
       acc += static_cast<Acc>(sc::widen(features[row * channels + j]));
+      ++count;
     }
-    out[e] = sc::narrow<T>(end > begin ? acc / static_cast<Acc>(end - begin) : Acc(0));
+    out[e] = sc::narrow<T>(count ? acc / static_cast<Acc>(count) : Acc(0));
   }
 }
 
 // grad_in[i, j] = sum over the outputs o of input i (in group order) of
 // grad_out[o, j] / count(o), each quotient taken in Acc, where count(o) =
-// output_starts[o + 1] - output_starts[o] (the forward grouping's sizes).
-// Overwrites every row of grad_in.
+// output_starts[o + 1] - output_starts[o] (the forward grouping's sizes: build
+// it from pairs whose input row is not -1). Overwrites every row of grad_in.
 //   grad_out      T     [num_out, channels]
-//   output_rows   int32 [P]                  grouped by input
+//   output_rows   int32 [P]                  grouped by input; -1 skipped
 //   input_starts  int64 [num_in + 1]
 //   output_starts int64 [num_out + 1]        the forward's starts
 //   grad_in       T     [num_in, channels]
@@ -143,6 +158,9 @@ __global__ void sc_avg_pool_backward(const T* __restrict__ grad_out,
     Acc acc = Acc(0);
     for (long long p = begin; p < end; ++p) {
       const long long o = __ldg(output_rows + p);
+      if (o < 0) {
+        continue;  // padding: no output
+      }
       const long long count = __ldg(output_starts + o + 1) - __ldg(output_starts + o);
       acc += static_cast<Acc>(sc::widen(grad_out[o * channels + j])) / static_cast<Acc>(count);
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._dispatch import array_module, to_core_array
-from .conv import conv_forward
+from .conv import check_weight_layout, conv_forward
 from .dense import union_sites
 from .geometry import ConvGeometry, PerAxis
 from .pool import avg_pool_forward, global_avg_pool_forward, global_max_pool_forward, max_pool_forward
@@ -90,11 +90,9 @@ def sparse_conv(x: SparseTensor, weight: Any, bias: Any | None = None, *, kind: 
         The output `SparseTensor`, sharing ``x``'s rulebook cache.
     """
     weight = to_core_array(weight, "weight")
-    if weight.ndim != x.ndim + 2:
-        raise ValueError(
-            f"weight must be [out_channels, *kernel_size, in_channels // groups] with "
-            f"{x.ndim + 2} axes for this {x.ndim}-D tensor, got shape {tuple(weight.shape)}"
-        )
+    # the layout first: the kernel size is read from the weight, and a torch-layout
+    # [out, in, *k] weight would otherwise be reported as an odd kernel size
+    check_weight_layout(weight, x.num_channels, groups, x.ndim)
     kernel_size = tuple(int(size) for size in weight.shape[1:-1])
     if kind == "inverse":
         geometry = ConvGeometry.create(x.ndim, kernel_size, kind="regular")

@@ -285,9 +285,11 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
         if not isinstance(feature, torch.Tensor) or feature.ndim != 2 or feature.shape[0] != self.indices.shape[0]:
             shape = tuple(feature.shape) if isinstance(feature, torch.Tensor) else type(feature).__name__
             raise ValueError(
-                f"replace_feature needs a 2-D tensor with one row per site ({self.indices.shape[0]}), "
-                f"got {shape}"
+                f"replace_feature: the new features must be a 2-D tensor [N, C] with one row per site "
+                f"(N = {self.indices.shape[0]}), got {shape}"
             )
+        if feature.is_complex():
+            raise TypeError(f"replace_feature: the new features must be real (a float dtype), got {feature.dtype}")
         if feature.device != self.indices.device:
             raise ValueError(
                 f"replace_feature got features on {feature.device} but the indices are on "
@@ -454,6 +456,8 @@ def _validate(features: Any, indices: Any, spatial_shape: list[int], batch_size:
         )
     if features.ndim != 2:
         raise ValueError(f"features must be 2-D [N, C], got shape {tuple(features.shape)}")
+    if features.is_complex():
+        raise TypeError(f"features must be real (a float or quantized dtype), got {features.dtype}")
     if indices.ndim != 2:
         raise ValueError(f"indices must be 2-D [N, ndim + 1] (batch index first), got shape {tuple(indices.shape)}")
     if indices.dtype != torch.int32:

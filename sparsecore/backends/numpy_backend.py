@@ -177,8 +177,9 @@ class NumpyBackend:
             values = np.take(features, input_rows, axis=0)
             current = np.take(out, output_rows, axis=0)
             current_arg = np.take(argmax, output_rows, axis=0)
-            # the earliest pair wins ties (and NaNs after it): replace only when strictly greater
-            better = (values > current) | (current_arg < 0)
+            # the earliest pair wins ties: replace only when strictly greater; a NaN wins over
+            # any number and stays (NaN propagates, as in torch's max_pool and NumPy's max)
+            better = (values > current) | (current_arg < 0) | (np.isnan(values) & ~np.isnan(current))
             out[output_rows] = np.where(better, values, current)
             argmax[output_rows] = np.where(better, input_rows[:, None].astype(np.int32), current_arg)
         return out, argmax
