@@ -337,3 +337,32 @@ def test_exported_file_runs_on_an_empty_input(tmp_path: Path) -> None:
     with torch.no_grad():
         expected_shape = model(x).shape
     assert out.shape == tuple(expected_shape) and not out.any()
+
+
+# ----------------------------------------------------------------------------- torch.export / pytree
+
+
+def test_sparse_conv_tensor_is_a_pytree_node() -> None:
+    import torch.utils._pytree as pytree
+
+    x, features, indices = _input(18, num=40)
+    leaves, spec = pytree.tree_flatten({"voxels": x, "scale": torch.ones(1)})
+    assert len(leaves) == 3 and leaves[0] is x.features and leaves[1] is x.indices
+    assert pytree.treespec_loads(pytree.treespec_dumps(spec)) == spec
+    doubled = pytree.tree_map(lambda t: t.double() if t.is_floating_point() else t, {"voxels": x})["voxels"]
+    assert isinstance(doubled, spconv.SparseConvTensor) and doubled.features.dtype == torch.float64
+    assert doubled.spatial_shape == [9, 12, 10] and doubled.batch_size == 2 and doubled.indice_dict == {}
+    np.testing.assert_array_equal(doubled.features.numpy(), features.astype(np.float64))
+    np.testing.assert_array_equal(doubled.indices.numpy(), indices)
+    with pytest.raises(ValueError, match="features has 39 rows"):
+        pytree.tree_unflatten([x.features[:39], x.indices], pytree.tree_flatten(x)[1])
+
+
+def test_torch_export_stops_at_the_first_rulebook_build() -> None:
+    """What docs/deployment.md says: the feature passes have fake kernels, but the geometry reads the
+    indices on the host, so torch.export (non-strict and strict) cannot trace a layer that builds a
+    rulebook. The ONNX path (export_onnx + sparsecore.runtime) is the deployment route."""
+    model = _model(SecondStyle, 19)
+    x, _, _ = _input(20, num=60)
+    with pytest.raises(Exception, match="data pointer|FakeTensor|Unsupported|ndarray"):
+        torch.export.export(model, (x,))

@@ -69,6 +69,7 @@ from .pool import (
 from .tables import AddTable, AddTableMisaligned, ConcatTable, JoinTable
 from .tensor import IndiceData, SparseConvTensor
 from .onnx_export import ExportError, export_onnx  # noqa: E402  (deployment: docs/deployment.md)
+from . import pytree  # noqa: E402,F401  (SparseConvTensor as a torch pytree node)
 
 __all__ = [
     "AddTable", "AddTableMisaligned", "AlgoHint", "ConcatTable", "ConvAlgo", "HashTable", "Identity",
