@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from sparsecore._dispatch import is_cupy_array, to_core_array
+from sparsecore.interop import is_cupy_array, to_core_array
 
 __all__ = [
     "core_context",
