@@ -256,7 +256,7 @@ def check_unique_sites(indices: Any, spatial_shape: Sequence[int], batch_size: i
 
 
 def as_features(features: Any, num_rows: int | None = None, name: str = "features",
-                rows_meaning: str = "active sites; features and indices must have one row per site") -> Any:
+                rows_meaning: str = "active site (features and indices must have one row per site)") -> Any:
     """A float16/32/64 core array ``[N, C]``, with ``num_rows`` rows when given."""
     array = to_core_array(features, name)
     if array.ndim != 2:

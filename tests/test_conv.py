@@ -526,6 +526,46 @@ def test_bad_grad_output(rb3d):
         sc.conv_backward(np.ones((n + 2, 2)), f, w, rb3d)
 
 
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_torch_layout_weight_is_a_layout_error_not_a_kernel_size_error(ndim):
+    """A torch Conv weight [out, in, *k] in a submanifold conv: the layout is named, with the fix."""
+    shape = (5, 6, 4)[:ndim]
+    rng = do.make_rng(97000, ndim)
+    indices = do.random_indices(rng, shape, 2, 0.3)
+    x = sc.SparseTensor(do.random_features(rng, indices.shape[0], 4), indices, shape, 2)
+    torch_weight = torch.tensor(rng.standard_normal((6, 4) + (3,) * ndim))  # torch.nn.Conv{ndim}d(4, 6, 3)
+    with pytest.raises(ValueError) as caught:
+        sc.sparse_conv(x, torch_weight, kind="subm")
+    message = str(caught.value)
+    assert "odd" not in message
+    assert message.startswith("weight must be laid out [out_channels, *kernel_size, in_channels // groups]")
+    assert f"got shape {(6, 4) + (3,) * ndim}" in message and f"torch's Conv{ndim}d layout" in message
+    permutation = "weight.permute(0, 2, 3, 4, 1)" if ndim == 3 else "weight.permute(0, 2, 3, 1)"
+    assert permutation in message
+    moved = torch_weight.permute(0, *range(2, ndim + 2), 1)
+    padding = do.subm_padding((3,) * ndim, 1, ndim)
+    out = sc.sparse_conv(x, moved, kind="subm")
+    dense = torch.nn.functional.conv2d if ndim == 2 else torch.nn.functional.conv3d
+    expected = do.read_sites(dense(do.densify(x.features, indices, shape, 2), torch_weight, padding=padding), indices)
+    do.assert_close(np.asarray(out.features), expected.numpy(), "after the permutation")
+    rulebook = sc.build_rulebook(indices, shape, 2, sc.ConvGeometry.create(ndim, 3, kind="subm"))
+    with pytest.raises(ValueError, match=r"torch's Conv.d layout.*permute"):
+        sc.conv_forward(x.features, torch_weight, rulebook)
+    with pytest.raises(ValueError, match=r"looks like \[in_channels, \*kernel_size, out_channels\]"):
+        sc.conv_forward(x.features, np.ascontiguousarray(np.moveaxis(moved.numpy(), [0, -1], [-1, 0])), rulebook)
+
+
+def test_row_count_message_reads_one_per_active_site(rb3d):
+    n = rb3d.num_input
+    with pytest.raises(ValueError) as caught:
+        sc.conv_forward(np.ones((n + 1, 4)), np.ones((2, 3, 3, 3, 4)), rb3d)
+    message = str(caught.value)
+    assert f"features has {n + 1} rows but {n} are expected: one per active site (" in message
+    assert "active sites;" not in message
+    with pytest.raises(ValueError, match="one per active site \\(features and indices must have one row per site\\)"):
+        sc.SparseTensor(np.ones((3, 2)), np.zeros((2, 4), dtype=np.int32) + np.arange(2, dtype=np.int32)[:, None], (4, 4, 4), 2)
+
+
 def test_sparse_conv_channel_mismatch():
     x = _tensor(REGULAR[1])
     c = x.num_channels
@@ -601,12 +641,14 @@ def test_empty_tensor_level(ndim):
 
 
 def test_torch_backed_sparse_tensor_and_inputs_untouched():
-    """A SparseTensor made from torch tensors (one requiring grad) computes the same values."""
+    """A SparseTensor made from torch tensors computes the same values; one requiring grad is refused."""
     case = SUBM[2]
     features, indices, weight = case.inputs()
     f_copy, w_copy, i_copy = features.copy(), weight.copy(), indices.copy()
-    x = sc.SparseTensor(torch.tensor(features, requires_grad=True), torch.from_numpy(indices),
+    with pytest.raises(TypeError, match="features is a torch tensor that requires grad.*sparsecore.torch"):
+        sc.SparseTensor(torch.tensor(features, requires_grad=True), torch.from_numpy(indices),
                         case.spatial_shape, case.batch_size)
+    x = sc.SparseTensor(torch.tensor(features), torch.from_numpy(indices), case.spatial_shape, case.batch_size)
     y = sc.sparse_conv(x, torch.from_numpy(weight), kind="subm", dilation=case.dilation, groups=case.groups)
     expected = do.evaluate(_dense_fn(case, indices, case.spatial_shape), features, indices, weight).values
     do.assert_close(np.asarray(y.features), expected, "torch-backed SparseTensor")
