@@ -87,3 +87,39 @@ def test_train_segmentation_jax(tmp_path: Path) -> None:
     assert "val mIoU" in out and "same outputs" in out
     assert (tmp_path / "run" / "training.png").stat().st_size > 0
     assert (tmp_path / "run" / "checkpoint.npz").is_file()
+
+
+def test_deploy_onnx(tmp_path: Path) -> None:
+    _needs("torch", "onnx")
+    out = _run([str(EXAMPLES / "deploy_onnx.py"), "--crop", "96", "--repeat", "1"], tmp_path)
+    assert "torch/jax: none" in out and "runtime outputs match the torch models" in out
+    assert out.count("SparseConvolution") >= 18 and "ScatterDense" in out and "Transpose" in out
+
+
+def _gpu_visible() -> bool:
+    from sparsecore.backends import CudaUnavailableError, require_cuda
+
+    try:
+        require_cuda()
+    except CudaUnavailableError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("args", [
+    [str(EXAMPLES / "voxelize_numpy.py"), "--device", "cuda"],
+    ["-m", "sparsecore.demo", "--device", "cuda"],
+    ["-m", "sparsecore.benchmark", "gpu"],
+    ["-m", "sparsecore.benchmark", "network", "--device", "cuda"],
+], ids=["voxelize_numpy", "demo", "benchmark-gpu", "benchmark-network"])
+def test_gpu_request_without_a_gpu_is_one_clear_message(args: list[str]) -> None:
+    """Without a usable GPU: no traceback, one message saying so and how to run on the CPU."""
+    if _gpu_visible():
+        pytest.skip("a CUDA device is visible here")
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip()
+    assert message.startswith("error: ") and message.count("\n") == 0, message
+    assert "no CUDA device is visible" in message and "CPU" in message and "--device" in message
