@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 import sparsecore as sc
+from sparsecore.backends import CudaUnavailableError, require_cuda
 from sparsecore.scene import lidar_scene
 
 VOXEL_SIZE = (0.1, 0.1, 0.2)  # x, y, z in metres
@@ -58,7 +59,10 @@ def main():
     args = parser.parse_args()
 
     if args.device == "cuda":
-        import cupy as xp  # noqa: F401  (only needed for GPU runs)
+        try:  # CuPy, once a CUDA device is known to be visible (one clear message otherwise)
+            xp = require_cuda("--device cuda", "Run without --device cuda to use the CPU (NumPy), the default.")
+        except CudaUnavailableError as error:
+            raise SystemExit(f"error: {error}") from None
     else:
         xp = np
     # Clouds as they come from a loader: host arrays, moved to the device once.

@@ -329,9 +329,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"--device {args.device}: torch sees no CUDA device here.", file=sys.stderr)
-        return 2
+    if args.device.startswith("cuda"):
+        from sparsecore.backends import CudaUnavailableError, require_cuda
+
+        cpu_advice = "Run without --device to use the CPU, the default."
+        try:
+            require_cuda(f"--device {args.device}", cpu_advice)
+        except CudaUnavailableError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        if not torch.cuda.is_available():
+            print(f"error: --device {args.device} needs a CUDA GPU, but torch sees no CUDA device (a CPU-only "
+                  f"torch build?). {cpu_advice}", file=sys.stderr)
+            return 2
     try:
         result = run_demo(args.points, args.device, args.seed)
     except FileNotFoundError as error:

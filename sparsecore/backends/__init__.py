@@ -32,11 +32,12 @@ class CudaUnavailableError(RuntimeError):
     """A GPU computation was requested, but no CUDA device is visible (or CuPy is missing)."""
 
 
-def require_cuda(request: str = "a GPU computation") -> Any:
+def require_cuda(request: str = "a GPU computation", cpu_advice: str = CPU_ADVICE) -> Any:
     """The ``cupy`` module, once it is known to see a usable CUDA device.
 
     Args:
         request: what asked for the GPU, for the message (``"--device cuda"``, ...).
+        cpu_advice: how to run the same thing on the CPU, ending the message.
 
     Returns:
         The imported ``cupy`` module.
@@ -50,7 +51,7 @@ def require_cuda(request: str = "a GPU computation") -> Any:
     except ImportError as error:
         raise CudaUnavailableError(
             f"{request} needs CuPy, which does not import here ({error}). Install the CUDA extra "
-            f"(pip install 'sparsecore[cuda13]' or '[cuda12]') on a machine with an NVIDIA GPU. {CPU_ADVICE}"
+            f"(pip install 'sparsecore[cuda13]' or '[cuda12]') on a machine with an NVIDIA GPU. {cpu_advice}"
         ) from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()
@@ -58,12 +59,12 @@ def require_cuda(request: str = "a GPU computation") -> Any:
         reason = str(error).split(":", 1)[0] or type(error).__name__
         raise CudaUnavailableError(
             f"{request} needs a CUDA GPU, but no CUDA device is visible ({reason}: no GPU, no NVIDIA "
-            f"driver, or a driver too old for CuPy's CUDA runtime). {CPU_ADVICE}"
+            f"driver, or a driver too old for CuPy's CUDA runtime). {cpu_advice}"
         ) from None
     if count < 1:
         raise CudaUnavailableError(
             f"{request} needs a CUDA GPU, but no CUDA device is visible (CuPy counts 0 devices; check "
-            f"CUDA_VISIBLE_DEVICES). {CPU_ADVICE}"
+            f"CUDA_VISIBLE_DEVICES). {cpu_advice}"
         )
     return cupy
 

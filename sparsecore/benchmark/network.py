@@ -161,14 +161,10 @@ def device_for(name: str) -> Device:
         return Device("cpu", np, HostClock(), "CPU (NumPy backend)")
     if name != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {name!r}")
-    try:
-        import cupy
+    from sparsecore.backends import require_cuda  # raises CudaUnavailableError, a RuntimeError
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # noqa: BLE001 - any failure means no usable GPU
-        raise RuntimeError(f"--device cuda needs CuPy and a CUDA GPU: {type(error).__name__}: {error}") from None
-    if count < 1:
-        raise RuntimeError("--device cuda needs a CUDA GPU, and CuPy sees none")
+    cupy = require_cuda("the GPU benchmark (network --device cuda, or gpu)",
+                        "Run `python -m sparsecore.benchmark network --device cpu` (or `cpu`) on the CPU.")
     device_id = cupy.cuda.runtime.getDevice()
     properties = cupy.cuda.runtime.getDeviceProperties(device_id)
     gpu_name = properties["name"].decode() if isinstance(properties["name"], bytes) else str(properties["name"])
