@@ -242,10 +242,11 @@ def check_unique_sites(indices: Any, spatial_shape: Sequence[int], batch_size: i
     keys = _grid_keys(indices, spatial_shape)
     if is_numpy_array(keys):
         bits = max(4, int(count - 1).bit_length() + 2)
-        mixed = keys.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        buckets = (mixed >> np.uint64(64 - bits)).astype(np.intp)
-        shared = np.bincount(buckets, minlength=1 << bits)[buckets] > 1
-        candidates = np.sort(keys[shared])
+        buckets = keys.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
+        buckets >>= np.uint64(64 - bits)
+        buckets = buckets.view(np.int64)  # < 2^bits: the same values as int64, no copy
+        counts = np.bincount(buckets, minlength=1 << bits)
+        candidates = np.sort(keys[np.take(counts, buckets) > 1])
     else:
         candidates = xp.sort(keys)
     if candidates.shape[0] < 2:
