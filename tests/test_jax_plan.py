@@ -299,5 +299,5 @@ def test_inverse_and_add_errors():
     y = sj.sparse_conv(x, jnp.ones((3, 2, 2, 2, 3)), stride=2)
     with pytest.raises(ValueError, match="kernel_size \\(3, 3, 3\\) differs"):
         sj.inverse_conv(y, jnp.ones((3, 3, 3, 3, 3)))
-    with pytest.raises(ValueError, match="same site set"):
+    with pytest.raises(ValueError, match="must live on the same grid"):
         sj.sparse_add(x, y)

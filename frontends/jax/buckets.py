@@ -183,6 +183,12 @@ def as_policy(capacity: CapacityPolicy | int | None) -> CapacityPolicy:
     if capacity is None:
         return Buckets()
     if isinstance(capacity, int) and not isinstance(capacity, bool):
+        if capacity < 1:
+            raise ValueError(
+                f"capacity must be a positive int (the padded rows of every site set), a Buckets(...) / "
+                f"Fixed(...) policy, or None (Buckets(): grows to fit), got {capacity!r}; an empty cloud "
+                "needs no capacity of 0, any positive capacity holds it"
+            )
         return Fixed(capacity)
     if isinstance(capacity, CapacityPolicy):
         return capacity

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 import sparsecore as sc
 
 from . import ops, pooling
-from .plan import PaddedRulebook, Plan
+from .buckets import Buckets
+from .plan import PaddedRulebook, Plan, Sites, SitesInfo
 from .planner import inverse_source, layer_rulebook
 from .tensor import SparseTensor
 
@@ -35,6 +38,7 @@ __all__ = [
 ]
 
 PerAxis = int | Sequence[int]
+UNION_SITES = "union"  # the site set of an eager sparse_add of tensors on different sites
 
 
 def _check_tensor(x: Any, layer: str) -> SparseTensor:
@@ -185,24 +189,98 @@ def to_dense(x: SparseTensor, channels_first: bool = True) -> Any:
     return _check_tensor(x, "to_dense").dense(channels_first)
 
 
+def _same_sites_at_run_time(first: SparseTensor, other: SparseTensor, position: int) -> None:
+    """Inside jit, where site sets are abstract: raises at run time when ``other``'s sites differ."""
+    a, b = first.sites, other.sites
+    if a.indices is b.indices and a.count is b.count:
+        return  # the same arrays: nothing to check
+
+    def check(same: Any) -> None:
+        if not bool(same):
+            raise ValueError(
+                f"sparse_add: input {position} is on site set {other.sites_name!r} like input 0, but its sites "
+                "differ (another cloud or different indices under the same name). Inside jit only tensors on "
+                "the very same sites can be added; add tensors with different sites outside jit, where "
+                "sparse_add returns their union"
+            )
+
+    jax.debug.callback(check, jnp.logical_and(a.count == b.count, jnp.all(a.indices == b.indices)))
+
+
+def _union(tensors: Sequence[SparseTensor]) -> SparseTensor:
+    """Eager sum over the union of the sites (differentiable in the features)."""
+    first = tensors[0]
+    union, rows = sc.union_sites([t.valid_indices() for t in tensors], first.spatial_shape, first.batch_size,
+                                 assume_unique=True)
+    union = np.asarray(union, np.int32)
+    policy = first.plan.policy or Buckets()
+    info = SitesInfo(UNION_SITES, first.spatial_shape, first.batch_size,
+                     policy.capacity(int(union.shape[0]), UNION_SITES))
+    total = jnp.zeros((info.capacity, first.num_channels), jnp.result_type(*[t.features for t in tensors]))
+    for tensor, union_rows in zip(tensors, rows):
+        # each tensor's rows -> their union rows, padded (to its capacity, so nothing compiles per cloud)
+        # with an out-of-range row that the scatter drops
+        target = np.full(tensor.capacity, info.capacity, np.int32)
+        target[: union_rows.shape[0]] = union_rows
+        total = total.at[jax.device_put(target)].add(tensor.features.astype(total.dtype), mode="drop",
+                                                     unique_indices=True)
+    plan = Plan({UNION_SITES: Sites.from_numpy(union, info)}, {}, policy).device_put()
+    return SparseTensor(total, plan, UNION_SITES)
+
+
 def sparse_add(*tensors: SparseTensor) -> SparseTensor:
-    """Sum of tensors on the same site set (residual connections).
+    """Sum of sparse tensors (residual connections); a site present in several inputs adds up.
+
+    - Inputs on the same sites (the usual case: a residual branch and its input) add row by row,
+      inside or outside ``jit``, and the result stays on that site set and plan.
+    - Outside ``jit``, inputs on different sites (two clouds, or a strided layer's output and
+      its input on the same grid) give their **union**, like the core's ``sparsecore.sparse_add``:
+      a new tensor on a site set named ``"union"`` with the sorted union sites (padded by the
+      first input's capacity policy) and a fresh plan; differentiable in the features.
+    - Inside ``jit`` site sets are abstract and a union would have data-dependent shape, so
+      inputs must be on the same site set (same name); when their site arrays are not the same
+      arrays, equality is checked at run time and a difference raises (a ``JaxRuntimeError``
+      carrying the message). Compute unions outside ``jit``.
 
     Raises:
-        ValueError: for tensors on different site sets (a union of sites changes
-            shapes with the data; do it outside jit with the core's ``sparse_add``).
+        TypeError: an input is not a `SparseTensor`.
+        ValueError: no input; inputs with different grids, batch sizes or channels; inside ``jit``,
+            inputs on different site sets.
     """
     if not tensors:
         raise ValueError("sparse_add needs at least one SparseTensor")
     first = _check_tensor(tensors[0], "sparse_add")
-    total, plan = first.features, first.plan
     for position, other in enumerate(tensors[1:], start=1):
         other = _check_tensor(other, "sparse_add")
-        if other.sites_name != first.sites_name:
+        if (other.spatial_shape, other.batch_size) != (first.spatial_shape, first.batch_size):
             raise ValueError(
-                f"sparse_add inputs must live on the same site set: input 0 is on "
-                f"{first.sites_name!r}, input {position} on {other.sites_name!r}"
+                f"sparse_add inputs must live on the same grid: input 0 (site set {first.sites_name!r}) has "
+                f"spatial_shape {first.spatial_shape} and batch_size {first.batch_size}, input {position} (site "
+                f"set {other.sites_name!r}) has {other.spatial_shape} and {other.batch_size}; a strided layer "
+                "changes the grid (add after an inverse conv, which returns to the input's sites)"
             )
+        if other.num_channels != first.num_channels:
+            raise ValueError(f"sparse_add: input {position} has {other.num_channels} channels, input 0 has "
+                             f"{first.num_channels}; inputs must have the same channels")
+    if len(tensors) == 1:
+        return first
+    concrete = all(t.plan.is_concrete() for t in tensors)
+    if concrete:
+        reference = first.valid_indices()
+        if not all(t.sites_name == first.sites_name and t.capacity == first.capacity
+                   and np.array_equal(t.valid_indices(), reference) for t in tensors[1:]):
+            return _union(tensors)
+    total, plan = first.features, first.plan
+    for position, other in enumerate(tensors[1:], start=1):
+        if not concrete:
+            if other.sites_name != first.sites_name:
+                raise ValueError(
+                    f"sparse_add inside jit: input 0 is on site set {first.sites_name!r}, input {position} on "
+                    f"{other.sites_name!r}; inside jit inputs must be on the same site set (the union of "
+                    "different sites has a data-dependent size: compute it outside jit, where sparse_add "
+                    "returns the union)"
+                )
+            _same_sites_at_run_time(first, other, position)
         if other.features.shape != first.features.shape:
             raise ValueError(f"sparse_add: input {position} has features {other.features.shape}, "
                              f"input 0 {first.features.shape}")

@@ -198,7 +198,8 @@ def _conv_jnp_forward(static, features, weight, pair_input, pair_output, counts,
     if identity >= 0:
         out = out + _grouped_product(source, matrices[identity])
     out, _ = _scan_offsets(body, out, (pair_input, pair_output, counts, matrices), identity)
-    return out.astype(features.dtype)
+    # padding rows are zero even for non-finite weights (the centre GEMM gives 0 * inf = nan there)
+    return jnp.where(_rows_mask(capacity_out, n_out)[:, None], out, 0).astype(features.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -245,6 +246,7 @@ def _conv_jnp_bwd(static, residuals, grad_out):
         grad_matrices = jnp.concatenate(pieces)
     else:
         grad_matrices = scanned
+    grad_features = jnp.where(_rows_mask(features.shape[0], n_in)[:, None], grad_features, 0)
     grad_weight = grad_matrices.transpose(1, 3, 0, 2).reshape(weight.shape)  # [K, g, a, b] -> weight
     return (grad_features.astype(features.dtype), grad_weight.astype(weight.dtype), None, None, None, None, None)
 
@@ -270,6 +272,13 @@ def to_dense(features: Any, indices: Any, spatial_shape: tuple[int, ...], batch_
              channels_first: bool = True) -> Any:
     """Scatters padded features into ``[B, C, *spatial]`` (or ``[B, *spatial, C]``); padding rows dropped."""
     shape = (batch_size,) + tuple(spatial_shape) + (features.shape[1],)
+    size = math.prod(shape) * jnp.dtype(features.dtype).itemsize
+    if size >= 2 ** 62:  # XLA aborts the process on a shape whose byte size overflows
+        raise ValueError(
+            f"to_dense: the dense grid [batch_size, *spatial_shape, C] = {list(shape)} would hold "
+            f"{math.prod(shape):.3g} elements ({size / 2 ** 40:.3g} TiB), more than any device can address; "
+            "densify a crop (fewer, smaller axes) or work on the sparse rows (valid_features / valid_indices)"
+        )
     index = tuple(indices[:, axis] for axis in range(indices.shape[1]))
     dense = jnp.zeros(shape, features.dtype).at[index].add(features, mode="drop")
     return jnp.moveaxis(dense, -1, 1) if channels_first else dense

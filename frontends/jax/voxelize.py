@@ -15,7 +15,7 @@ import numpy as np
 import sparsecore as sc
 
 from .buckets import CapacityPolicy
-from .plan import require_concrete
+from .plan import is_tracer, require_concrete
 from .tensor import SparseTensor
 
 __all__ = ["voxelize", "voxels_to_points"]
@@ -55,7 +55,42 @@ def voxels_to_points(features: Any, point_voxel_id: Any, invalid_value: float = 
 
     Works inside jit (a gather); ``point_voxel_id`` is ``voxels.point_voxel_id[b]`` (or
     their concatenation) from `voxelize`.
+
+    Args:
+        features: ``[rows, C]`` voxel features (padding rows included), or a `SparseTensor`,
+            whose true rows (``num_active``) bound the valid ids.
+        point_voxel_id: integer ``[P]``: a voxel row per point, -1 for a point in no voxel.
+        invalid_value: the row given to points with id -1.
+
+    Raises:
+        TypeError: ``point_voxel_id`` is not an integer array.
+        ValueError: an id is below -1 or not a row of ``features`` (checked when the ids are
+            concrete). Inside jit, where they are abstract, such points get NaN rows
+            instead (float features), never a plausible value.
     """
-    ids = jnp.asarray(point_voxel_id)
-    rows = jnp.where(ids >= 0, ids, features.shape[0])
-    return jnp.take(features, rows, axis=0, mode="fill", fill_value=invalid_value)
+    rows, limit = features, None
+    if isinstance(features, SparseTensor):
+        rows = features.features
+        if not is_tracer(features.num_active):
+            limit = int(features.num_active)
+    count = int(rows.shape[0]) if limit is None else limit
+    ids = point_voxel_id if is_tracer(point_voxel_id) else np.asarray(point_voxel_id)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"point_voxel_id must be an integer array (voxel rows, -1 for none), got dtype {ids.dtype}")
+    if not is_tracer(ids) and ids.size:
+        bad = np.flatnonzero((ids < -1) | (ids >= count))
+        if bad.size:
+            raise ValueError(
+                f"point_voxel_id must hold -1 (no voxel) or a voxel row in [0, {count}) (the rows of "
+                f"{'the tensor' if limit is not None else 'features'}), got {int(ids[bad[0]])} at point "
+                f"{int(bad[0])} ({bad.size} such points); pass the point_voxel_id that came with these voxels"
+            )
+    ids = jnp.asarray(ids)
+    fill = jnp.asarray(invalid_value, rows.dtype)
+    if is_tracer(ids) and jnp.issubdtype(rows.dtype, jnp.floating):
+        out_of_range = (ids < -1) | (ids >= count)
+        fill_rows = jnp.where(out_of_range, jnp.nan, fill).astype(rows.dtype)
+        gathered = jnp.take(rows, jnp.where(ids >= 0, ids, rows.shape[0]), axis=0, mode="fill", fill_value=0)
+        return jnp.where(((ids < 0) | out_of_range)[:, None], fill_rows[:, None], gathered)
+    safe = jnp.where(ids >= 0, ids, rows.shape[0])
+    return jnp.take(rows, safe, axis=0, mode="fill", fill_value=invalid_value)
