@@ -344,8 +344,11 @@ def int8_conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, 
     xp = backend.xp
     multiplier = _as_channel_scales(weight_scales, "weight_scales", out_channels, xp)
     multiplier = xp.multiply(multiplier, _as_scale(input_scale, "input_scale"), dtype=xp.float32)
-    if out_channels and not bool(xp.all((multiplier > 0) & xp.isfinite(multiplier))):
-        raise ValueError("input_scale * weight_scales overflows or underflows float32; check the scales")
+    smallest_normal = np.finfo(np.float32).tiny  # the GPU flushes smaller (subnormal) values to zero
+    if out_channels and not bool(xp.all((multiplier >= smallest_normal) & xp.isfinite(multiplier))):
+        raise ValueError(
+            f"input_scale * weight_scales leaves the normal float32 range [{smallest_normal:.3g}, "
+            f"{np.finfo(np.float32).max:.3g}] for some channel; check the scales")
     epilogue = Int8Epilogue(
         multiplier=multiplier,
         bias=None if bias is None else _as_bias(bias, out_channels, xp),

@@ -270,6 +270,8 @@ def test_bad_inputs_name_the_argument() -> None:
         (dict(input_scale=-1.0), ValueError, "input_scale must be a positive"),
         (dict(input_scale=float("inf")), ValueError, "input_scale must be a positive"),
         (dict(output_scale=0.0), ValueError, "output_scale must be a positive"),
+        (dict(input_scale=1e-30, weight_scales=np.full(4, 1e-15, np.float32)), ValueError,
+         "leaves the normal float32 range"),
         (dict(bias=np.ones(3, np.float32)), ValueError, "bias must have shape \\[4\\]"),
         (dict(residual=random_int8(rng, (rulebook.num_output, 4))), ValueError, "without residual_scale"),
         (dict(residual_scale=0.1), ValueError, "without a residual"),

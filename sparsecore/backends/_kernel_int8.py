@@ -50,9 +50,9 @@ def pack_weight(xp: Any, weight: Any) -> Any:
 
 
 def _pair_offsets(xp: Any, run_starts: tuple[int, ...]) -> Any:
-    """int32 ``[P]``: the kernel offset of each pair, from the host offset starts."""
-    counts = np.diff(np.asarray(run_starts, dtype=np.int64))
-    return xp.asarray(np.repeat(np.arange(len(counts), dtype=np.int32), counts))
+    """int32 ``[P]``: the kernel offset of each pair, from the host offset starts (computed on the device)."""
+    ends = xp.asarray(np.asarray(run_starts[1:], dtype=np.int64))
+    return xp.searchsorted(ends, xp.arange(run_starts[-1], dtype=xp.int64), side="right").astype(xp.int32)
 
 
 def _check_pairs(features: Any, pair_input: Any, pair_output: Any, num_output: int, function: str) -> None:
