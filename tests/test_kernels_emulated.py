@@ -292,6 +292,93 @@ def test_avg_pool_forward_and_backward(backend, dtype_name, num_in, num_out, cha
     np.testing.assert_array_equal(backend.get(grad_in), expected)
 
 
+def _padded(rng, rows: np.ndarray) -> np.ndarray:
+    """``rows`` with about a quarter replaced by -1 (pairs of a padded map missing one side)."""
+    rows = rows.copy()
+    rows[rng.random(rows.shape[0]) < 0.25] = -1
+    return rows
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_pooling_kernels_skip_padding_rows(backend, dtype_name):
+    """A pair padded on one side (input or output row -1) is skipped, never read through."""
+    rng = _rng(8, len(dtype_name))
+    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, 30, 41, 3)
+    input_rows = _padded(rng, input_rows)
+    assert (input_rows < 0).any()
+    out, argmax = backend.launch.max_pool_forward(backend.put(features), backend.put(input_rows),
+                                                  backend.put(starts), element_type)
+    expected_out, expected_argmax = twins.max_pool_forward(features, input_rows, starts, dtype_name)
+    np.testing.assert_array_equal(backend.get(argmax), expected_argmax)
+    np.testing.assert_array_equal(backend.get(out), expected_out)
+    out = backend.launch.avg_pool_forward(backend.put(features), backend.put(input_rows), backend.put(starts),
+                                          element_type)
+    np.testing.assert_array_equal(backend.get(out), twins.avg_pool_forward(features, input_rows, starts, dtype_name))
+    grad_out = twins.random_features(rng, (41, 3), dtype_name)
+    valid = input_rows >= 0
+    input_starts, output_rows = _by_input(input_rows[valid], pair_output[valid], 30)
+    output_rows = _padded(rng, output_rows)
+    grad_in = backend.launch.max_pool_backward(backend.put(grad_out), argmax, backend.put(output_rows),
+                                               backend.put(input_starts), element_type)
+    expected = twins.max_pool_backward(grad_out, expected_argmax, output_rows, input_starts, dtype_name)
+    np.testing.assert_array_equal(backend.get(grad_in), expected)
+    grad_in = backend.launch.avg_pool_backward(backend.put(grad_out), backend.put(output_rows),
+                                               backend.put(input_starts), backend.put(starts), element_type)
+    expected = twins.avg_pool_backward(grad_out, output_rows, input_starts, starts, dtype_name)
+    np.testing.assert_array_equal(backend.get(grad_in), expected)
+
+
+_ROW_GUARDS = ("      if (row < 0) {\n        continue;  // padding: no input\n      }\n",
+               "      if (o < 0) {\n        continue;  // padding: no output\n      }\n")
+
+
+def _unguarded_pooling_launcher() -> launchers.Launcher:
+    """pooling.cu with its row -1 guards taken out (the code before they were added), emulated."""
+    if harness.compiler_path() is None:
+        pytest.skip("g++ is not installed")
+    source = kernel_registry.kernel_source("pooling.cu")
+    for guard in _ROW_GUARDS:
+        assert guard in source
+        source = source.replace(guard, "")
+    module = harness.load_module_from_source("pooling.cu", source)
+    return launchers.Launcher(np, lambda file, expression: module.get_function(expression), block=32, max_blocks=3)
+
+
+def test_the_emulation_fails_loudly_on_a_row_minus_one_read():
+    """Without the guards a one-sided padded pair reads row -1: the emulation raises, naming the access."""
+    rng = _rng(9)
+    launch = _unguarded_pooling_launcher()
+    features = rng.standard_normal((5, 4)).astype(np.float32)
+    input_rows = np.array([0, 3, -1, 2, 4], np.int32)  # output 1's second pair has no input
+    starts = np.array([0, 2, 4, 5], np.int64)
+    with pytest.raises(harness.OutOfBoundsAccess,
+                       match=r"sc_max_pool_forward<float>: argument 0 \(p:f4, float32 \(5, 4\), 20 elements\) "
+                             r"accessed element -[1-4] "):
+        launch.max_pool_forward(features, input_rows, starts)
+    argmax = np.zeros((3, 4), np.int32)
+    with pytest.raises(harness.OutOfBoundsAccess, match=r"sc_max_pool_backward<float>: argument 1 .* element -"):
+        launch.max_pool_backward(features[:3], argmax, np.array([0, -1, 2], np.int32),
+                                 np.array([0, 1, 2, 3, 3, 3], np.int64))
+
+
+def test_the_emulation_catches_reads_far_past_the_end_and_any_write_past_it():
+    if harness.compiler_path() is None:
+        pytest.skip("g++ is not installed")
+    launch = _unguarded_pooling_launcher()
+    features = np.ones((6, 2), np.float32)
+    with pytest.raises(harness.OutOfBoundsAccess, match=r"argument 0 .* accessed element 2000[0-9]"):
+        launch.max_pool_forward(features, np.array([1, 10000], np.int32), np.array([0, 2], np.int64))
+    gather = harness.load_module("gather_scatter.cu").get_function(kernel_registry.name_expression(
+        "sc_gather_rows", "float32"))
+    source = np.arange(12, dtype=np.float32).reshape(6, 2)
+    too_small = np.zeros((2, 2), np.float32)  # three rows are gathered into room for two
+    with pytest.raises(harness.OutOfBoundsAccess, match=r"argument 5 .* wrote past its end at element 4 "):
+        gather((1,), (32,), (source, np.array([5, 0, 3], np.int32), np.int64(3), np.int64(2), np.int32(1),
+                             too_small))
+    np.testing.assert_array_equal(too_small, source[[5, 0]])  # what fits was written
+
+
 # ----------------------------------------------------------------- rulebook.cu
 
 

@@ -6,8 +6,12 @@ force-included, plus a generated wrapper with two ``extern "C"`` entry points
 per registered name expression: one launches it with a grid, a block and a
 ``void**`` argument array (as ``cudaLaunchKernel`` takes), the other returns
 its parameter list as text, so every launch is checked against the kernel's
-real C++ signature. The shared library is cached in the temp directory under
-a hash of everything that went into it.
+real C++ signature. Every launch is bounds-checked
+(``guarded_launch.h``): each array argument runs from a copy with guard pages
+around it, and an access outside an array (a row -1, an index past the end)
+raises `OutOfBoundsAccess` naming the kernel, the argument and the element.
+The shared library is cached in the temp directory under a hash of everything
+that went into it.
 
 `EmulatedModule` mimics ``cupy.RawModule``: ``module.get_function(expression)``
 returns a kernel called as ``kernel((grid,), (block,), args)``, with arrays as
@@ -33,10 +37,12 @@ import numpy as np
 
 from sparsecore.backends import kernel_registry
 
-__all__ = ["compiler_path", "build_libraries", "load_module", "EmulatedModule", "EmulatedKernel"]
+__all__ = ["compiler_path", "build_libraries", "load_module", "load_module_from_source", "EmulatedModule",
+           "EmulatedKernel", "OutOfBoundsAccess"]
 
 SHIM_DIR = Path(__file__).resolve().parent
 SHIM_HEADER = SHIM_DIR / "cuda_shim.h"
+GUARD_HEADER = SHIM_DIR / "guarded_launch.h"
 COMPILE_FLAGS = ("-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-Wall", "-Wextra")
 MAX_BLOCK_THREADS = 1024
 
@@ -52,12 +58,20 @@ def _cache_dir() -> Path:
     return directory
 
 
+class OutOfBoundsAccess(RuntimeError):
+    """An emulated kernel touched memory outside one of its array arguments."""
+
+
 def _wrapper_source(file: str) -> str:
-    lines = [f'#include "{file}"', "", 'extern "C" {']
+    lines = ['#include "guarded_launch.h"', f'#include "{file}"', "", 'extern "C" {',
+             "int sc_emu_fault_argument() { return sc_emu::fault_argument.load(); }",
+             "long long sc_emu_fault_offset() { return sc_emu::fault_offset.load(); }",
+             "int sc_emu_fault_kind() { return sc_emu::fault_kind.load(); }"]
     for index, expression in enumerate(kernel_registry.kernel_file(file).name_expressions):
         lines += [
-            f"int sc_emu_launch_{index}(unsigned int grid, unsigned int block, void** args) {{",
-            f"  return sc_emu::launch(&{expression}, grid, block, args);",
+            f"int sc_emu_launch_{index}(unsigned int grid, unsigned int block, void** args, "
+            "const long long* extents) {",
+            f"  return sc_emu::guarded_launch(&{expression}, grid, block, args, extents);",
             "}",
             f"const char* sc_emu_signature_{index}() {{ return sc_emu::signature(&{expression}); }}",
         ]
@@ -78,11 +92,12 @@ class _BuildPlan:
     wrapper: str
 
 
-def _plan(file: str, compiler: str) -> _BuildPlan:
-    source = kernel_registry.kernel_source(file)
+def _plan(file: str, compiler: str, source: str | None = None) -> _BuildPlan:
+    source = kernel_registry.kernel_source(file) if source is None else source
     wrapper = _wrapper_source(file)
     digest = hashlib.sha256()
-    for part in (source, wrapper, SHIM_HEADER.read_text(), " ".join(COMPILE_FLAGS), _compiler_version(compiler)):
+    for part in (source, wrapper, SHIM_HEADER.read_text(), GUARD_HEADER.read_text(), " ".join(COMPILE_FLAGS),
+                 _compiler_version(compiler)):
         digest.update(part.encode())
         digest.update(b"\0")
     library = _cache_dir() / f"{Path(file).stem}-{digest.hexdigest()[:20]}.so"
@@ -128,7 +143,7 @@ def _build_missing(compiler: str, plans: Sequence[_BuildPlan]) -> None:
         (work_dir / plan.file).write_text(plan.source)
         (work_dir / "wrapper.cpp").write_text(plan.wrapper)
         output = work_dir / "library.so"
-        command = [compiler, *COMPILE_FLAGS, "-include", str(SHIM_HEADER), f"-I{work_dir}",
+        command = [compiler, *COMPILE_FLAGS, "-include", str(SHIM_HEADER), f"-I{work_dir}", f"-I{SHIM_DIR}",
                    str(work_dir / "wrapper.cpp"), "-o", str(output)]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         running.append((plan, work_dir, output, process))
@@ -174,9 +189,10 @@ def _accepts(expected: str, dtype: np.dtype) -> bool:
 class EmulatedKernel:
     """One kernel instantiation, called like a ``cupy.RawKernel``."""
 
-    def __init__(self, expression: str, launch: Any, signature: str) -> None:
+    def __init__(self, expression: str, launch: Any, signature: str, library: Any) -> None:
         self.expression = expression
         self._launch = launch
+        self._library = library
         self.parameters = tuple(signature.split(",")) if signature else ()
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[Any]) -> None:
@@ -185,6 +201,7 @@ class EmulatedKernel:
             raise TypeError(f"{self.expression} takes {len(self.parameters)} arguments, got {len(args)}")
         keep_alive = []
         pointers = (ctypes.c_void_p * max(len(args), 1))()
+        extents = (ctypes.c_longlong * max(len(args), 1))()
         for position, (parameter, value) in enumerate(zip(self.parameters, args)):
             kind, code = parameter.split(":")
             where = f"{self.expression} argument {position} ({parameter})"
@@ -194,16 +211,33 @@ class EmulatedKernel:
                 if not _accepts(code, value.dtype):
                     raise TypeError(f"{where}: array of dtype {value.dtype} does not match")
                 holder = ctypes.c_void_p(value.ctypes.data)
+                extents[position] = value.nbytes
             else:
                 if not isinstance(value, np.generic) or not _accepts(code, value.dtype):
                     raise TypeError(f"{where}: expected a NumPy scalar of code {code}, got {value!r}")
                 holder = np.array(value)
+                extents[position] = -1
             keep_alive.append((value, holder))
             address = ctypes.addressof(holder) if kind == "p" else holder.ctypes.data
             pointers[position] = address
-        status = self._launch(grid_x, block_x, pointers)
+        status = self._launch(grid_x, block_x, pointers, extents)
+        if status == 2:
+            raise self._out_of_bounds(args)
         if status != 0:
             raise RuntimeError(f"{self.expression}: launch failed with status {status}")
+
+    def _out_of_bounds(self, args: Sequence[Any]) -> OutOfBoundsAccess:
+        position = int(self._library.sc_emu_fault_argument())
+        offset = int(self._library.sc_emu_fault_offset())
+        array = args[position]
+        element = offset // array.itemsize if array.itemsize else offset
+        how = ("accessed" if int(self._library.sc_emu_fault_kind()) == 1
+               else "wrote past its end at")
+        return OutOfBoundsAccess(
+            f"{self.expression}: argument {position} ({self.parameters[position]}, {array.dtype} "
+            f"{tuple(array.shape)}, {array.size} elements) {how} element {element} (byte {offset}), "
+            f"outside [0, {array.size}): an out-of-range or negative index"
+        )
 
     def _check_configuration(self, grid: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, int]:
         grid, block = tuple(grid), tuple(block)
@@ -222,14 +256,16 @@ class EmulatedModule:
     def __init__(self, file: str, library: Path) -> None:
         self.file = file
         self._library = ctypes.CDLL(str(library))
+        self._library.sc_emu_fault_offset.restype = ctypes.c_longlong
         self._kernels: dict[str, EmulatedKernel] = {}
         for index, expression in enumerate(kernel_registry.kernel_file(file).name_expressions):
             launch = getattr(self._library, f"sc_emu_launch_{index}")
-            launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
+            launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.POINTER(ctypes.c_longlong)]
             launch.restype = ctypes.c_int
             signature = getattr(self._library, f"sc_emu_signature_{index}")
             signature.restype = ctypes.c_char_p
-            self._kernels[expression] = EmulatedKernel(expression, launch, signature().decode())
+            self._kernels[expression] = EmulatedKernel(expression, launch, signature().decode(), self._library)
 
     def get_function(self, expression: str) -> EmulatedKernel:
         """The kernel of a registered name expression."""
@@ -244,3 +280,19 @@ def load_module(file: str) -> EmulatedModule:
     """The emulated module of a kernel file, built on first use."""
     library = build_libraries([file])[file]
     return EmulatedModule(file, library)
+
+
+def load_module_from_source(file: str, source: str) -> EmulatedModule:
+    """An emulated module of ``file``'s registered kernels built from another ``source`` text.
+
+    For tests that show what the bounds checks catch (a kernel with a guard
+    removed); cached like the registered sources, under the text's hash.
+    """
+    compiler = compiler_path()
+    if compiler is None:
+        raise RuntimeError("g++ not found: the CUDA emulation tests need a C++20 compiler")
+    plan = _plan(file, compiler, source)
+    if not plan.library.is_file():
+        with _build_lock():
+            _build_missing(compiler, [plan])
+    return EmulatedModule(file, plan.library)

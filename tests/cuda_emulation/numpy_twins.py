@@ -100,7 +100,7 @@ def _ordered_group_sums(values: np.ndarray, members: np.ndarray, starts: np.ndar
 
     Args:
         values: ``[M, C]`` accumulator-typed rows.
-        members: ``[P]`` row numbers into ``values``, grouped.
+        members: ``[P]`` row numbers into ``values``, grouped; -1 (padding) is skipped.
         starts: ``[G + 1]`` group boundaries into ``members``.
     """
     lengths = np.diff(starts)
@@ -108,8 +108,16 @@ def _ordered_group_sums(values: np.ndarray, members: np.ndarray, starts: np.ndar
     with np.errstate(over="ignore"):  # overflow to inf is the expected result
         for step in range(int(lengths.max(initial=0))):
             groups = np.flatnonzero(lengths > step)
-            acc[groups] += values[members[starts[groups] + step]]
+            rows = members[starts[groups] + step]
+            present = rows >= 0
+            acc[groups[present]] += values[rows[present]]
     return acc
+
+
+def _valid_counts(members: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Members that are not -1 in each group ``[G]``."""
+    running = np.concatenate([[0], np.cumsum(members >= 0)])
+    return running[starts[1:]] - running[starts[:-1]]
 
 
 def segment_sum_rows(target, source, order, segment_starts, segment_rows, dtype_name):
@@ -139,6 +147,7 @@ def max_pool_forward(features, input_rows, output_starts, dtype_name):
     for step in range(int(lengths.max(initial=0))):
         groups = np.flatnonzero(lengths > step)
         rows = input_rows[output_starts[groups] + step]
+        groups, rows = groups[rows >= 0], rows[rows >= 0]  # -1: padding, no input
         candidate = wide[rows]
         better = (argmax[groups] < 0) | (candidate > best[groups])
         best[groups] = np.where(better, candidate, best[groups])
@@ -153,6 +162,7 @@ def max_pool_backward(grad_out, argmax, output_rows, input_starts, dtype_name):
     for step in range(int(lengths.max(initial=0))):
         inputs = np.flatnonzero(lengths > step)
         outputs = output_rows[input_starts[inputs] + step]
+        inputs, outputs = inputs[outputs >= 0], outputs[outputs >= 0]  # -1: padding, no output
         chosen = argmax[outputs] == inputs[:, None]
         acc[inputs] += np.where(chosen, wide[outputs], wide.dtype.type(0))
     return narrow(acc, dtype_name)
@@ -160,7 +170,7 @@ def max_pool_backward(grad_out, argmax, output_rows, input_starts, dtype_name):
 
 def avg_pool_forward(features, input_rows, output_starts, dtype_name):
     acc = _ordered_group_sums(widen(features, dtype_name), input_rows, output_starts)
-    counts = np.diff(output_starts).astype(acc.dtype)[:, None]
+    counts = _valid_counts(input_rows, output_starts).astype(acc.dtype)[:, None]
     mean = np.divide(acc, counts, out=np.zeros_like(acc), where=counts > 0)
     return narrow(mean, dtype_name)
 
