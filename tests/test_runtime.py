@@ -50,7 +50,7 @@ class GraphBuilder:
 
     def conv(self, name: str, source: str, target: str, in_channels: int, out_channels: int, *, kind: str = "subm",
              kernel: int = 3, stride: int = 1, padding: int = 0, rulebook: str = "", activation: str = "None",
-             ndim: int = 3) -> None:
+             ndim: int = 3, **extra) -> None:
         weight = (self.rng.standard_normal((out_channels, *(kernel,) * ndim, in_channels)) / np.sqrt(in_channels * 9))
         weight = weight.astype(np.float16)
         bias = self.rng.uniform(-0.3, 0.3, out_channels).astype(np.float16)
@@ -63,7 +63,7 @@ class GraphBuilder:
             in_channels=in_channels, out_channels=out_channels, kernel_size=[kernel] * ndim, stride=[stride] * ndim,
             padding=[padding] * ndim, dilation=[1] * ndim, output_padding=[0] * ndim, groups=1,
             subm=int(kind == "subm"), transposed=int(kind == "transposed"), inverse=int(kind == "inverse"),
-            rulebook=rulebook, activation=activation, precision="fp16", output_precision="fp16"))
+            rulebook=rulebook, activation=activation, precision="fp16", output_precision="fp16", **extra))
 
     def op(self, op_type: str, inputs: list[str], target: str, name: str, **attributes) -> None:
         self.nodes.append(helper.make_node(op_type, inputs, [target], name, **attributes))
@@ -173,6 +173,20 @@ def test_transposed_conv_matches_the_dense_transposed_convolution() -> None:
     _check_sites(out.sparse.indices, up_mask.double())
     assert tuple(out.sparse.spatial_shape) == (8, 10, 6)
     np.testing.assert_allclose(out.sparse.features, read_sites(up, out.sparse.indices).numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["Sigmoid", "LeakyReLU"])
+def test_sigmoid_and_leaky_relu_activations(activation: str) -> None:
+    rng, indices, features = _case(14)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 6, rulebook="a", activation=activation, act_alpha=0.2)
+    out = runtime.load_model(builder.model(4, "1")).run(features, indices, 2, (9, 11, 7)).sparse
+    mask = occupancy(indices, (9, 11, 7), 2)
+    linear = read_sites(_dense_subm(densify(features, indices, (9, 11, 7), 2), *builder.weights["conv0"], mask),
+                        indices)
+    expected = torch.sigmoid(linear) if activation == "Sigmoid" else torch.nn.functional.leaky_relu(linear, 0.2)
+    assert (linear < 0).any() and (linear > 0).any()
+    np.testing.assert_allclose(out.features, expected.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_float16_session_is_within_fp16_tolerance_of_float32() -> None:

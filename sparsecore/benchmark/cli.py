@@ -15,6 +15,7 @@ import sys
 from typing import Any, Iterator, Sequence
 
 from sparsecore.benchmark import int8 as int8_suite, scenes
+from sparsecore.benchmark import runtime as runtime_suite
 from sparsecore.benchmark.timing import THREAD_VARIABLES
 
 __all__ = ["build_parser", "load_inputs", "thread_limit", "main"]
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_network_arguments(gpu, gpu_suite=True)
     int8_suite.add_parser(suites)
+    runtime_suite.add_parser(suites)
     return parser
 
 
@@ -217,6 +219,8 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
     arguments = build_parser().parse_args(argv)
     if arguments.suite == "int8":
         return int8_suite.run_int8_command(arguments)
+    if arguments.suite == "runtime":
+        return runtime_suite.run_runtime_command(arguments)
     if arguments.suite in ("network", "gpu"):
         from sparsecore.benchmark.network_command import run_network_command
 

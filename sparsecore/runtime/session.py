@@ -45,13 +45,16 @@ class RuntimeOutput:
 
 
 def _activate(node: ConvNode, features: Any) -> Any:
+    """The node's activation, in place: ``features`` is the conv's fresh output, read by no one else."""
     xp = array_module(features)
     if node.activation == "ReLU":
-        return xp.maximum(features, features.dtype.type(0))
+        return xp.maximum(features, features.dtype.type(0), out=features)
     if node.activation == "Sigmoid":
         return (1 / (1 + xp.exp(-features.astype(np.float32)))).astype(features.dtype)
     if node.activation == "LeakyReLU":
-        return xp.where(features >= 0, features, features * features.dtype.type(node.activation_alpha))
+        negative = features < 0
+        features[negative] *= features.dtype.type(node.activation_alpha)
+        return features
     return features
 
 

@@ -1,0 +1,192 @@
+"""``python -m sparsecore.benchmark runtime``: sparsecore.runtime against sparsecore.torch on one backbone.
+
+A SECOND-style backbone (SubMConv3d / SparseConv3d 16-32-64-64 with BatchNorm
+and ReLU, ``.dense()`` and the BEV reshape) runs on the real scan (125,562
+voxels): in ``sparsecore.torch`` (eval, ``torch.no_grad``) and, exported with
+``export_onnx`` (BatchNorm folded, ReLU fused, FP16 weights), through
+``sparsecore.runtime`` in float32 and float16. Rulebook builds are inside
+every timing (both paths build them per run). The variants take turns, so a
+machine shared with other work loads them alike; the table gives the median
+and the minimum. ``--device cuda`` runs the torch model on the GPU and the
+runtime on CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from sparsecore.benchmark import scenes
+from sparsecore.benchmark.timing import machine_description
+
+__all__ = ["RuntimeTiming", "add_parser", "run_runtime_command", "second_backbone"]
+
+
+@dataclass(frozen=True)
+class RuntimeTiming:
+    """One variant's times, in milliseconds per forward (rulebooks included)."""
+
+    variant: str
+    median_ms: float
+    min_ms: float
+    relative_to_torch: float
+    max_abs_difference: float
+
+
+def add_parser(suites: Any) -> None:
+    """Registers the ``runtime`` sub-command on the benchmark's sub-parsers."""
+    parser = suites.add_parser(
+        "runtime", help="sparsecore.runtime (exported ONNX) vs sparsecore.torch on a SECOND-style backbone",
+        description=__doc__.split("\n\n")[1])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per variant (alternating)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op and BLAS threads (default 0: leave both as they are)")
+    parser.add_argument("--voxels", metavar="PATH", help=f"voxelized scan (default: {scenes.VOXELS_FILE_NAME})")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+
+
+def second_backbone(in_channels: int) -> Any:
+    """A SECOND-style ``sparsecore.torch`` backbone in eval mode (seeded weights and BatchNorm statistics)."""
+    import torch
+    from torch import nn
+
+    import sparsecore.torch as spconv
+
+    def stage(cin: int, cout: int, layer: Any, **kwargs: Any) -> list:
+        return [layer(cin, cout, bias=False, **kwargs), nn.BatchNorm1d(cout, eps=1e-3, momentum=0.01), nn.ReLU()]
+
+    class Second(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            subm, conv = spconv.SubMConv3d, spconv.SparseConv3d
+            self.net = spconv.SparseSequential(
+                *stage(in_channels, 16, subm, kernel_size=3, indice_key="subm1"),
+                *stage(16, 16, subm, kernel_size=3, indice_key="subm1"),
+                *stage(16, 32, conv, kernel_size=3, stride=2, padding=1, indice_key="spconv2"),
+                *stage(32, 32, subm, kernel_size=3, indice_key="subm2"),
+                *stage(32, 64, conv, kernel_size=3, stride=2, padding=1, indice_key="spconv3"),
+                *stage(64, 64, subm, kernel_size=3, indice_key="subm3"),
+                *stage(64, 64, conv, kernel_size=3, stride=2, padding=(0, 1, 1), indice_key="spconv4"),
+                *stage(64, 64, conv, kernel_size=(3, 1, 1), stride=(2, 1, 1), indice_key="spconv_down2"),
+            )
+
+        def forward(self, x: Any) -> Any:
+            dense = self.net(x).dense()
+            batch, channels, depth, height, width = dense.shape
+            return dense.view(batch, channels * depth, height, width)
+
+    torch.manual_seed(0)
+    model = Second()
+    generator = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm1d):
+            size = module.num_features
+            module.running_mean.copy_((torch.rand(size, generator=generator) - 0.5) * 0.2)
+            module.running_var.copy_(torch.rand(size, generator=generator) + 0.5)
+    return model.eval()
+
+
+def _alternate(functions: dict[str, Callable[[], Any]], repeat: int, synchronize: Callable[[], None]
+               ) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for round_index in range(repeat + 1):  # round 0 warms up
+        for name, function in functions.items():
+            synchronize()
+            start = time.perf_counter()
+            function()
+            synchronize()
+            if round_index:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def run_runtime_command(arguments: argparse.Namespace) -> int:
+    """Times the variants and prints the table (and writes JSON with ``--json``)."""
+    import torch
+
+    import sparsecore.runtime as runtime
+    import sparsecore.torch as spconv
+
+    if arguments.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {arguments.repeat}")
+    try:
+        scene = scenes.load_voxel_scene(scenes.require_data_file(arguments.voxels, scenes.VOXELS_FILE_NAME))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    limiter = None
+    if arguments.threads:
+        torch.set_num_threads(arguments.threads)
+        try:
+            import threadpoolctl
+
+            limiter = threadpoolctl.threadpool_limits(arguments.threads)
+        except ImportError:
+            pass
+    device = torch.device(arguments.device)
+    model = second_backbone(scene.features.shape[1]).to(device)
+    features, indices = torch.from_numpy(scene.features).to(device), torch.from_numpy(scene.indices).to(device)
+    shape, batch = list(scene.spatial_shape), scene.batch_size
+    x = spconv.SparseConvTensor(features, indices, shape, batch)
+    if arguments.device == "cuda":
+        import cupy
+
+        core_features, core_indices = cupy.asarray(scene.features), cupy.asarray(scene.indices)
+        synchronize, to_host = torch.cuda.synchronize, cupy.asnumpy
+    else:
+        core_features, core_indices = scene.features, scene.indices
+        synchronize, to_host = (lambda: None), np.asarray
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "second.onnx"
+        spconv.export_onnx(model, spconv.SparseConvTensor(features.cpu(), indices.cpu(), shape, batch)
+                           if arguments.device == "cuda" else x, path)
+        sessions = {dtype: runtime.load(path, dtype=dtype) for dtype in ("float32", "float16")}
+
+    def torch_forward() -> Any:
+        with torch.no_grad():
+            return model(spconv.SparseConvTensor(features, indices, shape, batch))
+
+    functions = {"sparsecore.torch float32": torch_forward}
+    for dtype, session in sessions.items():
+        functions[f"sparsecore.runtime {dtype}"] = (
+            lambda session=session: session.run(core_features, core_indices, batch, shape))
+    reference = torch_forward().cpu().numpy()
+    outputs = {"sparsecore.torch float32": reference}
+    for dtype, session in sessions.items():
+        outputs[f"sparsecore.runtime {dtype}"] = to_host(
+            session.run(core_features, core_indices, batch, shape).dense).astype(np.float32)
+    times = _alternate(functions, arguments.repeat, synchronize)
+    if limiter is not None:
+        limiter.unregister()
+    baseline = statistics.median(times["sparsecore.torch float32"])
+    rows = [RuntimeTiming(name, statistics.median(values), min(values), baseline / statistics.median(values),
+                          float(np.abs(outputs[name] - reference).max()))
+            for name, values in times.items()]
+    header = machine_description()
+    header.update({
+        "scene": f"{scene.source}: {len(scene.indices)} voxels, spatial shape {scene.spatial_shape}",
+        "model": "SECOND-style backbone, 8 sparse convs 16-32-64-64, BatchNorm + ReLU, dense + BEV reshape "
+                 f"-> {tuple(reference.shape)}",
+        "device": arguments.device,
+        "threads": arguments.threads or "as configured",
+        "timing": f"ms per forward incl. rulebooks; median / min of {arguments.repeat} alternating runs after 1 "
+                  "warm-up, time.perf_counter",
+    })
+    for key, value in header.items():
+        print(f"{key}: {value}")
+    print(f"\n{'variant':28} {'median ms':>10} {'min ms':>10} {'torch / this':>13} {'max |out - torch|':>18}")
+    for row in rows:
+        print(f"{row.variant:28} {row.median_ms:10.1f} {row.min_ms:10.1f} {row.relative_to_torch:13.2f} "
+              f"{row.max_abs_difference:18.2e}")
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps({"header": {k: str(v) for k, v in header.items()},
+                                                    "rows": [asdict(row) for row in rows]}, indent=2))
+    return 0
