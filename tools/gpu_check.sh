@@ -7,7 +7,8 @@
 #   peer       unpack the carried spconv bundle and wheels of .peer/ into /tmp (tools/prepare_gpu_carry.sh)
 #   install    pip install -e . without network or build isolation (fallback: --target /tmp)
 #   imports    sparsecore + CuPy + the CUDA headers NVRTC needs; spconv.pytorch
-#   pytest     pytest -m gpu (the GPU tests run wherever CuPy sees a device)
+#   pytest     pytest -m gpu: a smoke subset of the GPU integrations first, then the other gpu tests
+#              (--durations=15 each; the GPU tests run wherever CuPy sees a device)
 #   benchmark  python -m sparsecore.benchmark gpu (JSON and Markdown rewritten after every case)
 # Results go to $OUT (the device tool's folder that comes back; /tmp/sparsecore_gpu_check
 # elsewhere): gpu_check.md (steps, device, test summary, benchmark table), gpu_check.log,
@@ -109,11 +110,23 @@ run_step import-spconv 60 "$scratch/imports.txt" "$py" -P -c "import spconv, spc
 print('spconv', spconv.__version__, spconv.__file__)"
 cat "$scratch/imports.txt" >>"$log" 2>/dev/null
 
-# --- GPU tests
+# --- GPU tests: a smoke subset first (one test of each GPU integration: the core's conv and pools on
+# CuPy, cuBLAS products, torch on CUDA streams, JAX's callback on XLA's stream), so that a short budget
+# still says the most; then every other gpu test. --durations shows where the time went.
 timeout_flag=()
 "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout=90)
+smoke=(
+  tests/test_kernel_backend.py::test_conv_forward_and_backward_match_numpy
+  tests/test_kernel_backend.py::test_pooling_matches_numpy
+  tests/test_torch_cuda.py
+  tests/test_jax_gpu.py::test_callback_equals_jnp_through_a_network_under_scan
+)
+deselect=()
+for node in "${smoke[@]}"; do deselect+=(--deselect "$node"); done
+run_step pytest-smoke 90 "$out/pytest_gpu.log" "$py" -P -m pytest -m gpu -q -p no:cacheprovider \
+  --durations=15 "${timeout_flag[@]}" "${smoke[@]}"
 run_step pytest 150 "$out/pytest_gpu.log" "$py" -P -m pytest -m gpu -q -p no:cacheprovider \
-  --continue-on-collection-errors "${timeout_flag[@]}"
+  --continue-on-collection-errors --durations=15 "${timeout_flag[@]}" "${deselect[@]}"
 
 # --- benchmark
 left=$((budget - (SECONDS - began)))
@@ -138,7 +151,7 @@ summary=$out/gpu_check.md
   echo
   echo "## pytest -m gpu (last lines)"
   echo '```'
-  tail -n 25 "$out/pytest_gpu.log" 2>/dev/null
+  tail -n 45 "$out/pytest_gpu.log" 2>/dev/null
   echo '```'
   echo
   if [ -s "$out/gpu_benchmark.md" ]; then
