@@ -85,9 +85,25 @@ class FxLeafModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tracer = active_tracer(args, kwargs)
-        if tracer is None or not self.fx_is_leaf(tracer):
+        if tracer is None:
             return super().__call__(*args, **kwargs)
-        return tracer.call_module(self, _leaf_forward(tracer, self), args, kwargs)
+        if self.fx_is_leaf(tracer):
+            return tracer.call_module(self, _leaf_forward(tracer, self), args, kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except torch.fx.proxy.TraceError as error:
+            if _NAMED_MARK in str(error):
+                raise
+            path = tracer.path_of_module(self)
+            raise torch.fx.proxy.TraceError(
+                f"{_NAMED_MARK} {path!r} ({type(self).__name__}): {error}. Its forward cannot be traced "
+                f"symbolically (control flow or Python values computed from tensors). Either rewrite it, or keep "
+                f"it whole as a leaf: for quantization add {type(self).__name__} to "
+                "prepare_custom_config.non_traceable_module_classes; with SparseTracer pass it in "
+                "leaf_module_classes") from error
+
+
+_NAMED_MARK = "while tracing module"
 
 
 def _forward_is_library_code(cls: type) -> bool:

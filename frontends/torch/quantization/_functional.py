@@ -16,17 +16,18 @@ from .._geometry import check_input, layer_indice_data
 from ..conv import SparseConvolution, autocast_inputs
 from ..ops import sparse_conv_features
 from ..tensor import SparseConvTensor
+from .utils import layer_indice_key
 
-__all__ = ["conv_with_weight", "int8_conv", "int8_features", "quantized_features"]
+__all__ = ["conv_with_weight", "int8_conv", "int8_features", "quantized_features", "check_int8_input"]
 
 
 def conv_with_weight(layer: SparseConvolution, input: SparseConvTensor, weight: torch.Tensor,
                      bias: Optional[torch.Tensor]) -> SparseConvTensor:
-    """``layer``'s convolution of ``input`` with ``weight`` and ``bias`` in place of its parameters."""
+    """``layer``'s convolution of ``input`` with ``weight`` (read as documented) and ``bias``."""
     name = type(layer).__name__
     check_input(name, input, layer.in_channels, layer.ndim)
     check_same_device(name, features=input.features, indices=input.indices, weight=weight)
-    data, indice_dict = layer_indice_data(name, input, layer._geometry, layer.indice_key, layer.algo)
+    data, indice_dict = layer_indice_data(name, input, layer._geometry, layer_indice_key(layer), layer.algo)
     features, weight, bias = autocast_inputs(input.features, weight, bias)
     out_features = sparse_conv_features(features, weight, bias, data, layer.groups)
     return SparseConvTensor._derived(input, out_features, data.out_indices, data.out_spatial_shape, indice_dict,
@@ -52,6 +53,16 @@ def int8_features(layer: str, input: SparseConvTensor) -> tuple[torch.Tensor, fl
         raise ValueError(f"{layer} needs symmetric qint8 features (zero point 0), got zero point "
                          f"{features.q_zero_point()}")
     return features.int_repr(), float(features.q_scale())
+
+
+def check_int8_input(layer: str, input: SparseConvTensor, values: torch.Tensor, in_channels: Optional[int],
+                     ndim: int) -> None:
+    """Raises a clear error naming ``layer`` for a channel or dimension mismatch of int8 features."""
+    if len(input.spatial_shape) != ndim:
+        raise ValueError(f"{layer} is a {ndim}-D layer but the input has {len(input.spatial_shape)} spatial axes")
+    if values.ndim != 2 or (in_channels is not None and values.shape[1] != in_channels):
+        raise ValueError(f"{layer} has in_channels={in_channels} but the int8 input features have shape "
+                         f"{tuple(values.shape)}")
 
 
 def quantized_features(values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -83,9 +94,9 @@ def int8_conv(layer: SparseConvolution, input: SparseConvTensor, weight_int8: to
 
     name = type(layer).__name__
     values, input_scale = int8_features(name, input)
-    check_input(name, input.replace_feature(values), layer.in_channels, layer.ndim)
+    check_int8_input(name, input, values, layer.in_channels, layer.ndim)
     check_same_device(name, features=values, indices=input.indices, weight=weight_int8)
-    data, indice_dict = layer_indice_data(name, input, layer._geometry, layer.indice_key, layer.algo)
+    data, indice_dict = layer_indice_data(name, input, layer._geometry, layer_indice_key(layer), layer.algo)
     residual_values = residual_scale = float_residual = None
     if residual is not None:
         if residual.features.shape[0] != data.num_output:

@@ -28,14 +28,14 @@ from ..modules import SparseBatchNorm, SparseIdentity, SparseReLU, SparseSyncBat
 from . import intrinsic as fused
 from .intrinsic import qat
 from .quantized.reference import SpConv
-from .utils import fuse_spconv_bn_eval
+from .utils import DocumentedLayoutConv, fuse_spconv_bn_eval
 
 __all__ = ["SPARSE_CONV_TYPES", "SPARSE_POOL_TYPES", "BATCH_NORM_TYPES", "RELU_TYPES",
            "get_spconv_backend_config", "get_spconv_prepare_custom_config", "get_spconv_convert_custom_config",
            "prepare_spconv_torch_inference", "weighted_op_qint8_dtype_config",
            "non_weighted_op_qint8_dtype_config"]
 
-SPARSE_CONV_TYPES: tuple[type, ...] = (sparse_conv.SparseConvolution,) + tuple(
+SPARSE_CONV_TYPES: tuple[type, ...] = (sparse_conv.SparseConvolution, DocumentedLayoutConv) + tuple(
     getattr(sparse_conv, name) for name in sparse_conv.__all__ if name != "SparseConvolution")
 SPARSE_POOL_TYPES: tuple[type, ...] = tuple(getattr(sparse_pool, name) for name in sparse_pool.__all__)
 BATCH_NORM_TYPES: tuple[type, ...] = (nn.BatchNorm1d, SparseBatchNorm, SparseSyncBatchNorm)
@@ -161,7 +161,7 @@ def _conv_configs(conv_type: type, dtype_configs: list[DTypeConfig]) -> list[Bac
 
 
 def _fused_configs(dtype_configs: list[DTypeConfig]) -> list[BackendPatternConfig]:
-    root = sparse_conv.SparseConvolution
+    root = DocumentedLayoutConv  # what QAT modules' to_float returns
     pairs = ((fused.SpconvReLUNd, qat.SparseConvReLU), (fused.SpconvBnNd, qat.SparseConvBn),
              (fused.SpconvBnReLUNd, qat.SparseConvBnReLU), (fused.SpconvAddReLUNd, qat.SparseConvAddReLU),
              (fused.SpconvBnAddReLUNd, qat.SparseConvBnAddReLU))
@@ -201,14 +201,18 @@ def get_spconv_backend_config(additional_bns: Optional[Sequence[type]] = None) -
 
 
 def get_spconv_prepare_custom_config(additional_bns: Optional[Sequence[type]] = None) -> PrepareCustomConfig:
-    """A ``PrepareCustomConfig`` whose non-traceable classes are the sparse layers (traced as leaves).
+    """A ``PrepareCustomConfig`` for sparse models; users extend ``non_traceable_module_classes`` as in spconv.
 
-    Users append their own (``cfg.non_traceable_module_classes.extend([...])``) as in spconv.
+    The sparse layers need no entry: they are leaves under any fx tracer
+    (`sparsecore.torch.fx`). Listing them as non-traceable, as spconv does, would
+    also keep ``prepare_qat_fx`` from giving a lone sparse conv its qconfig, so it
+    would never be swapped for its QAT module.
+
+    Args:
+        additional_bns: batch-norm classes of your own to keep whole (leaves).
     """
     config = PrepareCustomConfig()
-    config.non_traceable_module_classes = [*SPARSE_CONV_TYPES, *SPARSE_POOL_TYPES, SparseReLU, SparseBatchNorm,
-                                           SparseSyncBatchNorm, SparseIdentity, ToDense]
-    config.non_traceable_module_classes.extend(additional_bns or ())
+    config.non_traceable_module_classes = list(additional_bns or ())
     return config
 
 

@@ -20,7 +20,7 @@ from torch.ao.quantization.fake_quantize import (
     FakeQuantize,
     FixedQParamsFakeQuantize,
     FusedMovingAvgObsFakeQuantize,
-    default_fused_per_channel_wt_fake_quant,
+    default_per_channel_weight_fake_quant,
     default_weight_fake_quant,
 )
 from torch.ao.quantization.observer import (
@@ -142,11 +142,17 @@ default_symmetric_spconv_ptq_qconfig = QConfig(
 """PTQ: histogram-calibrated per-tensor activations, min-max per-channel weights (symmetric qint8)."""
 
 default_symmetric_spconv_qat_qconfig = QConfig(
-    activation=SparseFusedMovingAvgObsFakeQuantize.with_args(observer=MovingAverageMinMaxObserver,
-                                                             **_ACTIVATION_ARGS),
-    weight=default_fused_per_channel_wt_fake_quant,
+    activation=SparseMovingAvgObsFakeQuantize.with_args(observer=MovingAverageMinMaxObserver, **_ACTIVATION_ARGS),
+    weight=default_per_channel_weight_fake_quant,
 )
-"""QAT: moving-average per-tensor activation fake-quant, per-channel weight fake-quant (symmetric qint8)."""
+"""QAT: moving-average per-tensor activation fake-quant, per-channel weight fake-quant (symmetric qint8).
+
+Not torch's fused fake quantizers (``FusedMovingAvgObsFakeQuantize``, spconv's
+choice): on an all-positive input (a ReLU output) their kernel trains with zero
+point -128 and half the scale, while ``convert_fx`` takes the symmetric scale
+from ``calculate_qparams``, so the converted model would not compute what was
+trained. ``FakeQuantize`` trains with exactly the qparams conversion uses.
+"""
 
 
 def get_default_spconv_trt_ptq_qconfig(backend: str = "fbgemm", version: int = 0) -> QConfig:

@@ -7,9 +7,36 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..conv import SparseConvolution
+from ..conv import SparseConvolution, spconv_1x1_weight
 
-__all__ = ["fuse_spconv_bn_weights", "fuse_spconv_bn_eval", "clone_sparse_conv"]
+__all__ = ["fuse_spconv_bn_weights", "fuse_spconv_bn_eval", "clone_sparse_conv", "effective_weight",
+           "layer_indice_key", "DocumentedLayoutConv"]
+
+
+class DocumentedLayoutConv(SparseConvolution):
+    """A `SparseConvolution` that always reads its weight as documented (``[out, *kernel, in]``).
+
+    sparsecore's 1x1 layers read their stored weight as spconv does (``view(in, out)``,
+    spconv issue #450); the quantization passes work on the weight the layer
+    effectively multiplies with, so their float copies store that and read it as is.
+    """
+
+    @property
+    def reads_weight_as_spconv_1x1(self) -> bool:
+        return False
+
+
+def effective_weight(layer: SparseConvolution, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The ``[out, *kernel, in // groups]`` weight ``layer`` multiplies with (its 1x1 reading applied)."""
+    weight = layer.weight if weight is None else weight
+    if getattr(layer, "reads_weight_as_spconv_1x1", False):
+        return spconv_1x1_weight(weight, layer.in_channels, layer.out_channels)
+    return weight
+
+
+def layer_indice_key(layer: SparseConvolution) -> Optional[str]:
+    """The key the layer reads and saves its rulebook under (a submanifold 1x1 layer ignores its key)."""
+    return None if layer.conv1x1 and layer.subm else layer.indice_key
 
 
 def fuse_spconv_bn_weights(weight: torch.Tensor, bias: Optional[torch.Tensor], running_mean: torch.Tensor,
@@ -33,10 +60,13 @@ def fuse_spconv_bn_weights(weight: torch.Tensor, bias: Optional[torch.Tensor], r
 
 
 def clone_sparse_conv(conv: SparseConvolution) -> SparseConvolution:
-    """A plain `SparseConvolution` (the base class) with ``conv``'s configuration and parameters."""
+    """A `DocumentedLayoutConv` with ``conv``'s configuration, computing what ``conv`` computes.
+
+    Its stored weight is ``conv``'s effective weight (`effective_weight`).
+    """
     if not isinstance(conv, SparseConvolution):
         raise TypeError(f"expected a sparse convolution layer, got {type(conv).__name__}")
-    out = SparseConvolution(conv.ndim, conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+    out = DocumentedLayoutConv(conv.ndim, conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
                             conv.padding, conv.dilation, conv.groups, conv.bias is not None, subm=conv.subm,
                             output_padding=conv.output_padding, transposed=conv.transposed,
                             inverse=conv.inverse, indice_key=conv.indice_key, algo=conv.algo,
@@ -44,7 +74,7 @@ def clone_sparse_conv(conv: SparseConvolution) -> SparseConvolution:
                             act_type=conv.act_type, act_alpha=conv.act_alpha, act_beta=conv.act_beta,
                             name=conv.name, device=conv.weight.device, dtype=conv.weight.dtype)
     with torch.no_grad():
-        out.weight.copy_(conv.weight)
+        out.weight.copy_(effective_weight(conv))
         if conv.bias is not None:
             out.bias.copy_(conv.bias)
     for name, buffer in conv.named_buffers(recurse=False):
@@ -72,7 +102,7 @@ def fuse_spconv_bn_eval(conv: SparseConvolution, bn: nn.modules.batchnorm._Batch
         fused.bias = nn.Parameter(torch.zeros(conv.out_channels, device=conv.weight.device,
                                               dtype=conv.weight.dtype))
     fused.weight, fused.bias = fuse_spconv_bn_weights(
-        conv.weight.detach(), None if conv.bias is None else conv.bias.detach(), bn.running_mean,
+        fused.weight.detach(), None if conv.bias is None else conv.bias.detach(), bn.running_mean,
         bn.running_var, bn.eps, None if bn.weight is None else bn.weight.detach(),
         None if bn.bias is None else bn.bias.detach())
     return fused

@@ -18,17 +18,18 @@ import torch
 from torch import nn
 
 from ..._convert import core_context, core_view, to_torch
-from ..._geometry import check_input, layer_indice_data
+from ..._geometry import layer_indice_data
 from ...modules import SparseModule
 from ...pool import SparseMaxPool
 from ...tensor import SparseConvTensor
-from .._functional import int8_conv, int8_features, quantized_features
+from .._functional import check_int8_input, int8_conv, int8_features, quantized_features
+from ..utils import layer_indice_key
 from .reference import SpConv, quantize_weight_per_channel
 
 __all__ = ["SparseConv", "SparseConvReLU", "SparseConvAddReLU", "QuantizedSparseMaxPool",
            "LinearPerChannelWeight", "LinearPerChannelWeightReLU"]
 
-_CONFIG = ("ndim", "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+_CONFIG = ("conv1x1", "ndim", "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
            "output_padding", "groups", "subm", "transposed", "inverse", "indice_key", "algo", "_geometry", "name")
 
 
@@ -126,7 +127,7 @@ class QuantizedSparseMaxPool(SparseModule):
 
         layer = type(self).__name__
         values, scale = int8_features(layer, input)
-        check_input(layer, input.replace_feature(values), ndim=self.ndim)
+        check_int8_input(layer, input, values, None, self.ndim)
         data, indice_dict = layer_indice_data(layer, input, self._geometry, self.indice_key, self.algo)
         with core_context(values.device):
             out = to_torch(core_int8.int8_max_pool_forward(core_view(values, "features"), data.rulebook))

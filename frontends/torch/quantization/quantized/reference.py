@@ -16,7 +16,7 @@ import torch
 from ...conv import SparseConvolution
 from ...tensor import SparseConvTensor
 from .._functional import conv_with_weight
-from ..utils import clone_sparse_conv
+from ..utils import clone_sparse_conv, effective_weight
 
 __all__ = ["SpConv", "quantize_weight_per_channel"]
 
@@ -31,8 +31,15 @@ def quantize_weight_per_channel(weight: torch.Tensor, scales: torch.Tensor) -> t
 class SpConv(SparseConvolution):
     """A sparse conv whose weight is used as ``dequantize(quantize(w))`` (per-channel symmetric qint8).
 
-    Built by `from_float`; ``weight_scale`` (float32 ``[out]``) holds the scales.
+    Built by `from_float`; ``weight_scale`` (float32 ``[out]``) holds the scales. The
+    stored weight is the layer's effective ``[out, *kernel, in]`` weight (a 1x1 layer's
+    spconv reading already applied).
     """
+
+    @property
+    def reads_weight_as_spconv_1x1(self) -> bool:
+        """False: the stored weight is read as documented."""
+        return False
 
     @classmethod
     def from_float(cls, float_conv: SparseConvolution, weight_qparams: dict[str, Any]) -> "SpConv":
@@ -48,6 +55,12 @@ class SpConv(SparseConvolution):
                              f"{qscheme}; use get_default_spconv_qconfig_mapping")
         scale = torch.as_tensor(weight_qparams["scale"], dtype=torch.float32).reshape(-1)
         zero_point = torch.as_tensor(weight_qparams.get("zero_point", 0)).reshape(-1)
+        if getattr(float_conv, "reads_weight_as_spconv_1x1", False):
+            # torch observed the stored tensor, whose axis 0 is not the output channel of spconv's 1x1
+            # reading: take the per-channel symmetric scales of the weight the layer multiplies with
+            amax = effective_weight(float_conv).detach().abs().flatten(1).amax(dim=1).float()
+            scale = torch.clamp(amax / 127.5, min=torch.finfo(torch.float32).eps)
+            zero_point = torch.zeros_like(scale, dtype=torch.int64)
         if bool((zero_point != 0).any()):
             raise ValueError(f"sparse int8 needs weight zero points 0 (symmetric), got {zero_point.tolist()}")
         if scale.numel() == 1:

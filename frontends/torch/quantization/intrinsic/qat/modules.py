@@ -23,7 +23,7 @@ from torch import nn
 from ....conv import SparseConvolution
 from ....tensor import SparseConvTensor
 from ..._functional import conv_with_weight
-from ...utils import clone_sparse_conv, fuse_spconv_bn_weights
+from ...utils import clone_sparse_conv, effective_weight, fuse_spconv_bn_weights
 from .. import modules as fused
 
 __all__ = ["SparseConv", "SparseConvReLU", "SparseConvAddReLU", "SparseConvBn", "SparseConvBnReLU",
@@ -109,20 +109,22 @@ class _QatSparseConv(SparseConvolution):
 
     def folded_parameters(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The float weight and bias inference uses (batch norm folded with its running statistics)."""
+        weight = effective_weight(self)
         if not self._HAS_BN:
-            return self.weight, self.bias
+            return weight, self.bias
         bn = self.bn
-        return fuse_spconv_bn_weights(self.weight, self.bias, bn.running_mean, bn.running_var, bn.eps,
+        return fuse_spconv_bn_weights(weight, self.bias, bn.running_mean, bn.running_var, bn.eps,
                                       bn.weight, bn.bias)
 
     # -------------------------------------------------------------- forward
 
     def _conv(self, input: SparseConvTensor) -> SparseConvTensor:
+        weight = effective_weight(self)
         if not self._HAS_BN:
-            return conv_with_weight(self, input, self.weight_fake_quant(self.weight), self.bias)
+            return conv_with_weight(self, input, self.weight_fake_quant(weight), self.bias)
         scale = self._bn_scale()
-        shape = [-1] + [1] * (self.weight.dim() - 1)
-        weight = self.weight_fake_quant(self.weight * scale.reshape(shape))
+        shape = [-1] + [1] * (weight.dim() - 1)
+        weight = self.weight_fake_quant(weight * scale.reshape(shape))
         out = conv_with_weight(self, input, weight, None)
         if out.features.shape[0] == 0:
             return out
