@@ -555,6 +555,23 @@ def test_torch_layout_weight_is_a_layout_error_not_a_kernel_size_error(ndim):
         sc.conv_forward(x.features, np.ascontiguousarray(np.moveaxis(moved.numpy(), [0, -1], [-1, 0])), rulebook)
 
 
+def test_int64_indices_are_converted_once_when_they_fit_int32():
+    """The rule sparsecore.torch shares: any integer dtype whose values fit int32, converted once."""
+    case = SUBM[4]
+    features, indices, weight = case.inputs()
+    expected = do.evaluate(_dense_fn(case, indices, case.spatial_shape), features, indices, weight).values
+    for wide in (indices.astype(np.int64), torch.from_numpy(indices.astype(np.int64))):
+        x = sc.SparseTensor(features, wide, case.spatial_shape, case.batch_size)
+        assert x.indices.dtype == np.int32
+        np.testing.assert_array_equal(x.indices, indices)
+        y = sc.sparse_conv(x, weight, kind="subm", dilation=case.dilation, groups=case.groups)
+        do.assert_close(y.features, expected, "int64 indices")
+    too_wide = indices.astype(np.int64)
+    too_wide[0, 1] = 2**40
+    with pytest.raises(ValueError, match=r"indices has values outside the int32 range .*seen 0 to 1099511627776"):
+        sc.SparseTensor(features, too_wide, case.spatial_shape, case.batch_size)
+
+
 def test_row_count_message_reads_one_per_active_site(rb3d):
     n = rb3d.num_input
     with pytest.raises(ValueError) as caught:

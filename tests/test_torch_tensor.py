@@ -41,10 +41,32 @@ def test_features_must_be_2d():
         spconv.SparseConvTensor(features[:, :, None], indices, SHAPE, 2)
 
 
-def test_indices_must_be_int32():
+def test_int64_indices_are_converted_once_when_they_fit_int32():
+    """One rule with the core: any integer dtype whose values fit int32 is converted once."""
     features, indices = _data()
-    with pytest.raises(TypeError, match="indices must be int32.*got torch.int64"):
-        spconv.SparseConvTensor(features, indices.long(), SHAPE, 2)
+    for dtype in (torch.int64, torch.int16):
+        x = spconv.SparseConvTensor(features, indices.to(dtype), SHAPE, 2)
+        assert x.indices.dtype == torch.int32 and torch.equal(x.indices, indices)
+    same = spconv.SparseConvTensor(features, indices, SHAPE, 2)
+    assert same.indices is indices, "int32 indices are kept as they are"
+    x.indices = indices.long()  # spconv code assigns indices; the setter applies the same rule
+    assert x.indices.dtype == torch.int32 and torch.equal(x.indices, indices)
+    wide = indices.long()
+    wide[0, 1] = 2**40
+    with pytest.raises(ValueError) as caught:
+        spconv.SparseConvTensor(features, wide, SHAPE, 2)
+    message = str(caught.value)
+    assert message.startswith("indices (torch.int64) has values in [0, 1099511627776], outside the int32 range")
+
+
+def test_non_integer_indices_are_refused_with_the_fix():
+    features, indices = _data()
+    for bad in (indices.float(), indices.bool()):
+        with pytest.raises(TypeError) as caught:
+            spconv.SparseConvTensor(features, bad, SHAPE, 2)
+        message = str(caught.value)
+        assert message.startswith("indices must be an integer tensor (int32 as spconv stores them; int64")
+        assert f"got {bad.dtype}" in message and "indices.int()" in message
 
 
 def test_indices_must_have_ndim_plus_one_columns():

@@ -28,8 +28,11 @@ __all__ = [
     "core_float_view",
     "to_torch",
     "check_same_device",
+    "as_int32_indices",
     "FLOAT_DTYPES",
 ]
+
+_INT32 = torch.iinfo(torch.int32)
 
 #: Feature dtypes the frontend accepts (bfloat16 is computed in float32).
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -123,3 +126,30 @@ def check_same_device(layer: str, **tensors: torch.Tensor | None) -> torch.devic
             "(module.to(device), features.to(device), indices.to(device))."
         )
     return next(iter(devices.values()))
+
+
+def as_int32_indices(indices: Any, name: str = "indices") -> Any:
+    """``indices`` as int32, converted once from another integer dtype when its values fit int32.
+
+    The core's rule (`sparsecore.interop.as_indices`), applied to torch tensors:
+    int32 passes through unchanged (the same tensor); int64 (what ``torch.nonzero``,
+    ``torch.floor(...).long()`` and most loaders give), int16, int8 and uint8 are
+    range-checked and converted; anything else (floats, bools, non-tensors) is left
+    for the caller's validation to refuse by name.
+
+    Raises:
+        ValueError: for integer values outside the int32 range.
+    """
+    if not isinstance(indices, torch.Tensor) or indices.dtype == torch.int32:
+        return indices
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        return indices
+    if indices.numel():
+        low, high = int(indices.min()), int(indices.max())
+        if low < _INT32.min or high > _INT32.max:
+            raise ValueError(
+                f"{name} ({indices.dtype}) has values in [{low}, {high}], outside the int32 range "
+                f"[{_INT32.min}, {_INT32.max}]: coordinates must fit the grid (spatial_shape) and batch "
+                "indices the batch; check how the coordinates were computed"
+            )
+    return indices.to(torch.int32)

@@ -20,7 +20,7 @@ import sparsecore as sc
 from sparsecore.interop import (as_batch_size, as_spatial_shape, check_dense_size, check_indices_in_range,
                                check_unique_sites, memory_limit)
 
-from ._convert import core_context, core_view
+from ._convert import as_int32_indices, core_context, core_view
 
 __all__ = ["SparseConvTensor", "IndiceData", "expand_nd"]
 
@@ -141,6 +141,7 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
                  permanent_thrust_allocator: bool = False, enable_timer: bool = False,
                  force_algo: Any = None) -> None:
         shape = _as_shape_list(spatial_shape)
+        indices = as_int32_indices(indices)  # int64 & co. converted once when the values fit int32
         _validate(features, indices, shape, batch_size)
         _check_sites(indices, shape, int(batch_size))
         self._init(features, indices, shape, int(batch_size), grid, voxel_num, indice_dict, benchmark,
@@ -230,7 +231,7 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
 
     @indices.setter
     def indices(self, value: torch.Tensor) -> None:
-        self._indices = value
+        self._indices = as_int32_indices(value)
         self._trusted = False
 
     @property
@@ -462,8 +463,9 @@ def _validate(features: Any, indices: Any, spatial_shape: list[int], batch_size:
         raise ValueError(f"indices must be 2-D [N, ndim + 1] (batch index first), got shape {tuple(indices.shape)}")
     if indices.dtype != torch.int32:
         raise TypeError(
-            f"indices must be int32 (as spconv requires), got {indices.dtype}; convert with "
-            "indices.int()"
+            f"indices must be an integer tensor (int32 as spconv stores them; int64 and other integer "
+            f"dtypes are converted once when their values fit int32), got {indices.dtype}; floor "
+            "coordinates and convert with indices.int()"
         )
     ndim = indices.shape[1] - 1
     if len(spatial_shape) != ndim or not 1 <= ndim <= 4:
