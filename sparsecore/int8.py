@@ -22,7 +22,8 @@ fused into an FMA), in this order::
     out  = clip(rint(y / float32(output_scale)), -128, 127) as int8   (if output_scale), else y
 
 `quantize` uses that same last step, so a requantized output equals
-``quantize(y, output_scale)``. The NumPy backend (exact float32 GEMMs, see
+``quantize(y, output_scale)``. The NumPy backend (int32 sums in a compiled
+numba kernel, or exact float32 GEMMs without numba, see
 `sparsecore.backends._numpy_int8`) and the GPU kernel (``kernels_cu/int8.cu``:
 ``__dp4a`` with int32 sums, the epilogue with ``__fmul_rn`` / ``__fadd_rn`` /
 ``__fdiv_rn``) give the same bits; one exception, on the GPU only: CuPy

@@ -7,11 +7,14 @@ once from the dense float64 oracle (`dense_oracle`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import sparsecore as sc
 from sparsecore import int8 as q8
+from sparsecore.backends import NumpyBackend, _int8_cpu_kernels, _numpy_int8
 
 from int8_reference import (
     integer_sums,
@@ -22,6 +25,29 @@ from int8_reference import (
 )
 
 SHAPE = (7, 6, 5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Engine:
+    """The NumPy backend with its int8 conv on one engine ("compiled": numba; "blas": exact float32 GEMMs)."""
+
+    engine: str
+    inner: NumpyBackend = NumpyBackend()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def int8_conv_pairs(self, *args):
+        if self.engine == "compiled" and not _int8_cpu_kernels.available():
+            pytest.skip("numba is not installed")
+        return _numpy_int8.conv_pairs(self.inner, *args, engine=self.engine)
+
+
+ENGINES = {"compiled": _Engine("compiled"), "blas": _Engine("blas")}
+
+
+def _forward(engine: str, *args, **kwargs):
+    return q8.int8_conv_forward(*args, backend=ENGINES[engine], **kwargs)
 
 
 def _rng(*seed: int) -> np.random.Generator:
@@ -60,34 +86,38 @@ CHANNELS = [(1, 1), (3, 5), (13, 7), (32, 32), (33, 17), (64, 64), (96, 40)]
 
 @pytest.mark.parametrize("kind", ["subm", "regular", "transposed", "inverse"])
 @pytest.mark.parametrize("in_channels, out_channels", CHANNELS)
-def test_conv_matches_integer_reference(kind: str, in_channels: int, out_channels: int) -> None:
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_conv_matches_integer_reference(kind: str, in_channels: int, out_channels: int, engine: str) -> None:
     rng = _rng(len(kind), in_channels, out_channels)
     rulebook = _rulebook(kind, _sites(rng, 40))
     features, weight, scales = _layer(rng, rulebook, in_channels, out_channels)
     bias = rng.standard_normal(out_channels).astype(np.float32)
     common = dict(input_scale=0.05, weight_scales=scales, bias=bias)
     for output_scale, relu in ((0.4, False), (0.4, True), (None, False), (None, True)):
-        actual = q8.int8_conv_forward(features, weight, rulebook, output_scale=output_scale, relu=relu, **common)
+        actual = _forward(engine, features, weight, rulebook, output_scale=output_scale, relu=relu, **common)
         expected = reference_int8_conv(features, weight, rulebook, output_scale=output_scale, relu=relu, **common)
         same_bits(actual, expected, f"{kind} {in_channels}->{out_channels} out_scale={output_scale} relu={relu}")
-    quantized = q8.int8_conv_forward(features, weight, rulebook, output_scale=0.4, **common)
+    quantized = _forward(engine, features, weight, rulebook, output_scale=0.4, **common)
     assert len(np.unique(quantized)) > min(8, quantized.size // 4), "requantized output collapsed to few values"
 
 
 @pytest.mark.parametrize("groups, in_channels, out_channels", [(2, 12, 8), (3, 9, 6), (4, 20, 8), (6, 6, 6)])
 @pytest.mark.parametrize("kind", ["subm", "regular"])
-def test_grouped_conv_matches_integer_reference(groups: int, in_channels: int, out_channels: int, kind: str) -> None:
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_grouped_conv_matches_integer_reference(groups: int, in_channels: int, out_channels: int, kind: str,
+                                                 engine: str) -> None:
     rng = _rng(groups, in_channels, len(kind))
     rulebook = _rulebook(kind, _sites(rng, 35))
     features, weight, scales = _layer(rng, rulebook, in_channels, out_channels, groups)
     common = dict(input_scale=0.03, weight_scales=scales, output_scale=0.25, groups=groups)
-    same_bits(q8.int8_conv_forward(features, weight, rulebook, **common),
+    same_bits(_forward(engine, features, weight, rulebook, **common),
               reference_int8_conv(features, weight, rulebook, **common), f"groups={groups}")
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("output_scale", [0.3, None])
-def test_residual_and_relu(with_bias: bool, output_scale: float | None) -> None:
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_residual_and_relu(with_bias: bool, output_scale: float | None, engine: str) -> None:
     rng = _rng(7, int(with_bias), output_scale is None)
     rulebook = _rulebook("subm", _sites(rng, 50))
     features, weight, scales = _layer(rng, rulebook, 24, 16)
@@ -95,14 +125,15 @@ def test_residual_and_relu(with_bias: bool, output_scale: float | None) -> None:
     bias = rng.standard_normal(16).astype(np.float32) if with_bias else None
     common = dict(input_scale=0.02, weight_scales=scales, output_scale=output_scale, bias=bias, residual=residual,
                   residual_scale=0.07, relu=True)
-    actual = q8.int8_conv_forward(features, weight, rulebook, **common)
+    actual = _forward(engine, features, weight, rulebook, **common)
     same_bits(actual, reference_int8_conv(features, weight, rulebook, **common), "residual + relu")
     assert (np.asarray(actual) >= 0).all()
-    without = q8.int8_conv_forward(features, weight, rulebook, **{**common, "residual": None, "residual_scale": None})
+    without = _forward(engine, features, weight, rulebook, **{**common, "residual": None, "residual_scale": None})
     assert not np.array_equal(actual, without), "the residual changed nothing"
 
 
-def test_saturation_at_both_ends() -> None:
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_saturation_at_both_ends(engine: str) -> None:
     rng = _rng(11)
     dense_block = _sites(rng, 2 * 27, shape=(3, 3, 3))  # every site of two 3x3x3 grids: centres see 27 inputs
     rulebook = sc.build_rulebook(dense_block, (3, 3, 3), 2, sc.ConvGeometry.create(3, 3, kind="subm"))
@@ -111,33 +142,35 @@ def test_saturation_at_both_ends() -> None:
     weight[32:] = 127  # half the channels go to large negatives
     scales = np.full(64, 0.01, dtype=np.float32)
     common = dict(input_scale=0.01, weight_scales=scales, output_scale=0.01)
-    actual = q8.int8_conv_forward(features, weight, rulebook, **common)
+    actual = _forward(engine, features, weight, rulebook, **common)
     same_bits(actual, reference_int8_conv(features, weight, rulebook, **common), "saturated")
     acc = integer_sums(features, weight, rulebook, 1)
     assert np.abs(acc).max() > 2**24, "the case must exceed float32's exact integers (exercises the int32 spill)"
     assert (actual[:, :32] == 127).all() and (actual[:, 32:] == -128).all()
 
 
-def test_large_sums_stay_exact_in_float() -> None:
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_large_sums_stay_exact_in_float(engine: str) -> None:
     """Sums beyond 2^24 with distinct values: float32(acc) must be the int32 sum rounded once."""
     rng = _rng(12)
     rulebook = _rulebook("subm", _sites(rng, 120, batch_size=1), batch_size=1)
     features, weight, scales = _layer(rng, rulebook, 96, 8, low=100, high=127)
     common = dict(input_scale=1.0, weight_scales=np.ones(8, np.float32))
-    actual = q8.int8_conv_forward(features, weight, rulebook, **common)
+    actual = _forward(engine, features, weight, rulebook, **common)
     acc = integer_sums(features, weight, rulebook, 1)
     assert np.abs(acc).max() > 2**24
     same_bits(actual, acc.astype(np.int32).astype(np.float32), "float32(acc)")
 
 
-def test_wide_reduction_is_split_into_exact_slices() -> None:
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_wide_reduction_is_split_into_exact_slices(engine: str) -> None:
     rng = _rng(13)
     indices = _sites(rng, 9)
     rulebook = sc.build_rulebook(indices, SHAPE, 2, sc.ConvGeometry.create(3, 1, kind="subm"))
     features, weight, _ = _layer(rng, rulebook, 1500, 3, low=120, high=127)  # 1500 * 127 * 127 > 2^24
     common = dict(input_scale=1.0, weight_scales=np.ones(3, np.float32))
     acc = integer_sums(features, weight, rulebook, 1)
-    same_bits(q8.int8_conv_forward(features, weight, rulebook, **common),
+    same_bits(_forward(engine, features, weight, rulebook, **common),
               acc.astype(np.int32).astype(np.float32), "1500-channel reduction")
 
 
@@ -298,6 +331,23 @@ def test_bad_inputs_name_the_argument() -> None:
         q8.quantize(np.ones((2, 8), np.float32), np.ones(3, np.float32))
     with pytest.raises(TypeError, match="q must be an int8 array"):
         q8.dequantize(np.ones(3, np.float32), 0.1)
+
+
+def test_compiled_kernel_with_channels_compiled_in() -> None:
+    """The specialised kernel (channel counts as constants, used for large layers) sums like the generic one."""
+    if not _int8_cpu_kernels.available():
+        pytest.skip("numba is not installed")
+    rng = _rng(22)
+    rulebook = _rulebook("regular", _sites(rng, 50))
+    features, weight, _ = _layer(rng, rulebook, 12, 8, groups=2)
+    table = _int8_cpu_kernels.neighbour_table(rulebook.pair_input, rulebook.pair_output, rulebook.offset_starts,
+                                              rulebook.num_output)
+    matrices = np.ascontiguousarray(weight.reshape(2, 4, 27, 6).transpose(2, 0, 3, 1), dtype=np.int16)
+    generic = _int8_cpu_kernels.accumulate_int8_rows(features, table, matrices, 0)
+    specialised = _int8_cpu_kernels.accumulate_int8_rows(features, table, matrices, 10**9)
+    expected = integer_sums(features, weight, rulebook, 2)
+    same_bits(generic, expected.astype(np.int32), "generic kernel")
+    same_bits(specialised, expected.astype(np.int32), "specialised kernel")
 
 
 def test_exported_from_the_package() -> None:

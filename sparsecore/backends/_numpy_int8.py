@@ -1,4 +1,10 @@
-"""The NumPy backend's int8 feature passes: exact integer sums through float32 GEMMs.
+"""The NumPy backend's int8 feature passes: exact integer sums, then the float32 epilogue.
+
+Two engines give the same bits. The default, when numba imports, is the
+compiled output-stationary kernel of `_int8_cpu_kernels` (int8 x int16
+products summed in int32, each output row once, no intermediate arrays: the
+fastest option measured, see docs/benchmarks.md). Without numba, the sums run
+through float32 GEMMs, as follows.
 
 NumPy has no integer BLAS (its int32 ``matmul`` is a plain loop, ~10x slower
 than float32 BLAS here), so the int8 products run as float32 GEMMs and stay
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from . import _int8_cpu_kernels
 
 __all__ = ["Int8Epilogue", "apply_epilogue", "requantize", "conv_pairs", "max_pool_pairs", "EXACT_FLOAT32_LIMIT"]
 
@@ -83,23 +91,26 @@ def _epilogue_rows(xp: Any, values: Any, residual: Any | None, epilogue: Int8Epi
 
 
 def apply_epilogue(xp: Any, values: Any, epilogue: Int8Epilogue) -> Any:
-    """Applies the epilogue to float32 ``values [M, C_out]`` (``float32(acc)``), in place where it can.
+    """Applies the epilogue to ``values [M, C_out]``: int32 sums, or float32 ``float32(acc)`` (changed in place).
 
     Every step is elementwise, so running it on blocks of rows (NumPy, to stay
     in cache) or on the whole array gives the same bits.
 
     Returns:
-        int8 ``[M, C_out]`` when ``epilogue.output_scale`` is set, else ``values`` (float32).
+        int8 ``[M, C_out]`` when ``epilogue.output_scale`` is set, else float32.
     """
     count, channels = values.shape
     rows = max(1, _EPILOGUE_BLOCK_ELEMENTS // max(channels, 1))
     if xp is not np or count <= rows:
-        return _epilogue_rows(xp, values, epilogue.residual, epilogue)
-    out = values if epilogue.output_scale is None else np.empty((count, channels), dtype=np.int8)
+        return _epilogue_rows(xp, values.astype(xp.float32, copy=False), epilogue.residual, epilogue)
+    if epilogue.output_scale is not None:
+        out = np.empty((count, channels), dtype=np.int8)
+    else:
+        out = values if values.dtype == np.float32 else np.empty((count, channels), dtype=np.float32)
     for start in range(0, count, rows):
         block = slice(start, start + rows)
         residual = None if epilogue.residual is None else epilogue.residual[block]
-        out[block] = _epilogue_rows(np, values[block], residual, epilogue)
+        out[block] = _epilogue_rows(np, values[block].astype(np.float32, copy=False), residual, epilogue)
     return out
 
 
@@ -148,10 +159,37 @@ def _channel_slices(in_per_group: int, bound_per_channel: int) -> list[slice]:
     return [slice(start, min(start + width, in_per_group)) for start in range(0, in_per_group, width)]
 
 
+ENGINES = ("auto", "compiled", "blas")
+
+
 def conv_pairs(backend: Any, features: np.ndarray, weight: np.ndarray, pair_input: np.ndarray,
                pair_output: np.ndarray, run_starts: tuple[int, ...], num_output: int, identity_offset: int,
-               groups: int, epilogue: Int8Epilogue) -> np.ndarray:
-    """The int8 conv pass on NumPy (see `ArrayBackend.int8_conv_pairs`)."""
+               groups: int, epilogue: Int8Epilogue, engine: str = "auto") -> np.ndarray:
+    """The int8 conv pass on NumPy (see `ArrayBackend.int8_conv_pairs`).
+
+    Args:
+        engine: ``"compiled"``: int32 sums in the numba kernel of `_int8_cpu_kernels`
+            (output-stationary, no intermediate arrays); ``"blas"``: exact float32 GEMMs
+            per kernel offset (see the module docstring); ``"auto"``: compiled when numba
+            imports, else blas. Both give the same bits.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "compiled" or (engine == "auto" and _int8_cpu_kernels.available()):
+        out_channels, in_per_group = weight.shape[0], weight.shape[-1]
+        matrices = weight.reshape(groups, out_channels // groups, len(run_starts) - 1, in_per_group)
+        matrices = np.ascontiguousarray(matrices.transpose(2, 0, 3, 1), dtype=np.int16)  # [K, g, a, b]
+        table = _int8_cpu_kernels.neighbour_table(pair_input, pair_output, run_starts, num_output)
+        acc = _int8_cpu_kernels.accumulate_int8_rows(np.ascontiguousarray(features), table, matrices,
+                                                     run_starts[-1])
+        return apply_epilogue(np, acc, epilogue)
+    return _blas_conv_pairs(backend, features, weight, pair_input, pair_output, run_starts, num_output,
+                            identity_offset, groups, epilogue)
+
+
+def _blas_conv_pairs(backend: Any, features: np.ndarray, weight: np.ndarray, pair_input: np.ndarray,
+                     pair_output: np.ndarray, run_starts: tuple[int, ...], num_output: int, identity_offset: int,
+                     groups: int, epilogue: Int8Epilogue) -> np.ndarray:
     num_input, in_channels = features.shape
     out_channels, in_per_group = weight.shape[0], weight.shape[-1]
     volume = len(run_starts) - 1

@@ -6,8 +6,9 @@ against float32 `sparsecore.conv_forward` at 1 and 2 BLAS threads; on the
 GPU (``--device cuda``), the ``sc_int8_conv`` kernel against float16
 ``conv_forward`` (cuBLAS). The rulebook is built once, outside the timings.
 
-The CPU thread count must be fixed before NumPy loads its BLAS, so each
-thread count runs in a child process started with the thread variables set.
+The CPU thread count must be fixed before NumPy loads its BLAS (and numba its
+thread pool), so each thread count runs in a child process started with the
+thread variables (and ``NUMBA_NUM_THREADS``) set.
 The variants are timed in alternation (float, int8, float, ...), so a machine
 shared with other work loads them alike; the table gives the median and the
 minimum of the runs.
@@ -150,7 +151,7 @@ def _gpu_timings(voxels_path: str | None, seed: int, repeat: int) -> tuple[list[
 
 def _child_rows(arguments: argparse.Namespace, threads: int) -> list[Int8Timing]:
     environment = dict(os.environ)
-    environment.update({variable: str(threads) for variable in THREAD_VARIABLES})
+    environment.update({variable: str(threads) for variable in (*THREAD_VARIABLES, "NUMBA_NUM_THREADS")})
     command = [sys.executable, "-m", "sparsecore.benchmark", "int8", "--child", str(threads),
                "--repeat", str(arguments.repeat), "--seed", str(arguments.seed)]
     if arguments.voxels:

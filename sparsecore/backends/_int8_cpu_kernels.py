@@ -1,0 +1,107 @@
+"""Compiled CPU kernel of the int8 conv's integer sums (numba, compiled on first use).
+
+`accumulate_int8_rows` computes, for every output row ``d``,
+``acc[d] = sum_k x[table[d, k]] @ block-diagonal(W_k)`` with int8 inputs, int16
+weights and int32 accumulators: output-stationary (each row's neighbours read
+once, its sums kept in a row buffer, written once), no intermediate arrays,
+exact (the int32 bound is checked by `sparsecore.int8`), bitwise identical at
+every thread count (a row is one thread's; ``prange`` over fixed blocks of rows).
+Channel counts become compile-time constants for layers of at least
+`SPECIALISE_MIN_PAIR_MACS` multiply-adds, where they let LLVM keep a row's
+sums in vector registers; smaller layers share one generic kernel. Kernels
+use numba's on-disk cache. numba is imported only when a kernel is first
+needed; `available` says whether it can be.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["ROW_BLOCK", "SPECIALISE_MIN_PAIR_MACS", "available", "neighbour_table", "accumulate_int8_rows"]
+
+ROW_BLOCK = 64
+"""Output rows per ``prange`` work item (a fixed split, independent of the thread count)."""
+
+SPECIALISE_MIN_PAIR_MACS = 100_000_000
+"""A layer's ``pairs * in_per_group * out_channels`` from which its channel counts are compiled in."""
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether numba imports here."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def neighbour_table(pair_input: np.ndarray, pair_output: np.ndarray, offset_starts: tuple[int, ...],
+                    num_output: int) -> np.ndarray:
+    """int32 ``[num_output, K]``: the input row paired with each output row through each offset, or -1."""
+    volume = len(offset_starts) - 1
+    table = np.full((num_output, volume), -1, dtype=np.int32)
+    counts = np.diff(np.asarray(offset_starts, dtype=np.int64))
+    offsets = np.repeat(np.arange(volume, dtype=np.intp), counts)
+    np.put(table, pair_output.astype(np.intp) * volume + offsets, pair_input)  # a flat put: ~4x a 2-D fancy store
+    return table
+
+
+def _make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int, block: int) -> Callable[..., None]:
+    from numba import njit, prange
+
+    def accumulate(source: Any, table: Any, matrices: Any, out: Any) -> None:
+        groups = groups_constant if groups_constant else matrices.shape[1]
+        in_per_group = in_constant if in_constant else matrices.shape[2]
+        out_per_group = out_constant if out_constant else matrices.shape[3]
+        width = groups * out_per_group
+        volume = table.shape[1]
+        rows = out.shape[0]
+        for item in prange((rows + block - 1) // block):
+            accumulator = np.empty(width, dtype=np.int32)
+            for row in range(item * block, min(rows, (item + 1) * block)):
+                for column in range(width):
+                    accumulator[column] = 0
+                for offset in range(volume):
+                    neighbour = table[row, offset]
+                    if neighbour < 0:
+                        continue
+                    for group in range(groups):
+                        for channel in range(in_per_group):
+                            value = np.int32(source[neighbour, group * in_per_group + channel])
+                            for column in range(out_per_group):
+                                accumulator[group * out_per_group + column] += (
+                                    value * np.int32(matrices[offset, group, channel, column]))
+                for column in range(width):
+                    out[row, column] = accumulator[column]
+
+    return njit(parallel=True, cache=True, nogil=True)(accumulate)
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_kernel(groups: int, in_per_group: int, out_per_group: int) -> Any:
+    return _make_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK)
+
+
+def accumulate_int8_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, pairs: int) -> np.ndarray:
+    """int32 ``[M, groups * b]`` sums ``sum_k source[table[d, k]] @ block-diagonal(matrices[k])``.
+
+    Args:
+        source: int8 ``[N, groups * a]``, C-contiguous.
+        table: int32 ``[M, K]`` from `neighbour_table`.
+        matrices: int16 ``[K, groups, a, b]``, C-contiguous.
+        pairs: the number of pairs (decides whether the channel counts are compiled in).
+    """
+    _, groups, in_per_group, out_per_group = matrices.shape
+    out = np.zeros((table.shape[0], groups * out_per_group), dtype=np.int32)
+    if out.size == 0 or table.shape[1] == 0 or in_per_group == 0:
+        return out
+    if pairs * in_per_group * groups * out_per_group >= SPECIALISE_MIN_PAIR_MACS:
+        kernel = _rows_kernel(groups, in_per_group, out_per_group)
+    else:
+        kernel = _rows_kernel(0, 0, 0)
+    kernel(source, table, matrices, out)
+    return out
