@@ -333,6 +333,20 @@ def test_bad_inputs_name_the_argument() -> None:
         q8.dequantize(np.ones(3, np.float32), 0.1)
 
 
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_requantization_ties_round_to_even(engine: str) -> None:
+    """With unit scales and output_scale 2, every odd sum lands on a tie x.5 (half of them)."""
+    rng = _rng(23)
+    rulebook = _rulebook("subm", _sites(rng, 60))
+    features, weight, _ = _layer(rng, rulebook, 5, 6, low=-3, high=3)
+    common = dict(input_scale=1.0, weight_scales=np.ones(6, np.float32), output_scale=2.0)
+    acc = integer_sums(features, weight, rulebook, 1)
+    assert (acc % 2 == 1).mean() > 0.3
+    expected = np.clip(np.rint(acc / 2.0), -128, 127).astype(np.int8)  # numpy's rint: ties to even
+    same_bits(_forward(engine, features, weight, rulebook, **common), expected, "ties")
+    assert (expected[acc % 4 == 1] == (acc[acc % 4 == 1] - 1) // 2).all()  # 2k + 0.5 -> 2k (even), not up
+
+
 def test_compiled_kernel_with_channels_compiled_in() -> None:
     """The specialised kernel (channel counts as constants, used for large layers) sums like the generic one."""
     if not _int8_cpu_kernels.available():
@@ -343,11 +357,16 @@ def test_compiled_kernel_with_channels_compiled_in() -> None:
     table = _int8_cpu_kernels.neighbour_table(rulebook.pair_input, rulebook.pair_output, rulebook.offset_starts,
                                               rulebook.num_output)
     matrices = np.ascontiguousarray(weight.reshape(2, 4, 27, 6).transpose(2, 0, 3, 1), dtype=np.int16)
-    generic = _int8_cpu_kernels.accumulate_int8_rows(features, table, matrices, 0)
-    specialised = _int8_cpu_kernels.accumulate_int8_rows(features, table, matrices, 10**9)
-    expected = integer_sums(features, weight, rulebook, 2)
-    same_bits(generic, expected.astype(np.int32), "generic kernel")
-    same_bits(specialised, expected.astype(np.int32), "specialised kernel")
+    ones = np.ones(8, np.float32)
+    for output_scale in (None, 7.0):
+        epilogue = _numpy_int8.Int8Epilogue(ones, None, None, np.float32(1), False,
+                                            None if output_scale is None else np.float32(output_scale))
+        generic = _int8_cpu_kernels.int8_rows(features, table, matrices, 0, epilogue)
+        specialised = _int8_cpu_kernels.int8_rows(features, table, matrices, 10**9, epilogue)
+        expected = reference_int8_conv(features, weight, rulebook, input_scale=1.0, weight_scales=ones,
+                                       output_scale=output_scale, groups=2)
+        same_bits(generic, expected, "generic kernel")
+        same_bits(specialised, expected, "specialised kernel")
 
 
 def test_exported_from_the_package() -> None:

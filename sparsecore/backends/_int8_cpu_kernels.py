@@ -1,8 +1,9 @@
-"""Compiled CPU kernel of the int8 conv's integer sums (numba, compiled on first use).
+"""Compiled CPU kernel of the int8 conv (numba, compiled on first use).
 
-`accumulate_int8_rows` computes, for every output row ``d``,
+`int8_rows` computes, for every output row ``d``,
 ``acc[d] = sum_k x[table[d, k]] @ block-diagonal(W_k)`` with int8 inputs, int16
-weights and int32 accumulators: output-stationary (each row's neighbours read
+weights and int32 accumulators, then the float32 epilogue of `sparsecore.int8`
+(the same steps as `_numpy_int8.apply_epilogue`, each rounded once): output-stationary (each row's neighbours read
 once, its sums kept in a row buffer, written once), no intermediate arrays,
 exact (the int32 bound is checked by `sparsecore.int8`), bitwise identical at
 every thread count (a row is one thread's; ``prange`` over fixed blocks of rows).
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["ROW_BLOCK", "SPECIALISE_MIN_PAIR_MACS", "available", "neighbour_table", "accumulate_int8_rows"]
+__all__ = ["ROW_BLOCK", "SPECIALISE_MIN_PAIR_MACS", "available", "neighbour_table", "int8_rows"]
 
 ROW_BLOCK = 64
 """Output rows per ``prange`` work item (a fixed split, independent of the thread count)."""
@@ -50,16 +51,20 @@ def neighbour_table(pair_input: np.ndarray, pair_output: np.ndarray, offset_star
     return table
 
 
-def _make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int, block: int) -> Callable[..., None]:
+def _make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int, block: int,
+                      quantize: bool) -> Callable[..., None]:
     from numba import njit, prange
 
-    def accumulate(source: Any, table: Any, matrices: Any, out: Any) -> None:
+    def accumulate(source: Any, table: Any, matrices: Any, multiplier: Any, bias: Any, has_bias: bool,
+                   residual: Any, has_residual: bool, residual_scale: Any, relu: bool, output_scale: Any,
+                   out: Any) -> None:
         groups = groups_constant if groups_constant else matrices.shape[1]
         in_per_group = in_constant if in_constant else matrices.shape[2]
         out_per_group = out_constant if out_constant else matrices.shape[3]
         width = groups * out_per_group
         volume = table.shape[1]
         rows = out.shape[0]
+        zero = np.float32(0)
         for item in prange((rows + block - 1) // block):
             accumulator = np.empty(width, dtype=np.int32)
             for row in range(item * block, min(rows, (item + 1) * block)):
@@ -75,33 +80,63 @@ def _make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int,
                             for column in range(out_per_group):
                                 accumulator[group * out_per_group + column] += (
                                     value * np.int32(matrices[offset, group, channel, column]))
+                # the epilogue of sparsecore.int8, float32 steps each rounded once (no fast-math,
+                # so no FMA contraction)
                 for column in range(width):
-                    out[row, column] = accumulator[column]
+                    y = np.float32(accumulator[column]) * multiplier[column]
+                    if has_bias:
+                        y = y + bias[column]
+                    if has_residual:
+                        y = y + np.float32(residual[row, column]) * residual_scale
+                    if relu and y < zero:
+                        y = zero
+                    if quantize:
+                        q = np.rint(y / output_scale)
+                        if q < -128:
+                            q = -128
+                        elif q > 127:
+                            q = 127
+                        out[row, column] = np.int8(q)
+                    else:
+                        out[row, column] = y
 
     return njit(parallel=True, cache=True, nogil=True)(accumulate)
 
 
 @functools.lru_cache(maxsize=None)
-def _rows_kernel(groups: int, in_per_group: int, out_per_group: int) -> Any:
-    return _make_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK)
+def _rows_kernel(groups: int, in_per_group: int, out_per_group: int, quantize: bool) -> Any:
+    return _make_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK, quantize)
 
 
-def accumulate_int8_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, pairs: int) -> np.ndarray:
-    """int32 ``[M, groups * b]`` sums ``sum_k source[table[d, k]] @ block-diagonal(matrices[k])``.
+def int8_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, pairs: int, epilogue: Any) -> np.ndarray:
+    """The int8 conv of every output row, sums and epilogue fused.
+
+    ``acc[d] = sum_k source[table[d, k]] @ block-diagonal(matrices[k])`` in int32, then the
+    epilogue of `sparsecore.int8` (``epilogue``: a `_numpy_int8.Int8Epilogue` on NumPy arrays).
 
     Args:
         source: int8 ``[N, groups * a]``, C-contiguous.
         table: int32 ``[M, K]`` from `neighbour_table`.
         matrices: int16 ``[K, groups, a, b]``, C-contiguous.
         pairs: the number of pairs (decides whether the channel counts are compiled in).
+        epilogue: scales, bias, residual, relu and output scale.
+
+    Returns:
+        int8 ``[M, groups * b]`` with ``epilogue.output_scale``, else float32.
     """
     _, groups, in_per_group, out_per_group = matrices.shape
-    out = np.zeros((table.shape[0], groups * out_per_group), dtype=np.int32)
-    if out.size == 0 or table.shape[1] == 0 or in_per_group == 0:
+    quantize = epilogue.output_scale is not None
+    out = np.empty((table.shape[0], groups * out_per_group), dtype=np.int8 if quantize else np.float32)
+    if out.size == 0:
         return out
-    if pairs * in_per_group * groups * out_per_group >= SPECIALISE_MIN_PAIR_MACS:
-        kernel = _rows_kernel(groups, in_per_group, out_per_group)
-    else:
-        kernel = _rows_kernel(0, 0, 0)
-    kernel(source, table, matrices, out)
+    constants = (groups, in_per_group, out_per_group)
+    if pairs * in_per_group * groups * out_per_group < SPECIALISE_MIN_PAIR_MACS:
+        constants = (0, 0, 0)
+    kernel = _rows_kernel(*constants, quantize)
+    has_bias, has_residual = epilogue.bias is not None, epilogue.residual is not None
+    kernel(source, table, matrices, np.ascontiguousarray(epilogue.multiplier, dtype=np.float32),
+           np.ascontiguousarray(epilogue.bias if has_bias else np.zeros(1), dtype=np.float32), has_bias,
+           np.ascontiguousarray(epilogue.residual if has_residual else np.zeros((1, 1)), dtype=np.int8),
+           has_residual, np.float32(epilogue.residual_scale), bool(epilogue.relu),
+           np.float32(epilogue.output_scale if quantize else 1), out)
     return out

@@ -180,9 +180,8 @@ def conv_pairs(backend: Any, features: np.ndarray, weight: np.ndarray, pair_inpu
         matrices = weight.reshape(groups, out_channels // groups, len(run_starts) - 1, in_per_group)
         matrices = np.ascontiguousarray(matrices.transpose(2, 0, 3, 1), dtype=np.int16)  # [K, g, a, b]
         table = _int8_cpu_kernels.neighbour_table(pair_input, pair_output, run_starts, num_output)
-        acc = _int8_cpu_kernels.accumulate_int8_rows(np.ascontiguousarray(features), table, matrices,
-                                                     run_starts[-1])
-        return apply_epilogue(np, acc, epilogue)
+        return _int8_cpu_kernels.int8_rows(np.ascontiguousarray(features), table, matrices, run_starts[-1],
+                                           epilogue)
     return _blas_conv_pairs(backend, features, weight, pair_input, pair_output, run_starts, num_output,
                             identity_offset, groups, epilogue)
 
