@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Union
 
-from .graph import (
+from .nodes import (
     ACTIVATIONS,
     SUPPORTED_OPS,
     AddNode,
@@ -30,9 +30,8 @@ from .graph import (
     ReshapeNode,
     ScatterDenseNode,
     TransposeNode,
-    parse_model,
-    read_model,
 )
+from .graph import parse_model, read_model
 from .session import DTYPES, RuntimeOutput, Session
 
 __all__ = [

@@ -17,7 +17,7 @@ import numpy as np
 from .._dispatch import array_module, device_of, to_core_array
 from ..functional import sparse_conv
 from ..tensor import SparseTensor
-from .graph import AddNode, ConvNode, Graph, GraphError, ReluNode, ReshapeNode, ScatterDenseNode, TransposeNode
+from .nodes import AddNode, ConvNode, Graph, GraphError, ReluNode, ReshapeNode, ScatterDenseNode, TransposeNode
 
 __all__ = ["Session", "RuntimeOutput", "DTYPES"]
 
