@@ -30,6 +30,24 @@ __all__ = ["quantize_per_tensor", "quantized_add", "quantized_add_relu", "transf
 Quantizable = Union[SparseConvTensor, torch.Tensor]
 
 
+def _fx_function(function):
+    """Records ``function`` as one ``call_function`` node when called on fx Proxies (a saved GraphModule
+    is re-traced when it is loaded), and runs it otherwise."""
+    import functools
+
+    from ..fx import active_tracer
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        tracer = active_tracer(args, kwargs)
+        if tracer is not None:
+            return tracer.create_proxy("call_function", wrapper, args, kwargs)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+@_fx_function
 def quantize_per_tensor(value: Union[Quantizable, Sequence[Quantizable]], scale: Any, zero_point: Any,
                         dtype: torch.dtype) -> Any:
     """``torch.quantize_per_tensor`` that also takes SparseConvTensors (their features are quantized).
@@ -69,11 +87,13 @@ def _quantized_add(x: Quantizable, y: Quantizable, scale: Any, zero_point: Any, 
     return base.replace_feature(out) if isinstance(base, SparseConvTensor) else out
 
 
+@_fx_function
 def quantized_add(x: Quantizable, y: Quantizable, scale: Any, zero_point: Any) -> Quantizable:
     """``torch.ops.quantized.add`` for qint8 tensors or SparseConvTensors (float32 sum, round half even)."""
     return _quantized_add(x, y, scale, zero_point, relu=False)
 
 
+@_fx_function
 def quantized_add_relu(x: Quantizable, y: Quantizable, scale: Any, zero_point: Any) -> Quantizable:
     """``torch.ops.quantized.add_relu`` for qint8 tensors or SparseConvTensors."""
     return _quantized_add(x, y, scale, zero_point, relu=True)
