@@ -301,6 +301,28 @@ def test_the_cupy_backend_reads_cupy_tf32_at_import(value, expected):
     assert result.stdout.split() == ["CublasGemm", expected]
 
 
+def test_the_default_wiring_is_cupys_cublas_module_handle_and_current_stream(monkeypatch):
+    """With no library or context given: ``cupy_backends.cuda.libs.cublas``, CuPy's handle, CuPy's current stream."""
+    import cupy
+    import cupy_backends.cuda.libs as libs
+
+    library = ModelCublas()
+    monkeypatch.setitem(vars(libs), "cublas", library)  # CuPy's module cannot load without libcublas
+    monkeypatch.setattr(cupy.cuda.device, "get_cublas_handle", lambda: 31337)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: type("Stream", (), {"ptr": 2468})())
+    from sparsecore.backends.cupy_backend import CUPY_BACKEND
+
+    rng = rng_for(38)
+    left = rng.uniform(-2, 2, (3, 5, 4)).astype(np.float16)
+    right = rng.uniform(-2, 2, (3, 4, 2)).astype(np.float16)
+    out = dataclasses.replace(CUPY_BACKEND, xp=np).matmul(left, right)  # NumPy arrays stand in for CuPy's
+    assert library.calls[0] == ("setStream", 31337, 2468)
+    (call,) = library.gemms
+    assert (call["handle"], call["Atype"], call["computeType"], call["algo"]) == (31337, R_16F, COMPUTE_32F,
+                                                                                 GEMM_DEFAULT_TENSOR_OP)
+    _assert_matches_matmul(out, left, right)
+
+
 def test_operand_layout_rules():
     assert operand_layout((3, 4), (4, 1)).transposed is False
     assert operand_layout((3, 4), (1, 3)) == gemm_module.OperandLayout(True, 3, 0)

@@ -369,6 +369,10 @@ def test_the_emulation_catches_reads_far_past_the_end_and_any_write_past_it():
     features = np.ones((6, 2), np.float32)
     with pytest.raises(harness.OutOfBoundsAccess, match=r"argument 0 .* accessed element 2000[0-9]"):
         launch.max_pool_forward(features, np.array([1, 10000], np.int32), np.array([0, 2], np.int64))
+    # a read just past the end of input_rows finds the canary (0x7f7f7f7f as a row): a wild access
+    with pytest.raises(harness.OutOfBoundsAccess, match=r"sc_max_pool_forward<float>: accessed address .* outside "
+                                                        r"every array argument"):
+        launch.max_pool_forward(features, np.array([1, 2], np.int32), np.array([0, 3], np.int64))
     gather = harness.load_module("gather_scatter.cu").get_function(kernel_registry.name_expression(
         "sc_gather_rows", "float32"))
     source = np.arange(12, dtype=np.float32).reshape(6, 2)

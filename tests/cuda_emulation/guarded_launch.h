@@ -15,7 +15,10 @@
 // there poisons the result. A fault in a guard is recorded (argument and byte
 // offset), the page is opened so the thread can go on, and the launch reports
 // status 2; the harness raises with the kernel, the argument and the index.
-// Faults anywhere else go to the previous handler (a real crash stays one).
+// A fault at an unmapped address outside every array (a wild index, e.g. a
+// row read from a canary) is recorded too: a zero page is mapped there for
+// the rest of the launch and removed after it. Faults at mapped but protected
+// addresses go to the previous handler (a real crash stays one).
 // Kernels with several blocks of threads fault concurrently: only the first
 // fault is kept. Arguments that overlap in memory are passed unguarded (their
 // copies would diverge).
@@ -52,7 +55,12 @@ inline GuardedRegion guarded_regions[kMaxGuardedArguments];
 inline std::atomic<int> guarded_region_count{0};
 inline std::atomic<int> fault_argument{-1};
 inline std::atomic<long long> fault_offset{0};
-inline std::atomic<int> fault_kind{0};  // 1: access in a guard, 2: the canary after the data was overwritten
+// 1: access in a guard, 2: the canary after the data was overwritten, 3: an unmapped address elsewhere
+inline std::atomic<int> fault_kind{0};
+inline std::atomic<std::uintptr_t> fault_address{0};
+constexpr int kMaxWildPages = 64;
+inline void* wild_pages[kMaxWildPages];
+inline std::atomic<int> wild_page_count{0};
 inline std::mutex guarded_launch_mutex;
 inline struct sigaction previous_segv_action;
 inline struct sigaction previous_bus_action;
@@ -76,7 +84,26 @@ inline void guard_fault_handler(int signal_number, siginfo_t* info, void* contex
     mprotect(page_start, page, PROT_READ | PROT_WRITE);
     return;
   }
-  // not ours: hand the fault to whoever handled it before (the access re-executes and faults again)
+  // an unmapped address (a wild index): map a zero page there so the thread can go on
+  const std::size_t page = page_bytes();
+  void* page_start = reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(address) & ~(page - 1));
+  const int slot = wild_page_count.fetch_add(1);
+  if (slot < kMaxWildPages) {
+    void* mapped = mmap(page_start, page, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (mapped == page_start) {
+      wild_pages[slot] = mapped;
+      int expected = -1;
+      if (fault_argument.compare_exchange_strong(expected, kMaxGuardedArguments)) {
+        fault_address.store(reinterpret_cast<std::uintptr_t>(address));
+        fault_kind.store(3);
+      }
+      return;
+    }
+    if (mapped != MAP_FAILED) munmap(mapped, page);
+    wild_pages[slot] = nullptr;
+  }
+  // mapped but protected, or too many: hand the fault to whoever handled it before (it re-executes)
   sigaction(signal_number, signal_number == SIGBUS ? &previous_bus_action : &previous_segv_action, nullptr);
   (void)context;
 }
@@ -150,6 +177,8 @@ int guarded_launch(void (*kernel)(Params...), unsigned int grid, unsigned int bl
   fault_argument.store(-1);
   fault_offset.store(0);
   fault_kind.store(0);
+  fault_address.store(0);
+  wild_page_count.store(0);
   int status = failed ? 3 : 0;
   if (!failed) {
     guarded_region_count.store(regions);
@@ -183,6 +212,10 @@ int guarded_launch(void (*kernel)(Params...), unsigned int grid, unsigned int bl
     }
   }
   for (int r = 0; r < regions; ++r) munmap(guarded_regions[r].reserve, guarded_regions[r].reserve_bytes);
+  const int wild = wild_page_count.load() < kMaxWildPages ? wild_page_count.load() : kMaxWildPages;
+  for (int w = 0; w < wild; ++w) {
+    if (wild_pages[w]) munmap(wild_pages[w], page_bytes());
+  }
   if (status == 0 && fault_argument.load() >= 0) status = 2;
   return status;
 }

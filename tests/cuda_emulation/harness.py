@@ -66,7 +66,8 @@ def _wrapper_source(file: str) -> str:
     lines = ['#include "guarded_launch.h"', f'#include "{file}"', "", 'extern "C" {',
              "int sc_emu_fault_argument() { return sc_emu::fault_argument.load(); }",
              "long long sc_emu_fault_offset() { return sc_emu::fault_offset.load(); }",
-             "int sc_emu_fault_kind() { return sc_emu::fault_kind.load(); }"]
+             "int sc_emu_fault_kind() { return sc_emu::fault_kind.load(); }",
+             "unsigned long long sc_emu_fault_address() { return sc_emu::fault_address.load(); }"]
     for index, expression in enumerate(kernel_registry.kernel_file(file).name_expressions):
         lines += [
             f"int sc_emu_launch_{index}(unsigned int grid, unsigned int block, void** args, "
@@ -228,6 +229,11 @@ class EmulatedKernel:
 
     def _out_of_bounds(self, args: Sequence[Any]) -> OutOfBoundsAccess:
         position = int(self._library.sc_emu_fault_argument())
+        if int(self._library.sc_emu_fault_kind()) == 3:
+            return OutOfBoundsAccess(
+                f"{self.expression}: accessed address {int(self._library.sc_emu_fault_address()):#x}, outside "
+                "every array argument (a wild index: an out-of-range row, or one read past the end of an array)"
+            )
         offset = int(self._library.sc_emu_fault_offset())
         array = args[position]
         element = offset // array.itemsize if array.itemsize else offset
@@ -257,6 +263,7 @@ class EmulatedModule:
         self.file = file
         self._library = ctypes.CDLL(str(library))
         self._library.sc_emu_fault_offset.restype = ctypes.c_longlong
+        self._library.sc_emu_fault_address.restype = ctypes.c_ulonglong
         self._kernels: dict[str, EmulatedKernel] = {}
         for index, expression in enumerate(kernel_registry.kernel_file(file).name_expressions):
             launch = getattr(self._library, f"sc_emu_launch_{index}")
