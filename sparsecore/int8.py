@@ -80,8 +80,12 @@ def _as_scale(value: Any, name: str) -> np.float32:
     return scale
 
 
-def _as_channel_scales(value: Any, name: str, count: int, xp: Any) -> Any:
-    """Positive, finite per-channel scales as a float32 ``[count]`` array of ``xp`` (a scalar broadcasts)."""
+def _as_channel_scales(value: Any, name: str, count: int, xp: Any, check_values: bool = True) -> Any:
+    """Positive, finite per-channel scales as a float32 ``[count]`` array of ``xp`` (a scalar broadcasts).
+
+    ``check_values=False`` leaves out the value check (a host synchronisation on the
+    GPU) for a caller that checks a product of the scales instead.
+    """
     if isinstance(value, (bool, int, float, np.generic)):
         return xp.full(count, _as_scale(value, name), dtype=xp.float32)
     array = to_core_array(value, name)
@@ -95,7 +99,7 @@ def _as_channel_scales(value: Any, name: str, count: int, xp: Any) -> Any:
     if array.dtype.kind != "f":
         raise TypeError(f"{name} must be a float array, got dtype {array.dtype}")
     scales = xp.asarray(array, dtype=xp.float32)
-    if count and not bool(xp.all(xp.isfinite(scales) & (scales > 0))):
+    if check_values and count and not bool(xp.all(xp.isfinite(scales) & (scales > 0))):
         bad = int(xp.argmax(~(xp.isfinite(scales) & (scales > 0))))
         raise ValueError(
             f"{name}[{bad}] = {float(scales[bad])!r}: every scale must be positive and finite in float32; "
@@ -243,14 +247,14 @@ def _on_host(value: Any, name: str) -> np.ndarray:
     return np.asarray(array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else array)
 
 
-def _as_bias(bias: Any, count: int, xp: Any) -> Any:
+def _as_bias(bias: Any, count: int, xp: Any, check_values: bool = True) -> Any:
     bias = to_core_array(bias, "bias")
     if bias.shape != (count,):
         raise ValueError(f"bias must have shape [{count}] (out_channels), got {tuple(bias.shape)}")
     if bias.dtype.kind != "f":
         raise TypeError(f"bias must be a float array (the layer's float bias), got dtype {bias.dtype}")
     bias = xp.asarray(bias, dtype=xp.float32)
-    if count and not bool(xp.isfinite(bias).all()):
+    if check_values and count and not bool(xp.isfinite(bias).all()):
         raise ValueError("bias holds NaN or infinity; an int8 layer needs a finite bias")
     return bias
 
@@ -343,16 +347,14 @@ def int8_conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, 
     backend = backend if backend is not None else backend_for(features)
     check_padded_pairs(rulebook, backend)
     xp = backend.xp
-    multiplier = _as_channel_scales(weight_scales, "weight_scales", out_channels, xp)
-    multiplier = xp.multiply(multiplier, _as_scale(input_scale, "input_scale"), dtype=xp.float32)
-    smallest_normal = np.finfo(np.float32).tiny  # the GPU flushes smaller (subnormal) values to zero
-    if out_channels and not bool(xp.all((multiplier >= smallest_normal) & xp.isfinite(multiplier))):
-        raise ValueError(
-            f"input_scale * weight_scales leaves the normal float32 range [{smallest_normal:.3g}, "
-            f"{np.finfo(np.float32).max:.3g}] for some channel; check the scales")
+    input_scale_32 = _as_scale(input_scale, "input_scale")
+    scales = _as_channel_scales(weight_scales, "weight_scales", out_channels, xp, check_values=False)
+    multiplier = xp.multiply(scales, input_scale_32, dtype=xp.float32)
+    bias = None if bias is None else _as_bias(bias, out_channels, xp, check_values=False)
+    _check_multiplier_and_bias(xp, weight_scales, multiplier, bias, out_channels)
     epilogue = Int8Epilogue(
         multiplier=multiplier,
-        bias=None if bias is None else _as_bias(bias, out_channels, xp),
+        bias=bias,
         residual=residual,
         residual_scale=np.float32(1) if residual_scale is None else _as_scale(residual_scale, "residual_scale"),
         relu=bool(relu),
@@ -361,6 +363,24 @@ def int8_conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, 
     return backend.int8_conv_pairs(features, weight, rulebook.pair_input, rulebook.pair_output,
                                    tuple(rulebook.offset_starts), rulebook.num_output,
                                    rulebook.identity_offset, groups, epilogue)
+
+
+def _check_multiplier_and_bias(xp: Any, weight_scales: Any, multiplier: Any, bias: Any | None, count: int) -> None:
+    """One check (one host synchronisation on the GPU) of the scales' product and the bias; details on failure."""
+    if not count:
+        return
+    smallest_normal = np.finfo(np.float32).tiny  # the GPU flushes smaller (subnormal) values to zero
+    valid = xp.all((multiplier >= smallest_normal) & xp.isfinite(multiplier))
+    if bias is not None:
+        valid = valid & xp.all(xp.isfinite(bias))
+    if bool(valid):
+        return
+    _as_channel_scales(weight_scales, "weight_scales", count, xp)  # raises for a bad scale
+    if bias is not None:
+        _as_bias(bias, count, xp)  # raises for a non-finite bias
+    raise ValueError(
+        f"input_scale * weight_scales leaves the normal float32 range [{smallest_normal:.3g}, "
+        f"{np.finfo(np.float32).max:.3g}] for some channel; check the scales")
 
 
 def int8_max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,

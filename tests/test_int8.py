@@ -306,6 +306,8 @@ def test_bad_inputs_name_the_argument() -> None:
         (dict(input_scale=1e-30, weight_scales=np.full(4, 1e-15, np.float32)), ValueError,
          "leaves the normal float32 range"),
         (dict(bias=np.ones(3, np.float32)), ValueError, "bias must have shape \\[4\\]"),
+        (dict(bias=np.array([0.0, np.inf, 0.0, 0.0], np.float32)), ValueError, "bias holds NaN or infinity"),
+        (dict(weight_scales=np.array([0.1, -0.1, 0.1, 0.1], np.float32)), ValueError, "weight_scales\\[1\\]"),
         (dict(residual=random_int8(rng, (rulebook.num_output, 4))), ValueError, "without residual_scale"),
         (dict(residual_scale=0.1), ValueError, "without a residual"),
         (dict(residual=random_int8(rng, (rulebook.num_output, 5)), residual_scale=0.1), ValueError,
