@@ -73,6 +73,16 @@ def test_train_segmentation_torch(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
 
 
+def test_quantize_int8(tmp_path: Path) -> None:
+    _needs("torch")
+    out = _run([str(EXAMPLES / "quantize_int8.py"), "--epochs", "1", "--qat-epochs", "1", "--scenes", "2",
+                "--calib-scenes", "2", "--val-scenes", "1", "--points", "3000", "--timing-voxels", "5000",
+                "--timing-repeats", "1", "--out", str(tmp_path / "run")], tmp_path, timeout=600)
+    assert "PTQ int8 val mIoU" in out and "QAT int8 val mIoU" in out and "reloaded: same logits" in out
+    assert "int8 / float32" in out
+    assert (tmp_path / "run" / "unet_int8.pt").is_file()
+
+
 def test_demo_jax_frontend(tmp_path: Path) -> None:
     _needs("jax")
     out = _run(["-m", "sparsecore.demo", "--frontend", "jax"], tmp_path)
