@@ -12,7 +12,11 @@ The script runs the backbone on a voxelized synthetic KITTI-like scan with
 sparsecore, forward and backward. When real spconv is installed it also
 builds the same backbone with spconv, loads sparsecore's state_dict into it
 and compares the outputs (spconv's CPU build is run single-threaded: it races
-with more threads).
+with more threads); then it goes the other way with a segmentation head of
+1x1 layers (a SubMConv3d 1x1 projection sharing a 3x3 layer's indice_key, a
+1x1 classifier): built with spconv, its state_dict loads unchanged into
+sparsecore.torch and gives spconv's outputs (1x1 layers read the stored weight
+as spconv does, ``weight.view(in, out)``).
 
 Run ``python examples/spconv_drop_in.py``; ``--no-spconv`` skips the comparison.
 """
@@ -89,6 +93,35 @@ class VoxelBackBone8x(nn.Module):
         return spatial.view(n, c * d, h, w)  # bird's-eye-view features for a 2D detection head
 
 
+class PointHead(nn.Module):
+    """A per-voxel segmentation head with 1x1 layers, as SpUNet-style networks have."""
+
+    def __init__(self, spconv, input_channels, classes=5):
+        super().__init__()
+        self.stem = spconv.SparseSequential(
+            spconv.SubMConv3d(input_channels, 16, 3, bias=False, indice_key="head"), nn.BatchNorm1d(16), nn.ReLU())
+        self.project = spconv.SparseSequential(  # spconv's 1x1 shortcut ignores the shared key
+            spconv.SubMConv3d(16, 24, 1, bias=False, indice_key="head"), nn.BatchNorm1d(24), nn.ReLU())
+        self.classify = spconv.SubMConv3d(24, classes, 1, bias=True)
+
+    def forward(self, x):
+        return self.classify(self.project(self.stem(x)))
+
+
+def spconv_checkpoint_loads_unchanged(real_spconv, features, coords, grid_size, batch_size):
+    """An spconv 1x1 head's state_dict loaded into sparsecore.torch: (max |difference|, max |value|)."""
+    shape = list(grid_size[::-1] + np.array([1, 0, 0]))
+    trained = PointHead(real_spconv, features.shape[1])  # spconv's own initialisation: a stand-in checkpoint
+    mine = PointHead(sparsecore.torch, features.shape[1])
+    mine.load_state_dict(trained.state_dict(), strict=True)  # no conversion step
+    trained.train(), mine.train()  # batch statistics (spconv's CPU build refuses a bias in eval mode)
+    with torch.no_grad():
+        expected = trained(real_spconv.SparseConvTensor(features, coords, shape, batch_size))
+        got = mine(sparsecore.torch.SparseConvTensor(features, coords, shape, batch_size))
+    assert torch.equal(got.indices, expected.indices), "submanifold layers keep the input sites"
+    return float((got.features - expected.features).abs().max()), float(expected.features.abs().max())
+
+
 # ----------------------------------------------------------------------------- running it
 
 
@@ -149,6 +182,15 @@ def main():
           f"values up to {scale:.2e}")
     assert scale > 0 and error <= 1e-4 * scale, "outputs differ from spconv's"
     print("same outputs as spconv")
+
+    torch.set_num_threads(1)
+    try:
+        error, scale = spconv_checkpoint_loads_unchanged(real_spconv, features, coords, grid_size, args.clouds)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"1x1 head built with spconv, its state_dict loaded unchanged: max |difference| {error:.2e}, "
+          f"values up to {scale:.2e}")
+    assert scale > 0 and error <= 1e-4 * scale, "the spconv checkpoint computes something else"
 
 
 if __name__ == "__main__":

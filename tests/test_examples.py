@@ -62,6 +62,7 @@ def test_spconv_drop_in(tmp_path: Path) -> None:
     assert "BEV map" in out
     if importlib.util.find_spec("spconv") is not None:
         assert "same outputs as spconv" in out
+        assert "1x1 head built with spconv, its state_dict loaded unchanged" in out
 
 
 def test_train_segmentation_torch(tmp_path: Path) -> None:
