@@ -89,6 +89,12 @@ class SparseTensor:
         object.__setattr__(self, "indices", indices)
         object.__setattr__(self, "features", features)
 
+    def __setstate__(self, state: dict) -> None:
+        # an unpickled tensor is checked again (a pickle may carry any arrays)
+        self.__dict__.update(state)
+        object.__setattr__(self, "_checked", False)
+        self.__post_init__()
+
     @property
     def ndim(self) -> int:
         """Number of spatial axes ``D``."""

@@ -89,6 +89,21 @@ def test_core_tensor_refuses_duplicates_where_it_is_made():
         sc.SparseTensor(np.ones((indices.shape[0], 2)), indices, SHAPE, 2)
 
 
+def test_unpickled_core_tensors_are_checked_again():
+    import pickle
+
+    indices = _sites(9)
+    features = do.random_features(do.make_rng(16005), indices.shape[0], 2)
+    x = sc.SparseTensor(features, indices, SHAPE, 2)
+    copy = pickle.loads(pickle.dumps(x))
+    assert np.array_equal(copy.dense(), x.dense()) and copy.spatial_shape == SHAPE
+    state = x.__dict__.copy()  # what a crafted pickle could hold
+    state["indices"] = np.concatenate([indices[:-1], indices[:1]])
+    blank = sc.SparseTensor.__new__(sc.SparseTensor)
+    with pytest.raises(ValueError, match="duplicate sites"):
+        blank.__setstate__(state)
+
+
 def test_to_dense_refuses_duplicates():
     indices = _sites(4)
     indices[1] = indices[0]
