@@ -12,19 +12,34 @@ by the backend): per chunk one gather of its input rows laid out ``[m, W]``
 A submanifold centre offset (every row to itself) is a plain GEMM that
 initialises the output. Products run in ``backend.compute_dtype``: float32 for
 float16 inputs on NumPy, float16 (cuBLAS, float32 accumulation) on the GPU.
+
+On the CPU (NumPy backend), layers whose per-group weight matrix is at most
+`FUSED_MAX_MATRIX` run fused instead (`fused_on_cpu`): the forward and the
+d-features are compiled output-stationary loops over a neighbour table
+(`sparsecore.backends._cpu_kernels`), each output row summing its offsets in
+a fixed order on any number of threads; the d-weights are one BLAS GEMM per
+offset. Every CPU pass runs BLAS on `sparsecore.threads`' thread count.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ._chunks import PairChunk, check_padded_pairs, chunk_rows, pair_chunks
 from ._dispatch import check_same_device, to_core_array
 from ._validation import as_features
-from .backends import ArrayBackend, backend_for
+from .backends import ArrayBackend, NumpyBackend, backend_for
+from . import threads
+from .backends import _cpu_kernels
 from .rulebook import PairMap, Rulebook
 
-__all__ = ["conv_forward", "conv_backward", "check_conv_weight", "check_weight_layout"]
+__all__ = ["conv_forward", "conv_backward", "check_conv_weight", "check_weight_layout", "fused_on_cpu",
+           "FUSED_MAX_MATRIX"]
+
+FUSED_MAX_MATRIX = 64 * 64
+"""Largest per-group weight matrix (``in_per_group * out_per_group``) run by the fused CPU kernels;
+larger ones run per-offset BLAS GEMMs (docs/performance.md has the measurements)."""
 
 
 def check_weight_layout(weight: Any, in_channels: int, groups: int, ndim: int) -> None:
@@ -192,6 +207,67 @@ def _batched_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) ->
     return backend.matmul(left_split, right_split)
 
 
+def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int) -> bool:
+    """Whether a layer runs the fused CPU dataflow (`sparsecore.backends._cpu_kernels`) rather than BLAS.
+
+    The fused kernels read each neighbour row once and write each output row
+    once, with no intermediate arrays, and run on every thread deterministically;
+    per-offset BLAS GEMMs win only when a layer's matrices are large enough for
+    BLAS's blocking to beat a row-at-a-time product (see docs/performance.md for
+    the measurements behind `FUSED_MAX_MATRIX`).
+
+    Args:
+        backend: the layer's backend (only the NumPy backend has fused kernels).
+        in_channels: input channels.
+        out_channels: output channels.
+        groups: channel groups.
+
+    Returns:
+        True for the fused dataflow.
+    """
+    if not isinstance(backend, NumpyBackend):
+        return False
+    return (in_channels // groups) * (out_channels // groups) <= FUSED_MAX_MATRIX
+
+
+def _cpu_threads(backend: ArrayBackend) -> contextlib.AbstractContextManager[Any]:
+    """On the NumPy backend, BLAS limited to the feature passes' thread count (`sparsecore.threads`)."""
+    if isinstance(backend, NumpyBackend):
+        return threads.blas_threads()
+    return contextlib.nullcontext()
+
+
+def _fused_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
+    """``out += conv(source)``, output-stationary over the rulebook's neighbour table."""
+    table = _cpu_kernels.neighbour_table(rulebook.pair_output, rulebook.pair_input, tuple(rulebook.offset_starts),
+                                         rulebook.num_output)
+    _cpu_kernels.accumulate_rows(source, table, matrices, out, rulebook.num_pairs)
+
+
+def _fused_backward(backend: ArrayBackend, source: Any, grad: Any, matrices: Any,
+                    rulebook: Rulebook | PairMap) -> tuple[Any, Any]:
+    """d-features input-stationary over the transposed map (fused); d-weights one BLAS GEMM per offset.
+
+    Per-offset ``gathered_source^T @ gathered_grad`` on BLAS beat a compiled
+    blocked outer-product kernel 2-4x at 16 and 64 channels (docs/performance.md).
+    """
+    xp = backend.xp
+    starts = tuple(rulebook.offset_starts)
+    table = _cpu_kernels.neighbour_table(rulebook.pair_input, rulebook.pair_output, starts, rulebook.num_input)
+    grad_features = xp.zeros(source.shape, dtype=source.dtype)
+    transposed = xp.ascontiguousarray(matrices.transpose(0, 1, 3, 2))
+    _cpu_kernels.accumulate_rows(grad, table, transposed, grad_features, rulebook.num_pairs)
+    groups = matrices.shape[1]
+    grad_matrices = xp.zeros(matrices.shape, dtype=source.dtype)
+    for offset in range(len(starts) - 1):
+        start, stop = starts[offset], starts[offset + 1]
+        if stop > start:
+            gathered_source = backend.gather_rows(source, rulebook.pair_input[start:stop])
+            gathered_grad = backend.gather_rows(grad, rulebook.pair_output[start:stop])
+            grad_matrices[offset] = _grouped_outer(backend, gathered_source, gathered_grad, groups)
+    return grad_features, grad_matrices
+
+
 def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,
                  groups: int = 1, *, backend: ArrayBackend | None = None) -> Any:
     """Sparse convolution forward: ``out[o] += features[i] @ W_k`` for each pair ``(i, o)`` of offset ``k``.
@@ -216,12 +292,25 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
     check_same_device(features=features, weight=weight, bias=bias, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
     check_padded_pairs(rulebook, backend)
+    with _cpu_threads(backend):
+        return _forward_pass(backend, features, weight, rulebook, bias, groups)
+
+
+def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: Rulebook | PairMap,
+                  bias: Any | None, groups: int) -> Any:
+    """`conv_forward` on checked arguments."""
     xp = backend.xp
     dtype = backend.compute_dtype(features.dtype)
     # contiguous operands keep the GEMMs on BLAS (a stride-0 or strided view,
     # e.g. an expanded autograd gradient, drops NumPy to a slow generic loop)
     source = xp.ascontiguousarray(features, dtype=dtype)
     matrices = _offset_matrices(weight, groups, dtype)
+    if fused_on_cpu(backend, features.shape[1], weight.shape[0], groups):
+        out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
+        if bias is not None:
+            out += bias.astype(dtype, copy=False)
+        _fused_forward(source, xp.ascontiguousarray(matrices), rulebook, out)
+        return out.astype(features.dtype, copy=False)
     identity = rulebook.identity_offset
     if identity >= 0 and rulebook.num_input:
         # the identity offset covers every row: its product initialises the output
@@ -268,11 +357,23 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     check_same_device(grad_output=grad_output, features=features, weight=weight)
     backend = backend if backend is not None else backend_for(features)
     check_padded_pairs(rulebook, backend)
+    with _cpu_threads(backend):
+        return _backward_pass(backend, grad_output, features, weight, rulebook, groups)
+
+
+def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weight: Any,
+                   rulebook: Rulebook | PairMap, groups: int) -> tuple[Any, Any]:
+    """`conv_backward` on checked arguments."""
     xp = backend.xp
     dtype = backend.compute_dtype(features.dtype)
     source = xp.ascontiguousarray(features, dtype=dtype)
     grad = xp.ascontiguousarray(grad_output, dtype=dtype)
     matrices = _offset_matrices(weight, groups, dtype)
+    out_channels = weight.shape[0]
+    if fused_on_cpu(backend, features.shape[1], out_channels, groups):
+        grad_features, grad_matrices = _fused_backward(backend, source, grad, xp.ascontiguousarray(matrices), rulebook)
+        return (grad_features.astype(features.dtype, copy=False),
+                _weight_from_matrices(grad_matrices, weight).astype(weight.dtype, copy=False))
     transposed = matrices.transpose(0, 1, 3, 2)
     grad_matrices = xp.zeros(matrices.shape, dtype=dtype)
     identity = rulebook.identity_offset
@@ -289,7 +390,11 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         products = _batched_product(backend, gathered_grad, transposed[_offset_index(chunk)])
         backend.scatter_add_pairs(grad_features, input_rows.reshape(-1), products, _uniform_starts(chunk, width))
         grad_matrices[_offset_index(chunk)] = _batched_outer(backend, gathered_source, gathered_grad, groups)
-    out_channels = weight.shape[0]
-    grad_weight = grad_matrices.transpose(1, 3, 0, 2).reshape(
-        (out_channels,) + tuple(weight.shape[1:-1]) + (weight.shape[-1],))
+    grad_weight = _weight_from_matrices(grad_matrices, weight)
     return grad_features.astype(features.dtype, copy=False), grad_weight.astype(weight.dtype, copy=False)
+
+
+def _weight_from_matrices(grad_matrices: Any, weight: Any) -> Any:
+    """``[K, g, a, b]`` per-offset matrices back in the weight's layout ``[C_out, *kernel_size, a]``."""
+    return grad_matrices.transpose(1, 3, 0, 2).reshape(
+        (weight.shape[0],) + tuple(weight.shape[1:-1]) + (weight.shape[-1],))

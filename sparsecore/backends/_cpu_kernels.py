@@ -1,0 +1,154 @@
+"""Compiled CPU kernels of the convolution feature passes (numba, compiled on first use).
+
+The NumPy backend's fused dataflow (`sparsecore.conv`) runs on these kernels:
+
+- `neighbour_table`: a rulebook's pairs as a dense int32 table, for each
+  destination row ``d`` and offset ``k`` the source row paired with it (or -1),
+  blocked by `ROW_BLOCK` destination rows so one work item's entries are
+  contiguous. Built from the forward pairs it drives the forward
+  (output-stationary); built from the reversed pairs it drives the backward
+  d-features (input-stationary over the transposed map).
+- `accumulate_rows`: ``out[d] += sum_k source[table[k, d]] @ M_k`` for every
+  destination row: gather, multiply and scatter fused, each row read once and
+  written once. Work is split into fixed blocks of destination rows; each row
+  sums its offsets in offset order, so the result is bitwise identical at
+  every thread count (no atomics, no order that depends on scheduling).
+
+The weight gradient stays on BLAS (one ``gathered_input^T @ gathered_grad``
+per offset, `sparsecore.conv`): a compiled blocked outer-product kernel was
+2-4x slower than that at 16 and 64 channels (docs/performance.md).
+
+Channel counts become compile-time constants (one compiled kernel per
+``(groups, in_per_group, out_per_group)``) only for layers of at least
+`SPECIALISE_MIN_PAIR_FLOPS`: there the constant sizes let LLVM keep a row's
+accumulator in vector registers (about 2x at 64 channels). Smaller layers use
+one generic kernel per dtype. All kernels use numba's on-disk cache
+(``cache=True``), so a process pays the compile (seconds) only the first time
+a shape is seen on a machine. ``import sparsecore`` does not import numba.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from ..threads import default_num_threads
+
+__all__ = [
+    "ROW_BLOCK",
+    "SPECIALISE_MIN_PAIR_FLOPS",
+    "neighbour_table",
+    "accumulate_rows",
+    "numba_module",
+]
+
+ROW_BLOCK = 64
+"""Destination rows per work item of `accumulate_rows` (a fixed split, not a per-thread one)."""
+
+SPECIALISE_MIN_PAIR_FLOPS = 200_000_000
+"""A layer's ``2 * pairs * in_channels * out_channels / groups`` from which its channel counts are
+compiled in as constants; below it the generic kernel runs (no compile per shape)."""
+
+
+@functools.lru_cache(maxsize=1)
+def numba_module() -> Any:
+    """The ``numba`` module, imported on first use (it costs about 0.3 s).
+
+    Its thread pool is sized when it loads: unless ``NUMBA_NUM_THREADS`` is set (or
+    numba was imported already), it is set to `sparsecore.threads.default_num_threads`
+    first, so ``SPARSECORE_NUM_THREADS`` and ``OMP_NUM_THREADS`` are honoured.
+    """
+    if "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
+        os.environ["NUMBA_NUM_THREADS"] = str(default_num_threads())
+    try:
+        import numba
+    except ImportError as error:  # pragma: no cover - numba is an install requirement
+        raise ImportError(
+            f"sparsecore's CPU feature passes need numba, which does not import here ({error}); "
+            "install it with `pip install numba` (a requirement of sparsecore)"
+        ) from None
+    return numba
+
+
+def _sources() -> Any:
+    numba_module()
+    from . import _cpu_kernel_sources
+
+    return _cpu_kernel_sources
+
+
+def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ...],
+                    num_rows: int) -> np.ndarray:
+    """Pairs grouped by offset as a dense table blocked by destination rows.
+
+    ``table[d // ROW_BLOCK, k, d % ROW_BLOCK]`` is the source row paired with destination
+    row ``d`` through offset ``k`` (``d = keys[p]``, source ``values[p]``), or -1: the
+    entries one work item of `accumulate_rows` reads (``ROW_BLOCK`` rows, every offset)
+    are contiguous.
+
+    Args:
+        keys: int32 ``[P]`` destination rows (in ``[0, num_rows)``), unique within each offset.
+        values: int32 ``[P]`` source rows.
+        offset_starts: ``K + 1`` ints delimiting the offsets' pairs.
+        num_rows: destination rows.
+
+    Returns:
+        int32 ``[ceil(num_rows / ROW_BLOCK), K, ROW_BLOCK]``, -1 where a row has no pair through an
+        offset.
+
+    Raises:
+        ValueError: when a destination row repeats within one offset (a pair map that is not
+            injective per offset, which no rulebook builder produces).
+    """
+    volume = len(offset_starts) - 1
+    table = np.full((-(-num_rows // ROW_BLOCK), volume, ROW_BLOCK), -1, dtype=np.int32)
+    if volume == 0 or num_rows == 0 or offset_starts[-1] == 0:
+        return table
+    collisions = np.zeros(volume, dtype=np.int64)
+    _sources().fill_table(keys, values, np.asarray(offset_starts, dtype=np.int64), table, collisions)
+    if collisions.any():
+        offset = int(np.flatnonzero(collisions)[0])
+        raise ValueError(
+            f"the pair map repeats a row within kernel offset {offset} ({int(collisions[offset])} repeats): "
+            "within one offset every input row and every output row may appear once; rebuild it with "
+            "sparsecore.build_rulebook or check the pair arrays"
+        )
+    return table
+
+
+# ---------------------------------------------------------------- fused rows
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_kernel(groups: int, in_per_group: int, out_per_group: int) -> Any:
+    return _sources().make_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK)
+
+
+def _specialise(pairs: int, groups: int, in_per_group: int, out_per_group: int) -> bool:
+    return 2 * pairs * groups * in_per_group * out_per_group >= SPECIALISE_MIN_PAIR_FLOPS
+
+
+def accumulate_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, out: np.ndarray,
+                    pairs: int) -> None:
+    """``out[d] += sum_k source[table[k, d]] @ block-diagonal(matrices[k])`` for every row ``d``, in place.
+
+    Args:
+        source: ``[N_src, groups * a]`` C-contiguous, float32 or float64.
+        table: int32 ``[ceil(N_dst / ROW_BLOCK), K, ROW_BLOCK]`` from `neighbour_table` (-1: no pair).
+        matrices: ``[K, groups, a, b]`` C-contiguous, ``source``'s dtype.
+        out: ``[N_dst, groups * b]`` C-contiguous, ``source``'s dtype, holding the initial values
+            (zeros or a bias); each row is read once and written once.
+        pairs: the number of pairs (decides whether the channel counts are compiled in).
+    """
+    if out.shape[0] == 0 or table.shape[1] == 0 or out.shape[1] == 0:
+        return
+    _, groups, in_per_group, out_per_group = matrices.shape
+    if _specialise(pairs, groups, in_per_group, out_per_group):
+        kernel = _rows_kernel(groups, in_per_group, out_per_group)
+    else:
+        kernel = _rows_kernel(0, 0, 0)
+    kernel(source, table, matrices, out)

@@ -1,0 +1,145 @@
+"""How many CPU threads sparsecore's feature passes use: its compiled kernels and NumPy's BLAS.
+
+The CPU feature passes (`sparsecore.conv`) run compiled kernels on numba's
+thread pool and matrix products on NumPy's BLAS. Inside each call the library
+runs both on the same number of threads, so the BLAS pool never adds its own
+threads on top of the kernels' (or of the caller's).
+
+Where the setting lives: in numba, which holds it per calling thread
+(``numba.set_num_threads``); this module keeps no state of its own. The
+default, fixed when numba loads on the first CPU feature pass, is the first of
+``NUMBA_NUM_THREADS``, ``SPARSECORE_NUM_THREADS``, ``OMP_NUM_THREADS`` that is
+set, else the number of usable cores; it is also the most threads a process
+can ask for later (numba sizes its pool once). The result of every pass is
+bitwise identical at every thread count.
+
+Example:
+    >>> import sparsecore as sc
+    >>> sc.set_num_threads(1)          # this thread, from now on
+    >>> with sc.num_threads(2):        # only inside the block
+    ...     out = sc.conv_forward(features, weight, rulebook)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Iterator
+
+__all__ = [
+    "THREAD_VARIABLES",
+    "default_num_threads",
+    "get_num_threads",
+    "set_num_threads",
+    "num_threads",
+    "blas_threads",
+]
+
+THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "SPARSECORE_NUM_THREADS", "OMP_NUM_THREADS")
+"""Environment variables read, in this order, for the default thread count."""
+
+
+def _usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def default_num_threads() -> int:
+    """The default thread count: the first valid of `THREAD_VARIABLES`, else the usable cores.
+
+    Raises:
+        ValueError: a variable that is set but is not a positive integer.
+    """
+    for variable in THREAD_VARIABLES:
+        value = os.environ.get(variable, "").strip()
+        if not value:
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{variable}={value!r} must be a positive integer (a thread count), e.g. {variable}=2")
+        return int(value)
+    return _usable_cores()
+
+
+def _numba() -> Any:
+    from .backends._cpu_kernels import numba_module
+
+    return numba_module()
+
+
+def _check_count(threads: Any, name: str = "threads") -> int:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{name} must be a positive int (a thread count), got {threads!r}")
+    return threads
+
+
+def get_num_threads() -> int:
+    """The threads the calling thread's CPU feature passes use (kernels and BLAS alike)."""
+    return int(_numba().get_num_threads())
+
+
+def set_num_threads(threads: int) -> None:
+    """Sets the threads of the calling thread's CPU feature passes (kernels and BLAS inside them).
+
+    Args:
+        threads: at least 1 and at most the pool size (`default_num_threads` when numba
+            loaded, or ``NUMBA_NUM_THREADS``).
+
+    Raises:
+        ValueError: ``threads`` is not a positive int, or exceeds the pool size.
+    """
+    _check_count(threads)
+    numba = _numba()
+    limit = int(numba.config.NUMBA_NUM_THREADS)
+    if threads > limit:
+        raise ValueError(
+            f"threads={threads} exceeds this process's thread pool of {limit}, sized when the first CPU "
+            f"feature pass loaded numba; start the process with SPARSECORE_NUM_THREADS={threads} (or "
+            f"NUMBA_NUM_THREADS) to allow more, or ask for at most {limit}"
+        )
+    numba.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def num_threads(threads: int) -> Iterator[None]:
+    """Runs the block's CPU feature passes on ``threads`` threads, then restores the previous count.
+
+    Args:
+        threads: as for `set_num_threads`.
+    """
+    previous = get_num_threads()
+    set_num_threads(threads)
+    try:
+        yield
+    finally:
+        set_num_threads(previous)
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_controller() -> Any:
+    try:
+        import threadpoolctl
+    except ImportError:  # pragma: no cover - threadpoolctl is an install requirement
+        return None
+    return threadpoolctl.ThreadpoolController()
+
+
+@contextlib.contextmanager
+def blas_threads(threads: int | None = None) -> Iterator[int]:
+    """Limits NumPy's BLAS to ``threads`` (default: `get_num_threads`) for the block.
+
+    Used by the CPU feature passes around their BLAS calls; without threadpoolctl
+    the BLAS keeps its own setting.
+
+    Yields:
+        The thread count in force.
+    """
+    count = get_num_threads() if threads is None else _check_count(threads)
+    controller = _blas_controller()
+    if controller is None:
+        yield count
+        return
+    with controller.limit(limits=count, user_api="blas"):
+        yield count
