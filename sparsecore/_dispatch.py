@@ -112,9 +112,10 @@ def _tracer_error(name: str) -> TypeError:
     return TypeError(
         f"{name} is a JAX tracer (an abstract value inside jax.jit, grad or vmap), but the "
         "sparsecore core needs concrete arrays: rulebooks and output sites depend on the "
-        "values of the indices. Build the geometry (sparsecore.jax plan / rulebooks) "
-        "outside jit, from concrete indices, and pass only features and weights into the "
-        "jitted function."
+        "values of the indices, and the core does not differentiate. Use the sparsecore.jax "
+        "frontend, whose feature passes run under jit and grad: build the geometry "
+        "(sparsecore.jax plan / rulebooks) outside jit, from concrete indices, and pass only "
+        "features and weights into the jitted function."
     )
 
 
