@@ -186,6 +186,18 @@ def test_rows_without_pairs_get_the_epilogue_of_zero() -> None:
     same_bits(out[-3:], np.tile(np.array([0.5, 0.0, 1.25, 0.0], np.float32), (3, 1)), "rows without pairs")
 
 
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_zero_channels(engine: str) -> None:
+    rulebook = _rulebook("subm", _sites(_rng(24), 12))
+    bias = np.array([1.0, -2.0, 0.5], np.float32)
+    out = _forward(engine, np.zeros((12, 0), np.int8), np.zeros((3, 3, 3, 3, 0), np.int8), rulebook, input_scale=0.1,
+                   weight_scales=np.ones(3, np.float32), bias=bias)
+    same_bits(out, np.tile(bias, (12, 1)), "no input channels")
+    none = _forward(engine, np.zeros((12, 4), np.int8), np.zeros((0, 3, 3, 3, 4), np.int8), rulebook, input_scale=0.1,
+                    weight_scales=np.ones(0, np.float32), output_scale=0.1)
+    assert none.shape == (12, 0) and none.dtype == np.int8
+
+
 @pytest.mark.parametrize("kind", ["subm", "regular"])
 def test_empty_inputs(kind: str) -> None:
     empty = _rulebook(kind, np.zeros((0, 4), dtype=np.int32))

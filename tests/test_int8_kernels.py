@@ -176,6 +176,14 @@ def test_backend_empty_inputs(target) -> None:  # noqa: F811
     assert out.shape == (0, 4) and out.dtype == np.int8
     pooled = q8.int8_max_pool_forward(features, device_rulebook, backend=target.backend)
     assert pooled.shape == (0, 6)
+    # zero input channels: every sum is 0, the epilogue still runs (the bias comes out)
+    rng = _rng(9)
+    rulebook = _rulebook("subm", _sites(rng, 12))
+    no_channels = q8.int8_conv_forward(target.put(np.zeros((12, 0), np.int8)),
+                                       target.put(np.zeros((3, 3, 3, 3, 0), np.int8)), _on_target(target, rulebook),
+                                       input_scale=0.1, weight_scales=np.ones(3, np.float32),
+                                       bias=np.array([1.0, -2.0, 0.5], np.float32), backend=target.backend)
+    same_bits(target.get(no_channels), np.tile(np.array([1.0, -2.0, 0.5], np.float32), (12, 1)), "no input channels")
 
 
 def _on_target(target, rulebook: sc.Rulebook) -> sc.PairMap:  # noqa: F811

@@ -44,7 +44,8 @@ def pack_features(xp: Any, features: Any, groups: int) -> Any:
 def pack_weight(xp: Any, weight: Any) -> Any:
     """int8 ``[C_out, *kernel, a]`` as int32 ``[K, words, C_out]``."""
     out_channels, width = weight.shape[0], weight.shape[-1]
-    flat = weight.reshape(out_channels, -1, 1, width)  # [C_out, K, 1, a]
+    volume = int(np.prod(weight.shape[1:-1]))
+    flat = weight.reshape(out_channels, volume, 1, width)  # [C_out, K, 1, a]
     words = pack_words(xp, flat)  # [C_out, K, words]
     return xp.ascontiguousarray(words.transpose(1, 2, 0))
 
