@@ -34,6 +34,7 @@ from .pool import (
 from .reuse import check_inverse_fits, check_rulebook_fits
 from .rulebook import PairMap, Rulebook, build_pool_rulebook, build_rulebook, inverse_rulebook
 from .tensor import RulebookCache, SparseTensor
+from .threads import get_num_threads, num_threads, set_num_threads
 from .voxelization import BatchedVoxels, VoxelGrid, Voxels, gather_voxel_features, voxel_means, voxelize, voxelize_batch
 
 __version__ = "0.1.0"
@@ -61,6 +62,7 @@ __all__ = [
     "dequantize",
     "from_dense",
     "gather_voxel_features",
+    "get_num_threads",
     "global_avg_pool",
     "global_avg_pool_backward",
     "global_avg_pool_forward",
@@ -73,9 +75,11 @@ __all__ = [
     "layer_rulebook",
     "max_pool_backward",
     "max_pool_forward",
+    "num_threads",
     "pack_keys",
     "quantize",
     "requant_parameters",
+    "set_num_threads",
     "sparse_add",
     "sparse_avg_pool",
     "sparse_conv",

@@ -95,8 +95,8 @@ def set_num_threads(threads: int) -> None:
     limit = int(numba.config.NUMBA_NUM_THREADS)
     if threads > limit:
         raise ValueError(
-            f"threads={threads} exceeds this process's thread pool of {limit}, sized when the first CPU "
-            f"feature pass loaded numba; start the process with SPARSECORE_NUM_THREADS={threads} (or "
+            f"threads={threads} exceeds this process's thread pool of {limit}, sized when sparsecore first "
+            f"loaded numba; start the process with SPARSECORE_NUM_THREADS={threads} (or "
             f"NUMBA_NUM_THREADS) to allow more, or ask for at most {limit}"
         )
     numba.set_num_threads(threads)
