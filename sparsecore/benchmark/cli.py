@@ -1,9 +1,10 @@
-"""Command line of the benchmark: ``python -m sparsecore.benchmark {cpu,network,gpu} [options]``.
+"""Command line of the benchmark: ``python -m sparsecore.benchmark {cpu,network,gpu,int8} [options]``.
 
 ``cpu`` times single layers on the NumPy engine; ``network`` times spconv's
 reference network (``--device cpu`` or ``cuda``); ``gpu`` is ``network
 --device cuda`` on both reference scenes in float32, float16 and TF32, with the
-peak memory of one layer.
+peak memory of one layer; ``int8`` compares int8 and float sparse convolution on one layer
+(`sparsecore.benchmark.int8`).
 """
 
 from __future__ import annotations
