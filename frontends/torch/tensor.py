@@ -383,8 +383,20 @@ class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
                 )
             return other.features
         if isinstance(other, torch.Tensor):
+            try:
+                shape = torch.broadcast_shapes(self._features.shape, other.shape)
+            except RuntimeError:
+                shape = None
+            if shape != self._features.shape:
+                raise ValueError(
+                    f"a torch.Tensor added to a SparseConvTensor must broadcast to its features "
+                    f"{tuple(self._features.shape)} ([N, C], one row per site, or [C]), got shape {tuple(other.shape)}"
+                )
             return other
-        raise TypeError(f"can only add a SparseConvTensor or a torch.Tensor, got {type(other).__name__}")
+        raise TypeError(
+            f"a SparseConvTensor adds a SparseConvTensor on the same sites or a torch.Tensor of features, "
+            f"got {type(other).__name__}"
+        )
 
     def __add__(self, other: Union["SparseConvTensor", torch.Tensor]) -> "SparseConvTensor":
         return self.replace_feature(self._features + self._other_features(other))
