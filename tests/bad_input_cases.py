@@ -458,6 +458,56 @@ def _make_join(rng: np.random.Generator) -> dict:
     return args
 
 
+def _run_avg_pool(args: dict):
+    import sparsecore as sc
+
+    out = sc.sparse_avg_pool(_core_tensor(args), 2)
+    return out.features, out.indices
+
+
+def _check_avg_pool(args: dict, out: Any) -> bool:
+    do = _oracle()
+    indices = np.asarray(args["indices"]).astype(np.int64)
+    batch = int(args["batch_size"])
+    total = do.dense_window_sum(_dense(args["features"], indices, 0.0, batch), 2, 2, 0, 1)
+    count = do.dense_window_sum(do.occupancy(indices, SHAPE, batch), 2, 2, 0, 1)
+    sites = do.regular_sites(indices, SHAPE, batch, 2, 2, 0, 1)
+    mean = _np(do.read_sites(total, sites)) / np.maximum(_np(do.read_sites(count, sites)), 1)
+    return same_sites(*out, (mean, sites), args)
+
+
+def _run_torch_sequential_batch_norm(args: dict):
+    import sparsecore.torch as spconv
+
+    torch = _torch()
+    x = _torch_tensor(args)
+    return spconv.SparseSequential(torch.nn.BatchNorm1d(C_IN).double())(x).features
+
+
+def _check_batch_norm(args: dict, out: Any) -> bool:
+    features = _np(args["features"])
+    if features.shape[0] == 0:
+        return close(out, features, args)  # SparseSequential passes an empty tensor through
+    expected = (features - features.mean(0)) / np.sqrt(features.var(0) + 1e-5)
+    return close(out, expected, args)
+
+
+def _run_torch_add(args: dict):
+    x = _torch_tensor(args)
+    return (x + _t(args["other_features"])).dense()
+
+
+def _check_torch_add(args: dict, out: Any) -> bool:
+    total = _np(args["features"]) + _np(args["other_features"])
+    return close(out, _dense(total, args["indices"], 0.0, int(args["batch_size"])), args)
+
+
+def _make_same_sites(rng: np.random.Generator) -> dict:
+    args = _base(rng)
+    args["other_features"] = _oracle().random_features(rng, args["indices"].shape[0], C_IN)
+    return args
+
+
 def _run_torch_from_dense(args: dict):
     import sparsecore.torch as spconv
 
@@ -501,6 +551,7 @@ def entries() -> list[Entry]:
         Entry("core.sparse_max_pool", _base, _run_max_pool,
               lambda args, out: same_sites(*out, _expected_sites(args, "maxpool"), args), _SITE_KINDS,
               ("features", "indices")),
+        Entry("core.sparse_avg_pool", _base, _run_avg_pool, _check_avg_pool, _SITE_KINDS, ("features", "indices")),
         _global_entry("max"),
         _global_entry("avg"),
         Entry("core.sparse_add", _make_two, _run_sparse_add, _check_sparse_add, two,
@@ -530,6 +581,12 @@ def entries() -> list[Entry]:
         Entry("torch.functional.sparse_add", _make_two, _run_torch_sparse_add, _check_sparse_add, two,
               ("features", "indices", "other_features", "other_indices")),
         Entry("torch.JoinTable", _make_join, _run_torch_join, _check_join,
+              dict(_SITE_KINDS, other_features="features"), ("features", "indices", "other_features")),
+        # the site checks before a plain torch module sees the rows (its own dtype rules are torch's)
+        Entry("torch.SparseSequential(BatchNorm1d)", _base, _run_torch_sequential_batch_norm, _check_batch_norm,
+              {"indices": "indices", "spatial_shape": "spatial_shape", "batch_size": "batch_size"},
+              ("features", "indices")),
+        Entry("torch.SparseConvTensor + tensor", _make_same_sites, _run_torch_add, _check_torch_add,
               dict(_SITE_KINDS, other_features="features"), ("features", "indices", "other_features")),
         Entry("torch.SparseConvTensor.from_dense", _make_grid, _run_torch_from_dense, _check_from_dense,
               {"dense": "dense"}),
