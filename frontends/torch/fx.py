@@ -35,7 +35,8 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["FxLeafModule", "SparseTracer", "sparse_symbolic_trace", "active_tracer", "traces_into_containers"]
+__all__ = ["FxLeafModule", "SparseTracer", "sparse_symbolic_trace", "active_tracer", "traces_into_containers",
+           "ProxyableSparseMeta"]
 
 
 def active_tracer(args: tuple, kwargs: dict) -> Optional[torch.fx.Tracer]:
@@ -48,6 +49,18 @@ def active_tracer(args: tuple, kwargs: dict) -> Optional[torch.fx.Tracer]:
                 if isinstance(item, torch.fx.Proxy):
                     return item.tracer
     return None
+
+
+class ProxyableSparseMeta(torch.fx.ProxyableClassMeta):
+    """``torch.fx.ProxyableClassMeta`` without its per-construction ``is_fx_tracing`` call (which logs a
+    warning in torch 2.13 on every eager construction): constructing with a traced argument records a
+    ``call_function`` node; otherwise the class is built as usual."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        tracer = active_tracer(args, kwargs)
+        if tracer is not None:
+            return tracer.create_proxy("call_function", cls, args, kwargs)
+        return type.__call__(cls, *args, **kwargs)
 
 
 def traces_into_containers(tracer: torch.fx.Tracer) -> bool:

@@ -14,13 +14,13 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
-import torch.fx
 
 import sparsecore as sc
 from sparsecore.interop import (as_batch_size, as_spatial_shape, check_dense_size, check_indices_in_range,
                                check_unique_sites, memory_limit)
 
 from ._convert import as_int32_indices, core_context, core_view
+from .fx import ProxyableSparseMeta
 
 __all__ = ["SparseConvTensor", "IndiceData", "expand_nd"]
 
@@ -109,7 +109,7 @@ def _check_sites(indices: torch.Tensor, spatial_shape: list[int], batch_size: in
         check_unique_sites(sites, spatial_shape, batch_size)
 
 
-class SparseConvTensor(metaclass=torch.fx.ProxyableClassMeta):
+class SparseConvTensor(metaclass=ProxyableSparseMeta):
     """Features on the active sites of a batched grid (spconv ``SparseConvTensor``).
 
     Under ``torch.fx`` tracing, constructing one from traced values is a graph node
