@@ -383,6 +383,20 @@ def test_compiled_kernel_with_channels_compiled_in() -> None:
         same_bits(specialised, expected, "specialised kernel")
 
 
+def test_compiled_engine_gives_the_same_bits_at_every_thread_count() -> None:
+    if not _int8_cpu_kernels.available():
+        pytest.skip("numba is not installed")
+    rng = _rng(25)
+    rulebook = _rulebook("subm", _sites(rng, 150))
+    features, weight, scales = _layer(rng, rulebook, 16, 16)
+    common = dict(input_scale=0.05, weight_scales=scales, output_scale=0.3, relu=True)
+    with sc.num_threads(1):
+        single = _forward("compiled", features, weight, rulebook, **common)
+    with sc.num_threads(2):
+        double = _forward("compiled", features, weight, rulebook, **common)
+    same_bits(double, single, "2 threads vs 1")
+
+
 def test_exported_from_the_package() -> None:
     for name in q8.__all__:
         assert name in sc.__all__ and callable(getattr(sc, name))

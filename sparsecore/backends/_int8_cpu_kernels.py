@@ -11,7 +11,8 @@ Channel counts become compile-time constants for layers of at least
 `SPECIALISE_MIN_PAIR_MACS` multiply-adds, where they let LLVM keep a row's
 sums in vector registers; smaller layers share one generic kernel. Kernels
 use numba's on-disk cache. numba is imported only when a kernel is first
-needed; `available` says whether it can be.
+needed; `available` says whether it can be. Threads: numba's pool, as set by
+`sparsecore.set_num_threads` (the result does not depend on it).
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ SPECIALISE_MIN_PAIR_MACS = 100_000_000
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether numba imports here."""
+    """Whether numba imports here (loaded as the float passes load it, so its thread pool is
+    sized by `sparsecore.threads` whichever pass comes first)."""
+    from ._cpu_kernels import numba_module
+
     try:
-        import numba  # noqa: F401
+        numba_module()
     except ImportError:
         return False
     return True
