@@ -358,11 +358,25 @@ def test_sparse_conv_tensor_is_a_pytree_node() -> None:
         pytree.tree_unflatten([x.features[:39], x.indices], pytree.tree_flatten(x)[1])
 
 
-def test_torch_export_stops_at_the_first_rulebook_build() -> None:
-    """What docs/deployment.md says: the feature passes have fake kernels, but the geometry reads the
-    indices on the host, so torch.export (non-strict and strict) cannot trace a layer that builds a
-    rulebook. The ONNX path (export_onnx + sparsecore.runtime) is the deployment route."""
-    model = _model(SecondStyle, 19)
-    x, _, _ = _input(20, num=60)
-    with pytest.raises(Exception, match="data pointer|FakeTensor|Unsupported|ndarray"):
-        torch.export.export(model, (x,))
+# builds: SecondStyle subm1 (shared), spconv2, subm2, spconv_down2; Residual stem, res1 (shared), down,
+# res2 (shared with `fused`), head (a SubM 1x1 ignores its key), transposed; the inverse conv reuses `down`'s
+@pytest.mark.parametrize("kind, builds, convs", [(SecondStyle, 4, 5), (Residual, 6, 10)])
+def test_torch_export_round_trip(kind: type, builds: int, convs: int, tmp_path: Path) -> None:
+    from sparsecore.torch.exportable import sites_dynamic_shapes
+
+    model = _model(kind, 19)
+    x, _, _ = _input(20)
+    with torch.no_grad():
+        expected = model(x)
+    program = torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),))
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    # geometry and feature passes are the two sparsecore ops; shared indice_keys build once
+    assert targets.count("sparsecore.export_rulebook.default") == builds
+    assert targets.count("sparsecore.export_conv.default") == convs
+    torch.testing.assert_close(program.module()(x), expected, rtol=1e-5, atol=1e-5)
+    torch.export.save(program, tmp_path / "model.pt2")
+    loaded = torch.export.load(tmp_path / "model.pt2")
+    other, _, _ = _input(21, num=180)  # other sites, another count: the program is not tied to the example
+    with torch.no_grad():
+        expected_other = model(other)
+    torch.testing.assert_close(loaded.module()(other), expected_other, rtol=1e-5, atol=1e-5)

@@ -256,6 +256,9 @@ class SparseConvolution(SparseModule):
 
     def forward(self, input: SparseConvTensor, add_input: Optional[SparseConvTensor] = None) -> SparseConvTensor:
         """Convolves ``input``; ``add_input`` (same sites as the output) is added before the activation."""
+        if torch.compiler.is_exporting():  # geometry as an opaque op: frontends/torch/exportable.py
+            from .exportable import export_forward
+            return export_forward(self, input, add_input)
         layer = type(self).__name__
         check_input(layer, input, self.in_channels, self.ndim)
         check_same_device(layer, features=input.features, indices=input.indices, weight=self.weight)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
 from .tensor import SparseConvTensor
@@ -39,10 +40,24 @@ def _flatten_with_keys(tensor: SparseConvTensor) -> tuple[list[tuple[Any, Any]],
     return list(zip(keys, leaves)), context
 
 
+def _symbolic(tensor: Any) -> bool:
+    """True for the fake tensors ``torch.export`` traces with (no data to check)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(tensor, torch.Tensor) and is_fake(tensor)
+
+
 def unflatten(leaves: Any, context: tuple[tuple[int, ...], int]) -> SparseConvTensor:
-    """A new `SparseConvTensor` from ``[features, indices]`` (checked as the constructor checks them)."""
+    """A new `SparseConvTensor` from ``[features, indices]``, checked as the constructor checks them.
+
+    Under ``torch.export`` (fake leaves, no data) only the traced program's own checks apply.
+    """
     features, indices = leaves
     spatial_shape, batch_size = context
+    if _symbolic(features) or _symbolic(indices) or torch.compiler.is_exporting():
+        tensor = SparseConvTensor.__new__(SparseConvTensor)
+        tensor._init(features, indices, list(spatial_shape), int(batch_size), None, None, None, False, True)
+        return tensor
     return SparseConvTensor(features, indices, list(spatial_shape), batch_size)
 
 
@@ -65,6 +80,8 @@ def register() -> None:
         to_dumpable_context=_to_dumpable, from_dumpable_context=_from_dumpable,
         flatten_with_keys_fn=_flatten_with_keys,
     )
+    # torch.export.save keeps the example inputs; let torch.load(weights_only=True) rebuild them
+    torch.serialization.add_safe_globals([SparseConvTensor])
 
 
 register()
