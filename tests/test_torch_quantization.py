@@ -390,3 +390,15 @@ def test_public_names_match_spconv():
                           (spconvq.utils, ["fuse_spconv_bn_eval"])):
         for name in names:
             assert isinstance(getattr(module, name), type) or callable(getattr(module, name))
+
+
+def test_converted_model_runs_on_an_empty_input():
+    model = _model(19)
+    prepared, mapping, backend = _prepare(model, False)
+    empty = spconv.SparseConvTensor(torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.int32), SHAPE, BATCH)
+    prepared(empty)  # observers skip it
+    for seed in range(3):
+        prepared(_tensor(600 + seed))
+    converted = _convert(prepared, mapping, backend)
+    out = converted(empty)
+    assert out.shape == model(empty).shape == (0, 5)
