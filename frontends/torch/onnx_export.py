@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ._export_trace import BatchNormRecord, ConvRecord, ExportError, OpRecord, Trace, record
+from .exportable import effective_weight, layer_rulebook_key
 
 __all__ = ["export_onnx", "ExportError", "PRECISIONS", "DEFAULT_OUTPUT_BOUND", "CUSTOM_DOMAIN"]
 
@@ -77,30 +78,14 @@ def _consumers(trace: Trace) -> dict[str, int]:
     return counts
 
 
-def _effective_weight(module: Any) -> torch.Tensor:
-    """The ``[out, *kernel, in]`` weight the layer computes with (spconv's 1x1 reading applied)."""
-    weight = module.weight.detach()
-    if getattr(module, "reads_weight_as_spconv_1x1", False):
-        from .conv import spconv_1x1_weight
-
-        weight = spconv_1x1_weight(weight, module.in_channels, module.out_channels)
-    return weight
-
-
 def _rulebook_name(module: Any, index: int) -> str:
-    """The layer's ``indice_key`` where it uses one; a name of its own otherwise.
-
-    A submanifold 1x1 layer neither reads nor saves its key (spconv's shortcut,
-    kept by sparsecore.torch), so it gets its own name too.
-    """
-    if module.indice_key and not (getattr(module, "conv1x1", False) and module.subm):
-        return module.indice_key
-    return f"auto.conv{index}"
+    """The key the layer uses (`layer_rulebook_key`), or a name of its own (``auto.conv{i}``)."""
+    return layer_rulebook_key(module) or f"auto.conv{index}"
 
 
 def _conv_steps(entry: ConvRecord) -> list[_Step]:
     module = entry.module
-    weight = _effective_weight(module).to(torch.float64).cpu().numpy()
+    weight = effective_weight(module).detach().to(torch.float64).cpu().numpy()
     bias = (np.zeros(module.out_channels) if module.bias is None
             else module.bias.detach().to(torch.float64).cpu().numpy())
     activation = module._activation
