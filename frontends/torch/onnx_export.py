@@ -270,9 +270,9 @@ def export_onnx(model: nn.Module, example_input: Any, path: Union[str, os.PathLi
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "int8":
         raise ExportError(
-            "precision='int8' needs the per-layer dynamic ranges of a model converted by "
-            "sparsecore.torch.quantization, which this version of sparsecore does not have; export with "
-            "precision='fp16' (libspconv can calibrate int8 itself only from such ranges)"
+            "precision='int8' is not written yet: libspconv's int8 nodes need each layer's input and per-channel "
+            "weight dynamic ranges, which sparsecore.torch.quantization.tensorrt_parameters gives for a converted "
+            "model, but this exporter does not map them onto its nodes yet. Export with precision='fp16'"
         )
     try:
         import onnx
