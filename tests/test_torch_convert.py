@@ -77,3 +77,22 @@ def test_cpu_path_never_imports_cupy():
     assert done.returncode == 0, done.stderr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("LOADED:")]
     assert line == "LOADED:", f"the CPU path imported {line}"
+
+
+def test_cuda_tensor_without_a_usable_cuda_device_is_one_clear_error():
+    """core_context for a CUDA device goes through the core's one no-GPU check (CuPy's error never surfaces)."""
+    from sparsecore.backends import CudaUnavailableError, require_cuda
+    from sparsecore.torch._convert import core_context
+
+    try:
+        require_cuda()
+    except CudaUnavailableError:
+        pass
+    else:
+        pytest.skip("a CUDA device is visible here")
+    with pytest.raises(CudaUnavailableError) as caught:
+        with core_context(torch.device("cuda", 0)):
+            raise AssertionError("not reached without a GPU")
+    message = str(caught.value)
+    assert message.startswith("a CUDA tensor (on cuda:0) in sparsecore.torch needs")
+    assert "model.cpu()" in message

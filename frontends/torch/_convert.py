@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from sparsecore.interop import is_cupy_array, to_core_array
+from sparsecore.backends import require_cuda
 
 __all__ = [
     "core_context",
@@ -66,7 +67,10 @@ def core_context(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    import cupy  # a CUDA tensor exists, so the CuPy engine is wanted
+    # a CUDA tensor exists, so the CuPy engine is wanted: one clear error when CuPy cannot run
+    cupy = require_cuda(f"a CUDA tensor (on {device}) in sparsecore.torch",
+                        "Install CuPy for this CUDA version, or move the model and inputs to the CPU "
+                        "(model.cpu(), features.cpu(), indices.cpu()).")
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
