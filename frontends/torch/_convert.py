@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from sparsecore.interop import is_cupy_array, to_core_array
 from sparsecore.backends import require_cuda
+from sparsecore.interop import is_cupy_array, to_core_array
 
 __all__ = [
     "core_context",
