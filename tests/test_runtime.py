@@ -319,3 +319,17 @@ def test_cupy_arrays_give_the_numpy_result() -> None:
     gpu = session.run(cupy.asarray(features), cupy.asarray(indices), 2, (9, 11, 7)).sparse
     np.testing.assert_array_equal(cupy.asnumpy(gpu.indices), cpu.indices)
     np.testing.assert_allclose(cupy.asnumpy(gpu.features), cpu.features, rtol=1e-4, atol=1e-4)
+
+
+def test_reshape_for_another_batch_size_names_the_node() -> None:
+    rng, indices, features = _case(15)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 2, rulebook="a")
+    builder.op("ScatterDense", ["1"], "2", "scatter0", input_spatial_shape=[9, 11, 7], format="zyx",
+               output_shape=[2, 2, 9, 11, 7], output_layout="NCHW")
+    builder.op("Reshape", ["2"], "3", "reshape_bev", dims=[2, 18, 11, 7])
+    session = runtime.load_model(builder.model(4, "3"))
+    assert session.run(features, indices, 2, (9, 11, 7)).dense.shape == (2, 18, 11, 7)
+    first = indices[:, 0] == 0
+    with pytest.raises(runtime.GraphError, match="reshape_bev.*Reshape.*batch size"):
+        session.run(features[first], indices[first], 1, (9, 11, 7))

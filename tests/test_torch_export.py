@@ -262,6 +262,30 @@ def test_conv_attributes_follow_the_layer_configuration(kind: type, tmp_path: Pa
         assert helper.get_attribute_value(reshape.attribute[0]) == [2, 24 * final_spatial[0], *final_spatial[1:]]
 
 
+def test_channels_last_dense_is_scatter_dense_then_transpose(tmp_path: Path) -> None:
+    torch.manual_seed(22)
+    body = spconv.SparseSequential(spconv.SubMConv3d(4, 6, 3, indice_key="a"), nn.ReLU()).eval()
+
+    class ChannelsLast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = body
+
+        def forward(self, x):
+            return self.body(x).dense(channels_first=False)
+
+    model = ChannelsLast().eval()
+    x, features, indices = _input(23)
+    with torch.no_grad():
+        expected = model(x).numpy()
+    exported = spconv.export_onnx(model, x, tmp_path / "model.onnx")
+    assert _node_ops(exported) == ["SparseConvolution", "ScatterDense", "Transpose"]
+    assert helper.get_attribute_value(exported.graph.node[2].attribute[0]) == [0, 2, 3, 4, 1]
+    got = runtime.load(tmp_path / "model.onnx").run(features, indices, 2, (9, 12, 10)).dense
+    assert got.shape == expected.shape == (2, 9, 12, 10, 6)
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
 def test_a_layer_without_bias_gets_a_zero_bias(tmp_path: Path) -> None:
     torch.manual_seed(11)
     model = spconv.SparseSequential(spconv.SubMConv3d(4, 5, 3, bias=False, indice_key="a")).eval()
