@@ -7,82 +7,42 @@ own seed, so training and validation scenes differ. The script:
 1. ray-casts the scenes and voxelizes them once (``sparsecore.voxelize_batch``),
 2. trains the network (SubMConv3d residual blocks, strided SparseConv3d down,
    SparseInverseConv3d up with indice_keys, skip concatenation, BatchNorm,
-   ReLU) with a tqdm progress bar,
+   ReLU) with AdamW and a one-cycle learning rate, with a tqdm progress bar,
 3. reports the validation mIoU over points after every epoch,
 4. saves a checkpoint, reloads it into a fresh model and checks that it gives
    the same outputs,
 5. writes ``training.png`` (loss and mIoU curves) to ``--out``.
 
-Run ``python examples/train_segmentation_torch.py`` (about a minute and a half
-on 2 CPU cores), or a quick check with ``--epochs 1 --scenes 2 --points 3000``.
+``train_segmentation_jax.py`` is its JAX twin: the same data, network and
+recipe (``_segmentation_common.py`` holds what they share), and the same mIoU
+to within a few hundredths (docs/jax.md lists the two).
+
+Run ``python examples/train_segmentation_torch.py`` (about two minutes on
+2 CPU cores), or a quick check with ``--epochs 1 --scenes 2 --points 3000``.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # write PNGs, no display needed
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
-import sparsecore as sc
 import sparsecore.torch as spconv
-from sparsecore.scene import CLASS_NAMES, SceneConfig, lidar_scene
-
-NUM_CLASSES = len(CLASS_NAMES)
-VOXEL_SIZE = (0.25, 0.25, 0.25)
-RANGE = (-20.0, -20.0, -2.0, 20.0, 20.0, 4.0)  # x, y, z min then max, metres
-SCENE = SceneConfig(azimuth_steps=360, max_range=20.0, placement_radius=15.0, num_cars=6, num_poles=8)
-
-
-# ----------------------------------------------------------------------------- data
-
-
-def make_scenes(seeds, max_points):
-    """Ray-casts one scene per seed; keeps at most ``max_points`` random points of each."""
-    clouds, labels = [], []
-    for seed in seeds:
-        scene = lidar_scene(seed, SCENE)
-        keep = np.arange(scene.num_points)
-        if max_points and scene.num_points > max_points:
-            keep = np.sort(np.random.default_rng(seed).choice(scene.num_points, max_points, replace=False))
-        clouds.append(scene.points[keep])
-        labels.append(scene.labels[keep])
-    return clouds, labels
-
-
-def voxelize(clouds, labels):
-    """One batch: voxel features, indices (batch first), voxel labels, point labels and point ids."""
-    batch = sc.voxelize_batch(clouds, VOXEL_SIZE, RANGE, max_num_points_per_voxel=8, max_num_voxels=100_000)
-    means = sc.voxel_means(batch)  # [M, 4]: x, y, z, range
-    # Scale the features to about [-1, 1]; height above the ground is the main cue.
-    features = (means - np.array([0.0, 0.0, -1.7, 0.0], np.float32)) / np.array([20, 20, 2, 20], np.float32)
-    point_ids = np.concatenate(batch.point_voxel_id)
-    point_labels = np.concatenate(labels)
-    # A voxel's label is the most common label of its points.
-    valid = point_ids >= 0
-    votes = np.zeros((batch.num_voxels, NUM_CLASSES), np.int64)
-    np.add.at(votes, (point_ids[valid], point_labels[valid]), 1)
-    return {
-        "features": torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)),
-        "indices": torch.from_numpy(batch.indices),
-        "voxel_labels": torch.from_numpy(votes.argmax(axis=1)),
-        "point_ids": torch.from_numpy(point_ids),
-        "point_labels": torch.from_numpy(point_labels),
-        "batch_size": batch.batch_size,
-        "grid_size": list(batch.grid_size),
-    }
+from _segmentation_common import (BN_EPS, BN_MOMENTUM, IN_CHANNELS, NUM_CLASSES, WEIGHT_DECAY, class_weights,
+                                  confusion, epoch_orders, initial_weights, learning_rates, load_data, mean_iou,
+                                  parse_args, plot_curves, report_epoch)
 
 
 def as_sparse(batch):
-    return spconv.SparseConvTensor(batch["features"], batch["indices"], batch["grid_size"], batch["batch_size"])
+    return spconv.SparseConvTensor(torch.from_numpy(batch.features), torch.from_numpy(batch.indices),
+                                   list(batch.grid_size), batch.batch_size)
+
+
+def batch_norm(channels):
+    return nn.BatchNorm1d(channels, eps=BN_EPS, momentum=BN_MOMENTUM)
 
 
 # ----------------------------------------------------------------------------- model
@@ -94,9 +54,9 @@ class ResidualBlock(nn.Module):
     def __init__(self, channels, key):
         super().__init__()
         self.conv1 = spconv.SubMConv3d(channels, channels, 3, padding=1, bias=False, indice_key=key)
-        self.bn1 = nn.BatchNorm1d(channels)
+        self.bn1 = batch_norm(channels)
         self.conv2 = spconv.SubMConv3d(channels, channels, 3, padding=1, bias=False, indice_key=key)
-        self.bn2 = nn.BatchNorm1d(channels)
+        self.bn2 = batch_norm(channels)
 
     def forward(self, x):
         y = self.conv1(x)
@@ -106,7 +66,7 @@ class ResidualBlock(nn.Module):
 
 
 def conv_bn_relu(conv, channels):
-    return spconv.SparseSequential(conv, nn.BatchNorm1d(channels), nn.ReLU())
+    return spconv.SparseSequential(conv, batch_norm(channels), nn.ReLU())
 
 
 class MinkUNet(nn.Module):
@@ -140,92 +100,79 @@ class MinkUNet(nn.Module):
         return self.head(y.features)  # [num_voxels, num_classes]
 
 
+def load_initial_weights(model, weights):
+    """Copies `initial_weights` (shared with the JAX example) into the model's convs and head."""
+    state = model.state_dict()
+    for name, convs in weights.items():
+        if name == "head":
+            state["head.weight"] = torch.from_numpy(convs["weight"].T.copy())
+            state["head.bias"] = torch.from_numpy(convs["bias"])
+        elif "conv" in convs:
+            state[f"{name}.0.weight"] = torch.from_numpy(convs["conv"])  # SparseSequential(conv, bn, relu)
+        else:
+            state[f"{name}.conv1.weight"] = torch.from_numpy(convs["conv1"])
+            state[f"{name}.conv2.weight"] = torch.from_numpy(convs["conv2"])
+    model.load_state_dict(state)
+    return model
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 
-def point_predictions(model, batch):
-    """Class of every point: the voxel's prediction handed back through point_voxel_id."""
-    logits = model(as_sparse(batch))
-    per_point = spconv.utils.gather_features_by_pc_voxel_id(logits, batch["point_ids"])
-    return per_point.argmax(dim=1)
-
-
 @torch.no_grad()
-def mean_iou(model, batches):
-    """mIoU over all points of the batches (points outside the grid count as class 0 predictions)."""
+def evaluate(model, batches):
+    """``(mIoU, per-class IoU)`` over all points (BatchNorm on its running statistics).
+
+    Each point gets its voxel's class (``gather_features_by_pc_voxel_id``); points outside
+    the grid get zero logits, so they count as class 0 predictions.
+    """
     model.eval()
-    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.int64)
+    matrix = 0
     for batch in batches:
-        predicted = point_predictions(model, batch)
-        confusion += torch.bincount(batch["point_labels"] * NUM_CLASSES + predicted,
-                                    minlength=NUM_CLASSES ** 2).view(NUM_CLASSES, NUM_CLASSES)
+        logits = model(as_sparse(batch))
+        per_point = spconv.utils.gather_features_by_pc_voxel_id(logits, torch.from_numpy(batch.point_ids))
+        matrix = matrix + confusion(batch.point_labels, per_point.argmax(dim=1).numpy())
     model.train()
-    hits = confusion.diag().double()
-    union = confusion.sum(0) + confusion.sum(1) - confusion.diag()
-    iou = hits / union.clamp(min=1).double()
-    return float(iou.mean()), iou.tolist()
+    return mean_iou(matrix)
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--scenes", type=int, default=12, help="training scenes")
-    parser.add_argument("--val-scenes", type=int, default=3)
-    parser.add_argument("--points", type=int, default=0, help="keep at most this many points per scene (0: all)")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--out", type=Path, default=Path("runs/segmentation"))
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args(__doc__.split("\n")[0], "runs/segmentation",
+                      [("--threads", {"type": int, "default": 2, "help": "torch CPU threads"})])
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    train, val = load_data(args)
 
-    # Scenes 1000+ are for validation, so they never overlap the training seeds.
-    train_clouds, train_labels = make_scenes(range(args.seed, args.seed + args.scenes), args.points)
-    val_clouds, val_labels = make_scenes(range(1000 + args.seed, 1000 + args.seed + args.val_scenes), args.points)
-    chunks = range(0, args.scenes, args.batch_size)
-    train = [voxelize(train_clouds[i:i + args.batch_size], train_labels[i:i + args.batch_size]) for i in chunks]
-    val = [voxelize(val_clouds[i:i + args.batch_size], val_labels[i:i + args.batch_size])
-           for i in range(0, args.val_scenes, args.batch_size)]
-    voxels = sum(b["features"].shape[0] for b in train)
-    print(f"{args.scenes} training scenes, {sum(len(c) for c in train_clouds):,} points, {voxels:,} voxels")
-
-    # Rare classes (poles, walls) weigh more: inverse square root of the voxel frequency.
-    counts = torch.bincount(torch.cat([b["voxel_labels"] for b in train]), minlength=NUM_CLASSES).double()
-    class_weights = (counts.sum() / counts.clamp(min=1)).sqrt()
-    criterion = nn.CrossEntropyLoss(weight=(class_weights / class_weights.mean()).float())
-
-    model = MinkUNet(in_channels=4, num_classes=NUM_CLASSES)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=args.epochs * len(train))
+    criterion = nn.CrossEntropyLoss(weight=torch.from_numpy(class_weights(train)))
+    model = load_initial_weights(MinkUNet(in_channels=IN_CHANNELS, num_classes=NUM_CLASSES),
+                                 initial_weights(args.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
+    rates = learning_rates(args.epochs * len(train), args.lr)  # one-cycle, the same numbers as the JAX example
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: rates[min(step, len(rates) - 1)] / args.lr)
     losses, mious = [], []
-    for epoch in range(1, args.epochs + 1):
-        order = torch.randperm(len(train)).tolist()
+    for epoch, order in enumerate(epoch_orders(args.seed, args.epochs, len(train)), start=1):
         progress = tqdm(order, desc=f"epoch {epoch}/{args.epochs}", leave=False)
         for index in progress:
             batch = train[index]
-            loss = criterion(model(as_sparse(batch)), batch["voxel_labels"])
+            loss = criterion(model(as_sparse(batch)), torch.from_numpy(batch.voxel_labels))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             scheduler.step()
             losses.append(loss.item())
             progress.set_postfix(loss=f"{loss.item():.3f}")
-        miou, ious = mean_iou(model, val)
+        miou, ious = evaluate(model, val)
         mious.append(miou)
-        per_class = ", ".join(f"{name} {iou:.2f}" for name, iou in zip(CLASS_NAMES, ious))
-        print(f"epoch {epoch}: loss {np.mean(losses[-len(train):]):.3f}, val mIoU {miou:.3f} ({per_class})")
+        report_epoch(epoch, losses, len(train), miou, ious)
 
     # Save, reload into a fresh model, and check that it computes the same thing.
     checkpoint = args.out / "checkpoint.pt"
     torch.save({"model": model.state_dict(), "epochs": args.epochs, "miou": mious[-1]}, checkpoint)
-    reloaded = MinkUNet(in_channels=4, num_classes=NUM_CLASSES)
+    reloaded = MinkUNet(in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
     reloaded.load_state_dict(torch.load(checkpoint)["model"])
     model.eval()
     reloaded.eval()
@@ -233,15 +180,7 @@ def main():
         assert torch.equal(model(as_sparse(val[0])), reloaded(as_sparse(val[0]))), "reloaded model differs"
     print(f"checkpoint {checkpoint} reloaded: same outputs")
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(losses)
-    left.set(xlabel="step", ylabel="training loss", title="loss")
-    right.plot(range(1, len(mious) + 1), mious, marker="o")
-    right.axhline(1 / NUM_CLASSES, color="grey", linestyle="--", label="1 / classes")
-    right.set(xlabel="epoch", ylabel="validation mIoU", title="mIoU", ylim=(0, 1))
-    right.legend()
-    figure.tight_layout()
-    figure.savefig(args.out / "training.png", dpi=100)
+    plot_curves(losses, mious, args.out / "training.png")
     print(f"final val mIoU {mious[-1]:.3f}; plot {args.out / 'training.png'}; "
           f"{time.perf_counter() - start:.0f} s in all")
 
