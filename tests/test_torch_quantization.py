@@ -402,3 +402,32 @@ def test_converted_model_runs_on_an_empty_input():
     converted = _convert(prepared, mapping, backend)
     out = converted(empty)
     assert out.shape == model(empty).shape == (0, 5)
+
+
+class LinearHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = spconv.SparseSequential(spconv.SubMConv3d(4, 8, 3), nn.ReLU())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).features)
+
+
+def test_prepare_spconv_torch_inference_with_and_without_linear():
+    torch.manual_seed(20)
+    model = LinearHead().eval()
+    outputs = {}
+    for with_linear in (True, False):
+        prepared, mapping, backend = _prepare(model, False)
+        for seed in range(3):
+            prepared(_tensor(700 + seed))
+        converted = _convert(prepared, mapping, backend, with_linear=with_linear)
+        kinds = _module_kinds(converted)
+        assert ("LinearPerChannelWeight" in kinds) == with_linear
+        outputs[with_linear] = converted(_tensor(21))
+    step = float(converted.head_scale_1) if hasattr(converted, "head_scale_1") else 0.05
+    # the int8 Linear (exact integer sums) and torch's reference Linear (float on int8-rounded values)
+    assert float((outputs[True] - outputs[False]).abs().max()) <= step * 1.001
+    want = model(_tensor(21))
+    assert float((outputs[True] - want).norm() / want.norm()) < 0.05
