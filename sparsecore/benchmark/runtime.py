@@ -14,6 +14,7 @@ runtime on CuPy arrays.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -49,7 +50,8 @@ def add_parser(suites: Any) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per variant (alternating)")
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op and BLAS threads (default 0: leave both as they are)")
+                        help="threads of sparsecore's CPU passes, torch's intra-op pool and BLAS (default 0: leave "
+                        "them as they are)")
     parser.add_argument("--voxels", metavar="PATH", help=f"voxelized scan (default: {scenes.VOXELS_FILE_NAME})")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
 
@@ -113,24 +115,30 @@ def run_runtime_command(arguments: argparse.Namespace) -> int:
     """Times the variants and prints the table (and writes JSON with ``--json``)."""
     import torch
 
-    import sparsecore.runtime as runtime
-    import sparsecore.torch as spconv
-
     if arguments.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, got {arguments.repeat}")
     try:
         scene = scenes.load_voxel_scene(scenes.require_data_file(arguments.voxels, scenes.VOXELS_FILE_NAME))
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
-    limiter = None
-    if arguments.threads:
-        torch.set_num_threads(arguments.threads)
-        try:
+    with contextlib.ExitStack() as stack:
+        if arguments.threads:
             import threadpoolctl
 
-            limiter = threadpoolctl.threadpool_limits(arguments.threads)
-        except ImportError:
-            pass
+            import sparsecore
+
+            torch.set_num_threads(arguments.threads)
+            stack.enter_context(threadpoolctl.threadpool_limits(arguments.threads))
+            stack.enter_context(sparsecore.num_threads(arguments.threads))
+        return _run(arguments, scene)
+
+
+def _run(arguments: argparse.Namespace, scene: scenes.VoxelScene) -> int:
+    import torch
+
+    import sparsecore.runtime as runtime
+    import sparsecore.torch as spconv
+
     device = torch.device(arguments.device)
     model = second_backbone(scene.features.shape[1]).to(device)
     features, indices = torch.from_numpy(scene.features).to(device), torch.from_numpy(scene.indices).to(device)
@@ -164,8 +172,6 @@ def run_runtime_command(arguments: argparse.Namespace) -> int:
         outputs[f"sparsecore.runtime {dtype}"] = to_host(
             session.run(core_features, core_indices, batch, shape).dense).astype(np.float32)
     times = _alternate(functions, arguments.repeat, synchronize)
-    if limiter is not None:
-        limiter.unregister()
     baseline = statistics.median(times["sparsecore.torch float32"])
     rows = [RuntimeTiming(name, statistics.median(values), min(values), baseline / statistics.median(values),
                           float(np.abs(outputs[name] - reference).max()))
