@@ -18,13 +18,16 @@ On the CPU (NumPy backend), layers whose per-group weight matrix is at most
 d-features are compiled output-stationary loops over a neighbour table
 (`sparsecore.backends._cpu_kernels`), each output row summing its offsets in
 a fixed order on any number of threads; the d-weights are one BLAS GEMM per
-offset. Every CPU pass runs BLAS on `sparsecore.threads`' thread count.
+offset. On the CPU, BLAS runs on one thread inside a pass and the per-offset
+products run side by side on `sparsecore.threads`' thread count, summed in
+offset order: results are bitwise identical at every thread count.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ._chunks import PairChunk, check_padded_pairs, chunk_rows, pair_chunks
 from ._dispatch import check_same_device, to_core_array
@@ -231,10 +234,35 @@ def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, gro
 
 
 def _cpu_threads(backend: ArrayBackend) -> contextlib.AbstractContextManager[Any]:
-    """On the NumPy backend, BLAS limited to the feature passes' thread count (`sparsecore.threads`)."""
+    """On the NumPy backend, BLAS on one thread inside the pass; the pass itself runs offsets in parallel.
+
+    OpenBLAS's results for one product differ in the last bits between processes
+    started with different thread counts; one BLAS thread per product, with the
+    products of several offsets computed side by side (`_map_in_order`), keeps
+    every CPU pass bitwise identical at every thread count.
+    """
     if isinstance(backend, NumpyBackend):
-        return threads.blas_threads()
+        return threads.blas_threads(1)
     return contextlib.nullcontext()
+
+
+def _workers(backend: ArrayBackend) -> int:
+    """How many offsets a pass computes side by side: `sparsecore.threads`' count on the CPU, else 1."""
+    return threads.get_num_threads() if isinstance(backend, NumpyBackend) else 1
+
+
+def _map_in_order(workers: int, function: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``[function(item) for item in items]``, on ``workers`` threads when more than one (results in order)."""
+    if workers <= 1 or len(items) <= 1:
+        return [function(item) for item in items]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        return list(pool.map(function, items))
+
+
+def _waves(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    """``items`` cut into consecutive groups of ``size`` (at least 1)."""
+    size = max(1, size)
+    return [items[start:start + size] for start in range(0, len(items), size)]
 
 
 def _fused_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
@@ -259,12 +287,16 @@ def _fused_backward(backend: ArrayBackend, source: Any, grad: Any, matrices: Any
     _cpu_kernels.accumulate_rows(grad, table, transposed, grad_features, rulebook.num_pairs)
     groups = matrices.shape[1]
     grad_matrices = xp.zeros(matrices.shape, dtype=source.dtype)
-    for offset in range(len(starts) - 1):
+
+    def outer(offset: int) -> Any:
         start, stop = starts[offset], starts[offset + 1]
-        if stop > start:
-            gathered_source = backend.gather_rows(source, rulebook.pair_input[start:stop])
-            gathered_grad = backend.gather_rows(grad, rulebook.pair_output[start:stop])
-            grad_matrices[offset] = _grouped_outer(backend, gathered_source, gathered_grad, groups)
+        gathered_source = backend.gather_rows(source, rulebook.pair_input[start:stop])
+        gathered_grad = backend.gather_rows(grad, rulebook.pair_output[start:stop])
+        return _grouped_outer(backend, gathered_source, gathered_grad, groups)
+
+    offsets = [offset for offset in range(len(starts) - 1) if starts[offset + 1] > starts[offset]]
+    for offset, product in zip(offsets, _map_in_order(_workers(backend), outer, offsets)):
+        grad_matrices[offset] = product
     return grad_features, grad_matrices
 
 
@@ -317,12 +349,18 @@ def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: R
         out = xp.ascontiguousarray(_grouped_product(backend, source, matrices[identity]))
     else:
         out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
-    for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
+
+    def product(chunk: PairChunk) -> tuple[Any, Any, int]:
         input_rows, output_rows = chunk_rows(xp, (rulebook.pair_input, rulebook.pair_output), chunk)  # [m, W]
         count, width = input_rows.shape
         gathered = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
-        products = _batched_product(backend, gathered, matrices[_offset_index(chunk)])
-        backend.scatter_add_pairs(out, output_rows.reshape(-1), products, _uniform_starts(chunk, width))
+        return output_rows, _batched_product(backend, gathered, matrices[_offset_index(chunk)]), width
+
+    workers = _workers(backend)
+    for wave in _waves(_chunks(backend, rulebook, features.shape[1], weight.shape[0]), workers):
+        # products side by side, scatters in offset order: the sums do not depend on the workers
+        for chunk, (output_rows, products, width) in zip(wave, _map_in_order(workers, product, wave)):
+            backend.scatter_add_pairs(out, output_rows.reshape(-1), products, _uniform_starts(chunk, width))
     if bias is not None:
         out += bias.astype(dtype, copy=False)
     return out.astype(features.dtype, copy=False)
@@ -382,14 +420,21 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
         grad_matrices[identity] = _grouped_outer(backend, source, grad, groups)
     else:
         grad_features = xp.zeros(source.shape, dtype=dtype)
-    for chunk in _chunks(backend, rulebook, features.shape[1], weight.shape[0]):
+
+    def products(chunk: PairChunk) -> tuple[Any, Any, Any, int]:
         input_rows, output_rows = chunk_rows(xp, (rulebook.pair_input, rulebook.pair_output), chunk)  # [m, W]
         count, width = input_rows.shape
         gathered_grad = backend.gather_rows(grad, output_rows.reshape(-1)).reshape(count, width, -1)
         gathered_source = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
-        products = _batched_product(backend, gathered_grad, transposed[_offset_index(chunk)])
-        backend.scatter_add_pairs(grad_features, input_rows.reshape(-1), products, _uniform_starts(chunk, width))
-        grad_matrices[_offset_index(chunk)] = _batched_outer(backend, gathered_source, gathered_grad, groups)
+        return (input_rows, _batched_product(backend, gathered_grad, transposed[_offset_index(chunk)]),
+                _batched_outer(backend, gathered_source, gathered_grad, groups), width)
+
+    workers = _workers(backend)
+    for wave in _waves(_chunks(backend, rulebook, features.shape[1], weight.shape[0]), workers):
+        for chunk, (input_rows, rows_product, outer, width) in zip(wave, _map_in_order(workers, products, wave)):
+            backend.scatter_add_pairs(grad_features, input_rows.reshape(-1), rows_product,
+                                      _uniform_starts(chunk, width))
+            grad_matrices[_offset_index(chunk)] = outer
     grad_weight = _weight_from_matrices(grad_matrices, weight)
     return grad_features.astype(features.dtype, copy=False), grad_weight.astype(weight.dtype, copy=False)
 

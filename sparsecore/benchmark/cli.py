@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cpu.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed repeats per stage (median)")
     cpu.add_argument("--threads", type=int, default=1,
-                     help="BLAS threads for NumPy (default 1, the thread count spconv is compared at; 0 leaves the BLAS default)")
+                     help="threads of sparsecore's CPU passes (sparsecore.set_num_threads) and of NumPy's BLAS "
+                     "(default 1, the thread count spconv is compared at; 0 leaves both at their defaults)")
+    cpu.add_argument("--busy", action="store_true",
+                     help="run one spinning process beside the benchmark (the machine under load)")
     cpu.add_argument("--no-spconv", action="store_true", help="skip the comparison with spconv")
     cpu.add_argument("--seed", type=int, default=0, help="random seed for features and weights")
     cpu.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON to PATH")
@@ -175,6 +178,18 @@ def thread_limit(threads: int | None, argv: Sequence[str], allow_reexec: bool) -
     yield "as configured (--threads not applied)"
 
 
+def _sparsecore_threads(stack: contextlib.ExitStack, threads: int | None) -> int:
+    """Runs sparsecore's CPU passes on ``threads`` for the rest of ``stack`` (0 or None: its default)."""
+    import sparsecore
+
+    if threads:
+        try:
+            stack.enter_context(sparsecore.num_threads(threads))
+        except ValueError as error:
+            raise SystemExit(f"error: --threads {threads}: {error}") from None
+    return sparsecore.get_num_threads()
+
+
 def load_inputs(arguments: argparse.Namespace) -> Any:
     """Finds or makes the scene and the points named by the arguments.
 
@@ -228,17 +243,27 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
         return run_network_command(arguments, argv, allow_reexec)
     if arguments.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, got {arguments.repeat}")
-    with thread_limit(arguments.threads, argv, allow_reexec) as threads_applied:
+    from sparsecore.benchmark.timing import busy_process, measure_peaks
+
+    with contextlib.ExitStack() as stack:
+        threads_applied = stack.enter_context(thread_limit(arguments.threads, argv, allow_reexec))
+        threads = _sparsecore_threads(stack, arguments.threads)
+        load = stack.enter_context(busy_process()) if arguments.busy else "none added"
         try:
             inputs = load_inputs(arguments)
         except (OSError, ValueError) as error:
             raise SystemExit(f"error: {error}") from None
-        rows, spconv_status = run_cpu_benchmark(inputs, arguments.repeat, not arguments.no_spconv)
+        peaks = measure_peaks(threads)
+        rows, spconv_status = run_cpu_benchmark(inputs, arguments.repeat, not arguments.no_spconv, peaks)
         header = machine_description()
     scene = inputs.scene
     header.update(
         {
-            "threads requested": threads_applied,
+            "threads requested": f"{threads_applied}; sparsecore passes {threads}",
+            "load": f"{load}; 1-minute load average {os.getloadavg()[0]:.1f} at the end (a shared machine: "
+            "compare ratios within one run, not times across runs)",
+            "peaks": f"{peaks.gflops:.0f} GFLOP/s (float32 1024^3 matmul, {peaks.threads} BLAS threads), "
+            f"{peaks.gigabytes_per_second:.1f} GB/s (256 MB copy), measured in this process",
             "spconv": f"{header['spconv']}, {spconv_status}",
             "scene": f"{scene.source}: {len(scene.indices)} voxels, spatial shape {scene.spatial_shape}, "
             f"batch {scene.batch_size}",

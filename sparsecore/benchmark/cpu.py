@@ -25,13 +25,15 @@ from sparsecore.benchmark.cases import (
     Row,
     VoxelizeSpec,
 )
-from sparsecore.benchmark.timing import median_seconds, median_seconds_with_setup
+from sparsecore.benchmark.timing import MachinePeaks, median_seconds, median_seconds_with_setup
 
 __all__ = [
     "RELATIVE_TOLERANCE",
     "BenchmarkInputs",
     "layer_weight",
     "compare_arrays",
+    "layer_work",
+    "rate_note",
     "run_layer",
     "run_voxelize",
     "run_cpu_benchmark",
@@ -95,12 +97,34 @@ def compare_arrays(name: str, ours: np.ndarray, theirs: np.ndarray) -> str | Non
     return None
 
 
+def layer_work(layer: LayerSpec, num_pairs: int, stage: str) -> tuple[float, float]:
+    """``(flops, bytes)`` of a conv stage: the multiply-adds and the gathered and scattered rows.
+
+    Forward: ``2 * pairs * C_in * C_out`` FLOP and ``4 * pairs * (C_in + C_out)`` bytes
+    (float32 rows read per pair and added per pair); backward (features and weight): twice both.
+    """
+    scale = 2.0 if stage == "backward" else 1.0
+    flops = scale * 2.0 * num_pairs * layer.in_channels * layer.out_channels
+    moved = scale * 4.0 * num_pairs * (layer.in_channels + layer.out_channels)
+    return flops, moved
+
+
+def rate_note(flops: float, moved: float, seconds: float, peaks: MachinePeaks | None) -> str:
+    """``"x GFLOP/s (p% of peak), y GB/s (q%)"`` for a stage that took ``seconds``."""
+    gflops, gigabytes = flops / seconds / 1e9, moved / seconds / 1e9
+    if peaks is None:
+        return f"{gflops:.1f} GFLOP/s, {gigabytes:.1f} GB/s"
+    return (f"{gflops:.1f} GFLOP/s ({100 * gflops / peaks.gflops:.0f}% of peak), "
+            f"{gigabytes:.1f} GB/s ({100 * gigabytes / peaks.gigabytes_per_second:.0f}%)")
+
+
 def _sorted_rows(indices: np.ndarray) -> np.ndarray:
     return np.lexsort(indices.T[::-1])
 
 
 def run_layer(
-    layer: LayerSpec, scene: scenes.VoxelScene, repeat: int, spconv_torch: Any | None, seed: int = 0
+    layer: LayerSpec, scene: scenes.VoxelScene, repeat: int, spconv_torch: Any | None, seed: int = 0,
+    peaks: MachinePeaks | None = None,
 ) -> list[Row]:
     """Times one layer's stages in sparsecore (and spconv), checking they agree.
 
@@ -111,6 +135,7 @@ def run_layer(
         spconv_torch: the torch module inside ``spconv_session`` to compare
             against spconv, or None to run sparsecore alone.
         seed: random seed for features, weight and output gradient.
+        peaks: the machine's measured peaks, for the rows' "% of peak" (None: rates only).
 
     Returns:
         Three rows: rulebook, forward, backward.
@@ -140,8 +165,10 @@ def run_layer(
     size_note = f"{rulebook.num_input} -> {rulebook.num_output} sites, {rulebook.num_pairs} pairs"
     rows = [
         Row(layer.name, "rulebook", rulebook_seconds * MILLISECONDS, notes=[size_note]),
-        Row(layer.name, "forward", forward_seconds * MILLISECONDS),
-        Row(layer.name, "backward", backward_seconds * MILLISECONDS),
+        Row(layer.name, "forward", forward_seconds * MILLISECONDS,
+            notes=[rate_note(*layer_work(layer, rulebook.num_pairs, "forward"), forward_seconds, peaks)]),
+        Row(layer.name, "backward", backward_seconds * MILLISECONDS,
+            notes=[rate_note(*layer_work(layer, rulebook.num_pairs, "backward"), backward_seconds, peaks)]),
     ]
     if spconv_torch is None:
         return rows
@@ -240,13 +267,15 @@ def run_voxelize(spec: VoxelizeSpec, points: np.ndarray, repeat: int, spconv_tor
     return row
 
 
-def run_cpu_benchmark(inputs: BenchmarkInputs, repeat: int, compare_with_spconv: bool = True) -> tuple[list[Row], str]:
+def run_cpu_benchmark(inputs: BenchmarkInputs, repeat: int, compare_with_spconv: bool = True,
+                      peaks: MachinePeaks | None = None) -> tuple[list[Row], str]:
     """Runs every case.
 
     Args:
         inputs: scene and points.
         repeat: timed repeats per stage.
         compare_with_spconv: run spconv beside sparsecore where it is importable.
+        peaks: the machine's measured peaks, for the rows' "% of peak".
 
     Returns:
         The rows in table order, and a line saying whether spconv was compared
@@ -264,10 +293,10 @@ def run_cpu_benchmark(inputs: BenchmarkInputs, repeat: int, compare_with_spconv:
             spconv_status = "compared (torch single-threaded for spconv)"
             with spconv_session() as torch:
                 for layer in LAYERS:
-                    rows.extend(run_layer(layer, inputs.scene, repeat, torch))
+                    rows.extend(run_layer(layer, inputs.scene, repeat, torch, peaks=peaks))
                 rows.append(run_voxelize(VOXELIZE, inputs.points, repeat, torch))
             return rows, spconv_status
     for layer in LAYERS:
-        rows.extend(run_layer(layer, inputs.scene, repeat, None))
+        rows.extend(run_layer(layer, inputs.scene, repeat, None, peaks=peaks))
     rows.append(run_voxelize(VOXELIZE, inputs.points, repeat, None))
     return rows, spconv_status

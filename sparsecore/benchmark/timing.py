@@ -6,13 +6,16 @@ after one untimed warm-up call.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 __all__ = [
     "THREAD_VARIABLES",
@@ -21,6 +24,9 @@ __all__ = [
     "cpu_model",
     "blas_thread_count",
     "machine_description",
+    "MachinePeaks",
+    "measure_peaks",
+    "busy_process",
 ]
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -137,3 +143,61 @@ def machine_description() -> dict[str, str]:
         "spconv": _version_of("spconv"),
         "blas threads": blas_thread_count(),
     }
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    """What this process reaches on this machine, for the rows' "% of peak".
+
+    Attributes:
+        gflops: float32 GEMM rate (a 1024^3 NumPy ``matmul``, BLAS on ``threads`` threads), GFLOP/s.
+        gigabytes_per_second: memory rate of a 256 MB ``numpy.copyto`` (bytes read plus written), GB/s.
+        threads: the thread count both were measured at.
+    """
+
+    gflops: float
+    gigabytes_per_second: float
+    threads: int
+
+
+def measure_peaks(threads: int, repeat: int = 3) -> MachinePeaks:
+    """Measures `MachinePeaks` in this process (medians of ``repeat`` runs, after a warm-up).
+
+    Args:
+        threads: BLAS threads for the GEMM (limited with threadpoolctl where installed).
+        repeat: timed runs of each.
+    """
+    import numpy as np
+
+    generator = np.random.default_rng(0)
+    size = 1024
+    left = generator.standard_normal((size, size), dtype=np.float32)
+    right = generator.standard_normal((size, size), dtype=np.float32)
+    try:
+        import threadpoolctl
+
+        limit: Any = threadpoolctl.threadpool_limits(limits=threads, user_api="blas")
+    except ImportError:  # pragma: no cover - threadpoolctl is an install requirement
+        limit = contextlib.nullcontext()
+    with limit:
+        gemm_seconds = median_seconds(lambda: np.matmul(left, right), repeat)
+    source = np.ones(64 * 1024 * 1024, dtype=np.float32)
+    target = np.empty_like(source)
+    copy_seconds = median_seconds(lambda: np.copyto(target, source), repeat)
+    return MachinePeaks(2.0 * size**3 / gemm_seconds / 1e9, 2.0 * source.nbytes / copy_seconds / 1e9, threads)
+
+
+@contextlib.contextmanager
+def busy_process() -> Iterator[str]:
+    """Runs one spinning Python process beside the block (``--busy``), and stops it after.
+
+    Yields:
+        A description for the table's header.
+    """
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"one spinning process beside the run (pid {process.pid})"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
