@@ -21,7 +21,8 @@ def test_runtime_suite_on_a_window_of_the_scan(tmp_path: Path, capsys: pytest.Ca
     indices[:, 2:] -= 800 - 48
     path = tmp_path / "window.npz"
     np.savez(path, features=scene.features[keep], indices=indices, spatial_shape=np.array([80, 96, 96]))
-    assert cli.main(["runtime", "--voxels", str(path), "--repeat", "1", "--threads", "1", "--json", str(tmp_path / "rows.json")]) == 0
+    arguments = ["runtime", "--voxels", str(path), "--repeat", "1", "--threads", "1", "--json", str(tmp_path / "rows.json")]
+    assert cli.main(arguments) == 0
     out = capsys.readouterr().out
     variants = [" ".join(line.split()[:2]) for line in out.splitlines() if line.startswith("sparsecore.")]
     assert variants == ["sparsecore.torch float32", "sparsecore.runtime float32", "sparsecore.runtime float16"]
