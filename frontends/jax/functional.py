@@ -20,7 +20,7 @@ import sparsecore as sc
 
 from . import ops, pooling
 from .buckets import Buckets
-from .plan import PaddedRulebook, Plan, Sites, SitesInfo
+from .plan import PaddedRulebook, Plan, Sites, SitesInfo, active_planner
 from .planner import inverse_source, layer_rulebook
 from .tensor import SparseTensor
 
@@ -84,6 +84,11 @@ def _run_conv(x: SparseTensor, weight: Any, bias: Any, plan: Plan, rulebook: Pad
     if swap:
         pair_input, pair_output, out_name, identity = pair_output, pair_input, rulebook.info.input_sites, -1
     out_sites = plan.site(out_name)
+    if active_planner() is not None:  # sj.plan traces the network for its geometry only: skip the feature pass
+        features = jnp.zeros((out_sites.info.capacity, weight.shape[0]), x.features.dtype)
+        if bias is not None:
+            features = features + bias.astype(features.dtype)
+        return SparseTensor(features, plan, out_name)
     features = ops.conv(x.features, weight, pair_input, pair_output, rulebook.counts, plan.site(x.sites_name).count,
                         out_sites.count, capacity_out=out_sites.info.capacity, identity_offset=identity,
                         groups=groups, chunk=rulebook.info.chunk, impl=impl)
@@ -152,6 +157,9 @@ def _pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None, padding
                                       dilation, kind="subm" if subm else "regular")
     plan, rulebook = layer_rulebook(x.plan, x.sites_name, geometry)
     out_sites = plan.site(rulebook.info.output_sites)
+    if active_planner() is not None:  # planning: geometry only (see _run_conv)
+        return SparseTensor(jnp.zeros((out_sites.info.capacity, x.num_channels), x.features.dtype), plan,
+                            rulebook.info.output_sites)
     run = pooling.max_pool if which == "max" else pooling.avg_pool
     features = run(x.features, rulebook.pair_input, rulebook.pair_output, rulebook.counts,
                    plan.site(x.sites_name).count, out_sites.count, capacity_out=out_sites.info.capacity,
