@@ -148,11 +148,16 @@ def _expected_sites(args: dict, kind: str):
         # a dense conv multiplies the NaN / inf weight by the zeros of inactive sites; the
         # sparse conv sums over active neighbours only: the naive pair enumeration is the oracle
         stride, padding = (1, 0) if kind == "subm" else (2, 1)
+        padding = 1 if kind == "transposed" else padding
         naive = do.naive_rulebook(indices, SHAPE, batch, kind, 3, stride, padding)
         return _np(do.naive_conv(torch.as_tensor(_np(args["features"])), weight, naive)), naive.output_indices
     dense = _dense(args["features"], indices, 0.0, batch)
     if kind == "subm":
         return _np(do.read_sites(do.dense_conv(dense, weight, 1, 1, 1), indices)), indices
+    if kind == "transposed":
+        out = do.dense_conv_transpose(dense, weight, 2, 1, 1)
+        sites = do.transposed_sites(indices, SHAPE, batch, 3, 2, 1, 1, 0)
+        return _np(do.read_sites(out, sites)), sites
     out = do.dense_conv(dense, weight, 2, 1, 1)
     sites = do.regular_sites(indices, SHAPE, batch, 3, 2, 1, 1)
     return _np(do.read_sites(out, sites)), sites
@@ -192,8 +197,8 @@ def _conv_entry(kind: str) -> Entry:
     def run(args: dict):
         import sparsecore as sc
 
-        out = sc.sparse_conv(_core_tensor(args), args["weight"], kind=kind, stride=1 if kind == "subm" else 2,
-                             padding=0 if kind == "subm" else 1)
+        stride, padding = (1, 0) if kind == "subm" else (2, 1)
+        out = sc.sparse_conv(_core_tensor(args), args["weight"], kind=kind, stride=stride, padding=padding)
         return out.features, out.indices
 
     return Entry(f"core.sparse_conv[{kind}]", _make_conv, run,
@@ -394,6 +399,8 @@ def _torch_conv_entry(kind: str) -> Entry:
         torch = _torch()
         if kind == "subm":
             layer = spconv.SubMConv3d(C_IN, C_OUT, 3, bias=False)
+        elif kind == "transposed":
+            layer = spconv.SparseConvTranspose3d(C_IN, C_OUT, 3, stride=2, padding=1, bias=False)
         else:
             layer = spconv.SparseConv3d(C_IN, C_OUT, 3, stride=2, padding=1, bias=False)
         weight = _t(args["weight"])
@@ -402,7 +409,8 @@ def _torch_conv_entry(kind: str) -> Entry:
         out = layer(_torch_tensor(args))
         return out.features, out.indices
 
-    return Entry(f"torch.{'SubMConv3d' if kind == 'subm' else 'SparseConv3d'}", _make_conv, run,
+    name = {"subm": "SubMConv3d", "regular": "SparseConv3d", "transposed": "SparseConvTranspose3d"}[kind]
+    return Entry(f"torch.{name}", _make_conv, run,
                  lambda args, out: same_sites(*out, _expected_sites(args, kind), args),
                  dict(_SITE_KINDS, weight="module_weight"), ("features", "indices"))
 
@@ -508,6 +516,38 @@ def _make_same_sites(rng: np.random.Generator) -> dict:
     return args
 
 
+def _make_backward(rng: np.random.Generator) -> dict:
+    import sparsecore as sc
+
+    args = _make_conv(rng)
+    geometry = sc.ConvGeometry.create(3, 3, kind="subm")
+    args["rulebook"] = sc.build_rulebook(args["indices"], SHAPE, BATCH, geometry)
+    args["grad_output"] = _oracle().random_features(rng, args["indices"].shape[0], C_OUT)
+    return args
+
+
+def _run_conv_backward(args: dict):
+    import sparsecore as sc
+
+    return sc.conv_backward(args["grad_output"], args["features"], args["weight"], args["rulebook"])
+
+
+def _check_conv_backward(args: dict, out: Any) -> bool:
+    """Gradients of ``sum(conv(x)[sites] * G)`` by torch autograd through the dense conv."""
+    do, torch = _oracle(), _torch()
+    features = torch.as_tensor(_np(args["features"])).requires_grad_()
+    weight = torch.as_tensor(_np(args["weight"])).requires_grad_()
+    indices = np.asarray(args["indices"]).astype(np.int64)
+    finite = all(np.isfinite(_np(args[name])).all() for name in ("features", "weight", "grad_output"))
+    if finite:
+        dense = do.densify(features, indices, SHAPE, BATCH)
+        result = do.read_sites(do.dense_conv(dense, weight, 1, 1, 1), indices)
+    else:  # the dense conv's zeros would meet the NaN / inf: sum over the naive pairs instead
+        result = do.naive_conv(features, weight, do.naive_rulebook(indices, SHAPE, BATCH, "subm", 3))
+    (result * torch.as_tensor(_np(args["grad_output"]))).sum().backward()
+    return close(out[0], features.grad, args) and close(out[1], weight.grad, args)
+
+
 def _run_torch_from_dense(args: dict):
     import sparsecore.torch as spconv
 
@@ -548,6 +588,9 @@ def entries() -> list[Entry]:
         Entry("core.from_dense", _make_grid, _run_from_dense, _check_from_dense, {"dense": "dense"}),
         _conv_entry("subm"),
         _conv_entry("regular"),
+        _conv_entry("transposed"),
+        Entry("core.conv_backward", _make_backward, _run_conv_backward, _check_conv_backward,
+              {"features": "features", "weight": "weight", "grad_output": "features"}),
         Entry("core.sparse_max_pool", _base, _run_max_pool,
               lambda args, out: same_sites(*out, _expected_sites(args, "maxpool"), args), _SITE_KINDS,
               ("features", "indices")),
@@ -573,6 +616,7 @@ def entries() -> list[Entry]:
               ("features", "indices")),
         _torch_conv_entry("subm"),
         _torch_conv_entry("regular"),
+        _torch_conv_entry("transposed"),
         Entry("torch.SparseMaxPool3d", _base, _run_torch_max_pool,
               lambda args, out: same_sites(*out, _expected_sites(args, "maxpool"), args), _SITE_KINDS,
               ("features", "indices")),
