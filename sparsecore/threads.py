@@ -119,6 +119,9 @@ def num_threads(threads: int) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _blas_controller() -> Any:
+    # numba loads first: it brings in a BLAS of its own (SciPy's, for np.dot in kernels), and a
+    # controller sees only the libraries loaded when it is made
+    _numba()
     try:
         import threadpoolctl
     except ImportError:  # pragma: no cover - threadpoolctl is an install requirement
@@ -131,7 +134,8 @@ def blas_threads(threads: int | None = None) -> Iterator[int]:
     """Limits NumPy's BLAS to ``threads`` (default: `get_num_threads`) for the block.
 
     Used by the CPU feature passes around their BLAS calls; without threadpoolctl
-    the BLAS keeps its own setting.
+    the BLAS keeps its own setting. The limit covers the BLAS libraries loaded
+    when it is first used (NumPy's always; sparsecore calls no other).
 
     Yields:
         The thread count in force.

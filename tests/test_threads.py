@@ -1,13 +1,16 @@
-"""Results must be correct at every BLAS thread count.
+"""Results must be correct, and bitwise identical, at every thread count; the thread setting is honoured.
 
 spconv's CPU build races in its scatter-add with more than one thread; the
 NumPy backend has no shared writes across threads, so forward and gradients
-must match the dense float64 oracle whatever OPENBLAS/OMP threads are set to.
-Each thread count runs in its own process (BLAS reads the variables at load).
+must match the dense float64 oracle whatever OPENBLAS/OMP/SPARSECORE threads
+are set to, and equal each other bit for bit (the fused kernels split work
+into fixed blocks of rows; see sparsecore.backends._cpu_kernels). Each thread
+count runs in its own process (BLAS and numba read the variables at load).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -34,28 +37,39 @@ SCRIPT = textwrap.dedent(
     indices = np.stack(np.unravel_index(cells, (batch,) + shape), 1).astype(np.int32)
     features = rng.standard_normal((len(indices), channels)).astype(np.float32)
     out = {"indices": indices.tolist(), "features": features.tolist()}
-    for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2)):
-        weight = rng.standard_normal((channels, 3, 3, 3, channels)).astype(np.float32)
+    wide = rng.standard_normal((len(indices), 80)).astype(np.float32)
+    out["wide_features"] = wide.tolist()
+    for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2), ("wide", "subm", 1)):
+        source = wide if name == "wide" else features  # 80 channels: the per-offset BLAS dataflow
+        weight = rng.standard_normal((source.shape[1], 3, 3, 3, source.shape[1])).astype(np.float32)
         geometry = sc.ConvGeometry.create(3, 3, stride=stride, padding=1, kind=kind)
         rulebook = sc.build_rulebook(indices, shape, batch, geometry)
-        y = sc.conv_forward(features, weight, rulebook)
+        y = sc.conv_forward(source, weight, rulebook)
         grad = rng.standard_normal(y.shape).astype(np.float32)
-        grad_features, grad_weight = sc.conv_backward(grad, features, weight, rulebook)
+        grad_features, grad_weight = sc.conv_backward(grad, source, weight, rulebook)
         out[name] = {
             "weight": weight.tolist(), "grad": grad.tolist(),
             "sites": rulebook.output_indices.tolist(), "y": y.tolist(),
             "grad_features": grad_features.tolist(), "grad_weight": grad_weight.tolist(),
         }
+    out["threads"] = sc.get_num_threads()
     json.dump(out, sys.stdout)
     """
 )
 
 
-def _run(threads: int) -> dict:
+def _environment(threads: int) -> dict:
     environment = dict(os.environ)
-    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    environment.pop("NUMBA_NUM_THREADS", None)
+    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "SPARSECORE_NUM_THREADS"):
         environment[variable] = str(threads)
     environment["PYTHONPATH"] = str(REPO) + os.pathsep + environment.get("PYTHONPATH", "")
+    return environment
+
+
+@functools.lru_cache(maxsize=None)
+def _run(threads: int) -> dict:
+    environment = _environment(threads)
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                             env=environment, check=True, timeout=300)
     return json.loads(result.stdout)
@@ -64,7 +78,8 @@ def _run(threads: int) -> dict:
 def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
     shape, batch = (12, 40, 40), 2
     indices = torch.tensor(run["indices"], dtype=torch.long)
-    features = torch.tensor(run["features"], dtype=torch.float64, requires_grad=True)
+    source = run["wide_features" if name == "wide" else "features"]
+    features = torch.tensor(source, dtype=torch.float64, requires_grad=True)
     weight = torch.tensor(run[name]["weight"], dtype=torch.float64, requires_grad=True)
     dense = torch.zeros((batch,) + shape + (features.shape[1],), dtype=torch.float64)
     dense = dense.index_put(tuple(indices.T), features).permute(0, 4, 1, 2, 3)
@@ -79,8 +94,136 @@ def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_conv_correct_at_thread_count(threads: int) -> None:
     run = _run(threads)
-    for name, stride in (("subm", 1), ("regular", 2)):
+    assert run["threads"] == threads
+    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1)):
         expected_y, expected_grad_features, expected_grad_weight = _dense_oracle(run, name, stride, 1)
         np.testing.assert_allclose(run[name]["y"], expected_y, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(run[name]["grad_features"], expected_grad_features, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(run[name]["grad_weight"], expected_grad_weight, rtol=1e-4, atol=2e-3)
+
+
+def test_bitwise_identical_at_1_2_and_4_threads() -> None:
+    runs = {threads: _run(threads) for threads in (1, 2, 4)}
+    assert [run["threads"] for run in runs.values()] == [1, 2, 4]
+    for name in ("subm", "regular", "wide"):
+        for field in ("y", "grad_features", "grad_weight"):
+            reference = np.asarray(runs[1][name][field], dtype=np.float32)
+            for threads in (2, 4):
+                np.testing.assert_array_equal(np.asarray(runs[threads][name][field], dtype=np.float32), reference,
+                                              err_msg=f"{name} {field} at {threads} threads")
+
+
+def test_bitwise_identical_in_process_with_num_threads() -> None:
+    import sparsecore as sc
+
+    rng = np.random.default_rng(20261203)
+    cells = rng.choice(2 * 10 * 30 * 30, 2500, replace=False)
+    indices = np.stack(np.unravel_index(cells, (2, 10, 30, 30)), 1).astype(np.int32)
+    geometry = sc.ConvGeometry.create(3, 3, kind="subm")
+    rulebook = sc.build_rulebook(indices, (10, 30, 30), 2, geometry)
+    features = rng.standard_normal((len(indices), 24)).astype(np.float32)
+    weight = rng.standard_normal((16, 3, 3, 3, 24)).astype(np.float32)
+    grad = rng.standard_normal((len(indices), 16)).astype(np.float32)
+    results = []
+    for threads in (1, min(2, _pool_size())):
+        with sc.num_threads(threads):
+            assert sc.get_num_threads() == threads
+            results.append((sc.conv_forward(features, weight, rulebook),)
+                           + tuple(sc.conv_backward(grad, features, weight, rulebook)))
+    for first, second in zip(*results):
+        np.testing.assert_array_equal(first, second)
+
+
+def _pool_size() -> int:
+    from sparsecore.backends._cpu_kernels import numba_module
+
+    return int(numba_module().config.NUMBA_NUM_THREADS)
+
+
+THREAD_COUNT_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import threadpoolctl
+    import sparsecore as sc
+    from sparsecore.backends import NumpyBackend
+
+    class RecordingBackend(NumpyBackend):
+        # the BLAS threads in force at each matrix product of a pass
+        def matmul(self, left, right):
+            # NumPy's BLAS (numba may load SciPy's beside it, which the passes never call)
+            pools = [pool for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+            counts = {pool["num_threads"] for pool in pools if "numpy" in pool["filepath"]}
+            counts = counts or {pool["num_threads"] for pool in pools}
+            blas_counts.update(counts)
+            return super().matmul(left, right)
+
+    blas_counts = set()
+    rng = np.random.default_rng(7)
+    cells = rng.choice(12 * 40 * 40, 4000, replace=False)
+    indices = np.stack(np.unravel_index(cells, (1, 12, 40, 40)), 1).astype(np.int32)
+    rulebook = sc.build_rulebook(indices, (12, 40, 40), 1, sc.ConvGeometry.create(3, 3, kind="subm"))
+    try:  # numba loads SciPy (and its BLAS pool) where it is installed: count those in the baseline
+        import scipy.linalg
+    except ImportError:
+        pass
+    tasks_before = len(os.listdir("/proc/self/task"))
+    backend = RecordingBackend()
+    for channels in (16, 80):  # the fused and the per-offset BLAS dataflows
+        features = rng.standard_normal((len(indices), channels)).astype(np.float32)
+        weight = rng.standard_normal((channels, 3, 3, 3, channels)).astype(np.float32)
+        y = sc.conv_forward(features, weight, rulebook, backend=backend)
+        sc.conv_backward(y, features, weight, rulebook, backend=backend)
+    tasks_after = len(os.listdir("/proc/self/task"))
+    json.dump({"new_threads": tasks_after - tasks_before, "blas": sorted(blas_counts),
+               "threads": sc.get_num_threads()}, sys.stdout)
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_setting_is_honoured(threads: int) -> None:
+    environment = _environment(threads)
+    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        environment.pop(variable)  # BLAS starts its default pool (2 here); the passes must still hold it to 1
+    result = subprocess.run([sys.executable, "-c", THREAD_COUNT_SCRIPT], capture_output=True, text=True,
+                            env=environment, check=True, timeout=300)
+    report = json.loads(result.stdout)
+    assert report["threads"] == threads
+    # numba's OpenMP layer starts a pool of `threads` workers on the first pass (measured: 1 for 1,
+    # 2 for 2); the per-offset side-by-side products use the pool only when `threads` > 1
+    assert report["new_threads"] <= threads
+    assert report["blas"] == [1]  # BLAS on one thread inside every pass, whatever the pass's threads
+
+
+def test_thread_count_errors() -> None:
+    import sparsecore as sc
+    from sparsecore import threads
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="threads must be a positive int"):
+            sc.set_num_threads(bad)
+    with pytest.raises(ValueError, match="exceeds this process's thread pool"):
+        sc.set_num_threads(_pool_size() + 1)
+    previous = sc.get_num_threads()
+    with pytest.raises(ValueError):
+        with sc.num_threads(0):
+            pass
+    assert sc.get_num_threads() == previous
+    environment = {"SPARSECORE_NUM_THREADS": "three"}
+    old = {name: os.environ.pop(name, None) for name in threads.THREAD_VARIABLES}
+    try:
+        os.environ.update(environment)
+        with pytest.raises(ValueError, match="SPARSECORE_NUM_THREADS='three' must be a positive integer"):
+            threads.default_num_threads()
+        os.environ["SPARSECORE_NUM_THREADS"] = "3"
+        os.environ["OMP_NUM_THREADS"] = "5"
+        assert threads.default_num_threads() == 3
+        del os.environ["SPARSECORE_NUM_THREADS"]
+        assert threads.default_num_threads() == 5
+    finally:
+        for name in threads.THREAD_VARIABLES:
+            os.environ.pop(name, None)
+            if old[name] is not None:
+                os.environ[name] = old[name]
