@@ -404,3 +404,39 @@ def test_torch_export_round_trip(kind: type, builds: int, convs: int, tmp_path: 
     with torch.no_grad():
         expected_other = model(other)
     torch.testing.assert_close(loaded.module()(other), expected_other, rtol=1e-5, atol=1e-5)
+
+
+class Pooled(nn.Module):
+    """SubM convs, a max pool with a key, the inverse conv of that pool, an avg pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = spconv.SparseSequential(spconv.SubMConv3d(4, 8, 3, indice_key="s1"), _bn(8), nn.ReLU())
+        self.pool = spconv.SparseMaxPool3d(2, indice_key="pool1")
+        self.mid = spconv.SubMConv3d(8, 8, 3, indice_key="s2")
+        self.avg = spconv.SparseAvgPool3d(3, stride=1, padding=1)  # a regular window: sites grow
+        self.up = spconv.SparseInverseConv3d(8, 5, 2, indice_key="pool1")  # back onto the stem's sites
+
+    def forward(self, x):
+        y = self.up(self.mid(self.pool(self.stem(x))))
+        return self.avg(y).features
+
+
+def test_torch_export_round_trip_with_pooling(tmp_path: Path) -> None:
+    from sparsecore.torch.exportable import sites_dynamic_shapes
+
+    model = _model(Pooled, 24)
+    x, _, _ = _input(25)
+    with torch.no_grad():
+        expected = model(x)
+    program = torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),))
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    assert targets.count("sparsecore.export_pool.default") == 2
+    assert targets.count("sparsecore.export_rulebook.default") == 4  # s1, pool1, s2, avg (the inverse reuses)
+    torch.testing.assert_close(program.module()(x), expected, rtol=1e-5, atol=1e-5)
+    torch.export.save(program, tmp_path / "pooled.pt2")
+    other, _, _ = _input(26, num=150)
+    with torch.no_grad():
+        expected_other = model(other)
+    torch.testing.assert_close(torch.export.load(tmp_path / "pooled.pt2").module()(other), expected_other,
+                               rtol=1e-5, atol=1e-5)

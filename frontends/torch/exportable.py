@@ -17,10 +17,10 @@ the host, which ``torch.export`` cannot trace. Under export, sparse convs run
 same kernel on the same sites and reversed by an inverse conv. The exported
 program is therefore a graph of these ops plus BatchNorm, ReLU, adds,
 ``.dense()`` and views, valid for any input sites (export with a dynamic
-number of sites to run it on other scans). Pooling layers have no export
-path yet: exporting them fails at their host-side rulebook build.
+number of sites to run it on other scans). Sparse max / avg pools take the
+same path (``sparsecore::export_pool``); global pools do not.
 
-`SparseConvolution.forward` takes this path when ``torch.compiler.is_exporting()``,
+`SparseConvolution.forward` (and the pools' forward) takes this path when ``torch.compiler.is_exporting()``,
 so ``torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),))``
 works for models of sparse convs, BatchNorm, ReLU, adds, ``.dense()`` and views.
 """
@@ -41,7 +41,7 @@ from ._convert import core_context, core_float_view, core_view, to_torch
 from .conv import SparseConvolution, spconv_1x1_weight
 from .tensor import SparseConvTensor
 
-__all__ = ["ExportRulebook", "export_forward", "effective_weight", "layer_rulebook_key", "sites_dynamic_shapes"]
+__all__ = ["ExportRulebook", "export_forward", "export_pool_forward", "effective_weight", "layer_rulebook_key", "sites_dynamic_shapes"]
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,35 @@ def _(indices, spatial_shape, batch_size, kind, kernel_size, stride, padding, di
             indices.new_empty(math.prod(kernel_size), dtype=torch.int64))
 
 
+def _pair_map(pair_input: Tensor, pair_output: Tensor, offset_counts: Tensor, num_input: int, num_output: int,
+              kernel_size: list[int]) -> sc.PairMap:
+    starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(offset_counts.cpu().numpy())]))
+    return sc.PairMap(core_view(pair_input, "pair_input"), core_view(pair_output, "pair_output"), starts,
+                      int(num_input), int(num_output), tuple(kernel_size))
+
+
+@torch.library.custom_op("sparsecore::export_pool", mutates_args=())
+def _export_pool(features: Tensor, pair_input: Tensor, pair_output: Tensor, offset_counts: Tensor,
+                 out_indices: Tensor, kernel_size: list[int], mode: str) -> Tensor:
+    with core_context(features.device):
+        pairs = _pair_map(pair_input, pair_output, offset_counts, features.shape[0], out_indices.shape[0],
+                          kernel_size)
+        values = core_float_view(features, "features")
+        out = sc.max_pool_forward(values, pairs)[0] if mode == "max" else sc.avg_pool_forward(values, pairs)
+        return to_torch(out, features.dtype)
+
+
+@_export_pool.register_fake
+def _(features, pair_input, pair_output, offset_counts, out_indices, kernel_size, mode):
+    return features.new_empty((out_indices.shape[0], features.shape[1]))
+
+
 @torch.library.custom_op("sparsecore::export_conv", mutates_args=())
 def _export_conv(features: Tensor, weight: Tensor, bias: Optional[Tensor], pair_input: Tensor, pair_output: Tensor,
                  offset_counts: Tensor, out_indices: Tensor, kernel_size: list[int], groups: int) -> Tensor:
-    starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(offset_counts.cpu().numpy())]))
     with core_context(features.device):
-        pairs = sc.PairMap(core_view(pair_input, "pair_input"), core_view(pair_output, "pair_output"), starts,
-                           int(features.shape[0]), int(out_indices.shape[0]), tuple(kernel_size))
+        pairs = _pair_map(pair_input, pair_output, offset_counts, features.shape[0], out_indices.shape[0],
+                          kernel_size)
         out = sc.conv_forward(core_float_view(features, "features"), core_float_view(weight, "weight"), pairs,
                               bias=None if bias is None else core_float_view(bias, "bias"), groups=groups)
         return to_torch(out, features.dtype)
@@ -97,6 +119,21 @@ def _export_conv(features: Tensor, weight: Tensor, bias: Optional[Tensor], pair_
 @_export_conv.register_fake
 def _(features, weight, bias, pair_input, pair_output, offset_counts, out_indices, kernel_size, groups):
     return features.new_empty((out_indices.shape[0], weight.shape[0]))
+
+
+def export_pool_forward(module: Any, input: SparseConvTensor) -> SparseConvTensor:
+    """A sparse max / avg pool's forward through the export ops (same results as the eager forward)."""
+    key = module.indice_key
+    rulebook = _rulebook(module, input, key)
+    mode = "max" if module._kind == "SparseMaxPool" else "avg"
+    features = torch.ops.sparsecore.export_pool(input.features, rulebook.pair_input, rulebook.pair_output,
+                                                rulebook.offset_counts, rulebook.out_indices,
+                                                list(module.kernel_size), mode)
+    indice_dict = dict(input.indice_dict)
+    if key is not None:
+        indice_dict[key] = rulebook
+    return SparseConvTensor._derived(input, features, rulebook.out_indices, list(rulebook.output_spatial_shape),
+                                     indice_dict)
 
 
 def effective_weight(module: SparseConvolution) -> Tensor:
@@ -113,19 +150,19 @@ def layer_rulebook_key(module: SparseConvolution) -> Optional[str]:
     return module.indice_key
 
 
-def _rulebook(module: SparseConvolution, x: SparseConvTensor, key: Optional[str]) -> ExportRulebook:
+def _rulebook(module: Any, x: SparseConvTensor, key: Optional[str]) -> ExportRulebook:
     layer = f"{type(module).__name__}(indice_key={module.indice_key!r})"
     saved = x.indice_dict.get(key) if key is not None else None
     if saved is not None and not isinstance(saved, ExportRulebook):
         raise TypeError(f"{layer}: indice_dict[{key!r}] holds a {type(saved).__name__}; run the exported model "
                         "on a fresh SparseConvTensor")
-    if module.inverse:
+    if getattr(module, "inverse", False):
         if saved is None or saved.kind != "regular":
             raise ValueError(f"{layer} inverts indice_key {key!r}, but no regular conv saved it before")
         return ExportRulebook("inverse", saved.kernel_size, saved.dilation, saved.out_indices, saved.indices,
                               saved.pair_output, saved.pair_input, saved.offset_counts, saved.output_spatial_shape,
                               saved.input_spatial_shape)
-    kind = "subm" if module.subm else "transposed" if module.transposed else "regular"
+    kind = "subm" if module.subm else "transposed" if getattr(module, "transposed", False) else "regular"
     if saved is not None:
         if kind != "subm" or saved.kind != "subm" or saved.kernel_size != tuple(module.kernel_size) or \
                 saved.dilation != tuple(module.dilation) or saved.indices is not x.indices:
@@ -134,7 +171,7 @@ def _rulebook(module: SparseConvolution, x: SparseConvTensor, key: Optional[str]
         return saved
     outputs = torch.ops.sparsecore.export_rulebook(
         x.indices, list(x.spatial_shape), x.batch_size, kind, list(module.kernel_size), list(module.stride),
-        list(module.padding), list(module.dilation), list(module.output_padding))
+        list(module.padding), list(module.dilation), list(getattr(module, "output_padding", [0] * len(module.stride))))
     out_indices = x.indices if kind == "subm" else outputs[0]
     shape = tuple(x.spatial_shape) if kind == "subm" else tuple(module._geometry.output_spatial_shape(x.spatial_shape))
     return ExportRulebook(kind, tuple(module.kernel_size), tuple(module.dilation), x.indices, out_indices,

@@ -73,6 +73,9 @@ class _SparsePool(SparseModule):
                 "dilation": self.dilation}
 
     def forward(self, input: SparseConvTensor) -> SparseConvTensor:
+        if torch.compiler.is_exporting():  # geometry as an opaque op: frontends/torch/exportable.py
+            from .exportable import export_pool_forward
+            return export_pool_forward(self, input)
         layer = type(self).__name__
         check_input(layer, input, ndim=self.ndim)
         check_same_device(layer, features=input.features, indices=input.indices)
