@@ -274,3 +274,34 @@ def test_to_dense_rejects_duplicate_sites():
     features = do.random_features(rng, 3, 2, np.float64)
     with pytest.raises(ValueError, match="rows 0 and 2 are both \\[0, 1, 2\\]"):
         sc.to_dense(features, indices, (4, 4), 1)
+
+
+# --------------------------------------------------------------------------- refusals (issue 16)
+
+_CHECK_SHAPE = (5, 6, 7)
+
+
+def _check_sites(seed: int, batch: int = 2) -> np.ndarray:
+    return do.random_indices(do.make_rng(16000, seed), _CHECK_SHAPE, batch)
+
+
+def test_to_dense_refuses_duplicates():
+    indices = _check_sites(4)
+    indices[1] = indices[0]
+    with pytest.raises(ValueError, match="duplicate sites: rows 0 and 1"):
+        sc.to_dense(np.ones((indices.shape[0], 2)), indices, _CHECK_SHAPE, 2)
+
+
+def test_union_sites_refuses_a_set_with_a_duplicate():
+    first, second = _check_sites(5), _check_sites(6)
+    second[2] = second[0]
+    with pytest.raises(ValueError, match=r"indices_list\[1\] contains duplicate sites: rows 0 and 2"):
+        sc.union_sites([first, second], _CHECK_SHAPE, 2)
+
+
+def test_dense_size_is_computed_before_allocating():
+    with pytest.raises(ValueError, match=r"dense grid of batch_size 1 x spatial_shape \(1048576, 1048576, 1048576\)"):
+        sc.to_dense(np.ones((1, 2), np.float32), np.zeros((1, 4), np.int32), (2**20,) * 3, 1)
+    from sparsecore.interop import check_dense_size
+
+    assert check_dense_size(2, (3, 4), 5, 8) == 2 * 3 * 4 * 5 * 8

@@ -104,20 +104,6 @@ def test_unpickled_core_tensors_are_checked_again():
         blank.__setstate__(state)
 
 
-def test_to_dense_refuses_duplicates():
-    indices = _sites(4)
-    indices[1] = indices[0]
-    with pytest.raises(ValueError, match="duplicate sites: rows 0 and 1"):
-        sc.to_dense(np.ones((indices.shape[0], 2)), indices, SHAPE, 2)
-
-
-def test_union_sites_refuses_a_set_with_a_duplicate():
-    first, second = _sites(5), _sites(6)
-    second[2] = second[0]
-    with pytest.raises(ValueError, match=r"indices_list\[1\] contains duplicate sites: rows 0 and 2"):
-        sc.union_sites([first, second], SHAPE, 2)
-
-
 def test_core_sparse_add_matches_the_dense_sum():
     for seed in range(10):
         rng = do.make_rng(16002, seed)
@@ -132,53 +118,6 @@ def test_core_sparse_add_matches_the_dense_sum():
 
 
 # --------------------------------------------------------------------------- keys, hash tables, pair maps
-
-
-def test_pack_keys_refuses_sites_that_would_collide():
-    indices = _sites(7)
-    keys = sc.pack_keys(indices, SHAPE, 2)
-    assert np.array_equal(keys, np.ravel_multi_index(indices.T.astype(np.int64), (2,) + SHAPE))
-    for column, value in ((1, SHAPE[0]), (2, -1), (0, 2), (3, SHAPE[2] + 5)):
-        bad = indices.copy()
-        bad[3, column] = value
-        with pytest.raises(ValueError, match=r"indices\[3\] = .* outside .* pack into the key of another site"):
-            sc.pack_keys(bad, SHAPE, 2)
-    with pytest.raises(TypeError, match="indices must be an integer array"):
-        sc.pack_keys(indices.astype(np.float64), SHAPE, 2)
-
-
-def test_pack_keys_margin_allows_the_padded_grid():
-    indices = np.array([[0, -1, 0, 7]], np.int32)
-    margin = (1, 0, 1)
-    keys = sc.pack_keys(indices, SHAPE, 1, margin=margin)
-    padded = tuple(s + 2 * m for s, m in zip(SHAPE, margin))
-    assert int(keys[0]) == np.ravel_multi_index((0, 0, 0, 8), (1,) + padded)
-    assert np.array_equal(sc.unpack_keys(keys, SHAPE, margin), indices)
-
-
-def test_hash_table_lookup_refuses_float_queries():
-    table = sc.HashTable(np.array([20, 5, 7], np.int64))
-    with pytest.raises(TypeError, match="queries must be an integer array, got dtype float64"):
-        table.lookup(np.array([20.7]))
-    assert table.lookup(np.array([20, 21, -4, 2**62], np.int64)).tolist() == [0, -1, -1, -1]
-    assert table.lookup(np.array([7], np.uint8)).tolist() == [2]
-
-
-def test_pair_map_refuses_negative_and_out_of_range_rows_unless_padded():
-    rows = np.array([0, 1, 2], np.int32)
-    starts = (0, 3)
-    sc.PairMap(rows, rows, starts, 3, 3, (1,))
-    with pytest.raises(ValueError, match=r"pair_input holds row -1, outside \[0, 3\).*never wrapped"):
-        sc.PairMap(np.array([0, -1, 2], np.int32), rows, starts, 3, 3, (1,))
-    with pytest.raises(ValueError, match=r"pair_output holds row 3, outside \[0, 3\)"):
-        sc.PairMap(rows, np.array([0, 1, 3], np.int32), starts, 3, 3, (1,))
-    with pytest.raises(TypeError, match="pair_input must be a 1-D integer array"):
-        sc.PairMap(rows.astype(np.float32), rows, starts, 3, 3, (1,))
-    # the kernels' padded convention: -1 = no pair, and only -1
-    padded = sc.PairMap(np.array([0, -1, 2], np.int32), rows, starts, 3, 3, (1,), padded=True)
-    assert padded.num_pairs == 3
-    with pytest.raises(ValueError, match=r"outside \[-1, 3\)"):
-        sc.PairMap(np.array([0, -2, 2], np.int32), rows, starts, 3, 3, (1,), padded=True)
 
 
 def test_conv_forward_with_a_checked_pair_map_matches_the_naive_oracle():
@@ -196,22 +135,6 @@ def test_conv_forward_with_a_checked_pair_map_matches_the_naive_oracle():
 
 
 # --------------------------------------------------------------------------- sizes
-
-
-def test_dense_size_is_computed_before_allocating():
-    with pytest.raises(ValueError, match=r"dense grid of batch_size 1 x spatial_shape \(1048576, 1048576, 1048576\)"):
-        sc.to_dense(np.ones((1, 2), np.float32), np.zeros((1, 4), np.int32), (2**20,) * 3, 1)
-    assert interop.check_dense_size(2, (3, 4), 5, 8) == 2 * 3 * 4 * 5 * 8
-
-
-def test_voxelize_bounds_max_num_points_per_voxel_by_the_memory_and_names_the_densest_voxel():
-    points = do.make_rng(16004).uniform(0, 4, (200, 4)).astype(np.float32)
-    with pytest.raises(ValueError, match=r"max_num_points_per_voxel=1000000000 .* expected at most the number "
-                                         r"of points \(200\), and here the densest voxel holds \d+"):
-        sc.voxelize(points, (1.0, 1.0, 1.0), (0, 0, 0, 4, 4, 4), 10**9, 1000)
-    # more slots than points is valid: every point is stored
-    voxels = sc.voxelize(points, (1.0, 1.0, 1.0), (0, 0, 0, 4, 4, 4), 500, 1000)
-    assert voxels.voxels.shape[1] == 500 and int(np.asarray(voxels.num_points_per_voxel).sum()) == 200
 
 
 # --------------------------------------------------------------------------- layering

@@ -290,3 +290,59 @@ def test_torch_indices_accepted():
     indices = torch.as_tensor(np.array([[0, 1, 2], [0, 3, 3], [1, 0, 0]], dtype=np.int64))
     rb = sc.build_rulebook(indices, (5, 4), 2, _GEOM)
     do.assert_sites(rb.output_indices, do.regular_sites(indices.numpy(), (5, 4), 2, 3, 2, 1, 1))
+
+
+# --------------------------------------------------------------------------- refusals (issue 16)
+
+_CHECK_SHAPE = (5, 6, 7)
+
+
+def _check_sites(seed: int, batch: int = 2) -> np.ndarray:
+    return do.random_indices(do.make_rng(16000, seed), _CHECK_SHAPE, batch)
+
+
+def test_pack_keys_refuses_sites_that_would_collide():
+    indices = _check_sites(7)
+    keys = sc.pack_keys(indices, _CHECK_SHAPE, 2)
+    assert np.array_equal(keys, np.ravel_multi_index(indices.T.astype(np.int64), (2,) + _CHECK_SHAPE))
+    for column, value in ((1, _CHECK_SHAPE[0]), (2, -1), (0, 2), (3, _CHECK_SHAPE[2] + 5)):
+        bad = indices.copy()
+        bad[3, column] = value
+        with pytest.raises(ValueError, match=r"indices\[3\] = .* outside .* pack into the key of another site"):
+            sc.pack_keys(bad, _CHECK_SHAPE, 2)
+    with pytest.raises(TypeError, match="indices must be an integer array"):
+        sc.pack_keys(indices.astype(np.float64), _CHECK_SHAPE, 2)
+
+
+def test_pack_keys_margin_allows_the_padded_grid():
+    indices = np.array([[0, -1, 0, 7]], np.int32)
+    margin = (1, 0, 1)
+    keys = sc.pack_keys(indices, _CHECK_SHAPE, 1, margin=margin)
+    padded = tuple(s + 2 * m for s, m in zip(_CHECK_SHAPE, margin))
+    assert int(keys[0]) == np.ravel_multi_index((0, 0, 0, 8), (1,) + padded)
+    assert np.array_equal(sc.unpack_keys(keys, _CHECK_SHAPE, margin), indices)
+
+
+def test_hash_table_lookup_refuses_float_queries():
+    table = sc.HashTable(np.array([20, 5, 7], np.int64))
+    with pytest.raises(TypeError, match="queries must be an integer array, got dtype float64"):
+        table.lookup(np.array([20.7]))
+    assert table.lookup(np.array([20, 21, -4, 2**62], np.int64)).tolist() == [0, -1, -1, -1]
+    assert table.lookup(np.array([7], np.uint8)).tolist() == [2]
+
+
+def test_pair_map_refuses_negative_and_out_of_range_rows_unless_padded():
+    rows = np.array([0, 1, 2], np.int32)
+    starts = (0, 3)
+    sc.PairMap(rows, rows, starts, 3, 3, (1,))
+    with pytest.raises(ValueError, match=r"pair_input holds row -1, outside \[0, 3\).*never wrapped"):
+        sc.PairMap(np.array([0, -1, 2], np.int32), rows, starts, 3, 3, (1,))
+    with pytest.raises(ValueError, match=r"pair_output holds row 3, outside \[0, 3\)"):
+        sc.PairMap(rows, np.array([0, 1, 3], np.int32), starts, 3, 3, (1,))
+    with pytest.raises(TypeError, match="pair_input must be a 1-D integer array"):
+        sc.PairMap(rows.astype(np.float32), rows, starts, 3, 3, (1,))
+    # the kernels' padded convention: -1 = no pair, and only -1
+    padded = sc.PairMap(np.array([0, -1, 2], np.int32), rows, starts, 3, 3, (1,), padded=True)
+    assert padded.num_pairs == 3
+    with pytest.raises(ValueError, match=r"outside \[-1, 3\)"):
+        sc.PairMap(np.array([0, -2, 2], np.int32), rows, starts, 3, 3, (1,), padded=True)

@@ -512,3 +512,16 @@ def test_cupy_matches_numpy():
                 gather_voxel_features(voxel_means(expected), np.concatenate(expected.point_voxel_id), -1),
                 rtol=1e-6,
             )
+
+
+# --------------------------------------------------------------------------- refusals (issue 16)
+
+
+def test_voxelize_bounds_max_num_points_per_voxel_by_the_memory_and_names_the_densest_voxel():
+    points = np.random.default_rng([16004]).uniform(0, 4, (200, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"max_num_points_per_voxel=1000000000 .* expected at most the number "
+                                         r"of points \(200\), and here the densest voxel holds \d+"):
+        voxelize(points, (1.0, 1.0, 1.0), (0, 0, 0, 4, 4, 4), 10**9, 1000)
+    # more slots than points is valid: every point is stored
+    voxels = voxelize(points, (1.0, 1.0, 1.0), (0, 0, 0, 4, 4, 4), 500, 1000)
+    assert voxels.voxels.shape[1] == 500 and int(np.asarray(voxels.num_points_per_voxel).sum()) == 200
