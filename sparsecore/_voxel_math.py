@@ -27,9 +27,7 @@ import math
 import struct
 from typing import Any, NamedTuple
 
-from .interop import memory_limit
-
-INT64_MAX = 2**63 - 1
+from .interop import INT64_MAX, memory_limit
 
 
 class VoxelArrays(NamedTuple):

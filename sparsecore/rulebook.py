@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ._validation import as_batch_size, as_indices, as_spatial_shape, check_indices_in_range
+from .interop import INT32_MAX, as_batch_size, as_indices, as_spatial_shape, check_indices_in_range
 from .backends import ArrayBackend, backend_for
 from .geometry import ConvGeometry, PerAxis
 from .hashing import check_packable, key_strides, pack_keys, unpack_keys
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = INT32_MAX
 
 
 @dataclass(frozen=True, eq=False)

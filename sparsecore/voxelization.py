@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import _voxel_math
-from ._dispatch import array_module, check_same_device, to_core_array
+from .interop import INT32_MAX, array_module, check_same_device, to_core_array
 
 __all__ = [
     "VoxelGrid",
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 _AXIS_NAMES = ("x", "y", "z", "w")
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = INT32_MAX  # coordinates of voxel indices
 
 
 def _as_float_tuple(value: Any, name: str) -> tuple[float, ...]:
