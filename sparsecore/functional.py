@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dispatch import array_module, to_core_array
+from ._dispatch import array_module, from_core_array, to_core_array
 from .conv import check_weight_layout, conv_forward
 from .dense import union_sites
 from .geometry import ConvGeometry, PerAxis
@@ -50,14 +50,14 @@ def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | No
                 f"{known if known else 'no rulebooks'}. Give the paired SparseConv the same "
                 "indice_key and feed the inverse conv a tensor derived from its output."
             )
-        check_inverse_fits(saved, geometry.kernel_size, x.indices, x.spatial_shape, indice_key)
+        check_inverse_fits(saved, geometry.kernel_size, x.core_indices, x.spatial_shape, indice_key)
         return inverse_rulebook(saved)
     if indice_key is not None:
         cached = x.rulebooks.get(indice_key)
         if cached is not None:
-            check_rulebook_fits(cached, geometry, x.indices, x.spatial_shape, indice_key)
+            check_rulebook_fits(cached, geometry, x.core_indices, x.spatial_shape, indice_key)
             return cached
-    rulebook = build_rulebook(x.indices, x.spatial_shape, x.batch_size, geometry,
+    rulebook = build_rulebook(x.core_indices, x.spatial_shape, x.batch_size, geometry,
                               assume_unique=x._checked)
     if indice_key is not None:
         x.rulebooks.put(indice_key, rulebook)
@@ -65,9 +65,12 @@ def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | No
 
 
 def _output(x: SparseTensor, features: Any, rulebook: Rulebook) -> SparseTensor:
-    if rulebook.output_indices is x.indices:
+    """The layer's output tensor, its arrays in the library of ``x``'s (torch in, torch out)."""
+    features = from_core_array(features, like=x.features)
+    if rulebook.output_indices is x.core_indices:
         return x.replace(features)
-    return x.with_sites(features, rulebook.output_indices, rulebook.output_spatial_shape)
+    indices = from_core_array(rulebook.output_indices, like=x.indices)
+    return x.with_sites(features, indices, rulebook.output_spatial_shape)
 
 
 def sparse_conv(x: SparseTensor, weight: Any, bias: Any | None = None, *, kind: str = "regular",
@@ -102,7 +105,7 @@ def sparse_conv(x: SparseTensor, weight: Any, bias: Any | None = None, *, kind: 
         geometry = ConvGeometry.create(x.ndim, kernel_size, stride, padding, dilation,
                                        output_padding, kind=kind)
     rulebook = layer_rulebook(x, geometry, indice_key)
-    return _output(x, conv_forward(x.features, weight, rulebook, bias=bias, groups=groups), rulebook)
+    return _output(x, conv_forward(x.core_features, weight, rulebook, bias=bias, groups=groups), rulebook)
 
 
 def _pool_rulebook(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None, padding: PerAxis,
@@ -117,7 +120,7 @@ def sparse_max_pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | Non
                     indice_key: str | None = None) -> SparseTensor:
     """Max over the active sites of each window (stride defaults to the kernel size)."""
     rulebook = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
-    out, _ = max_pool_forward(x.features, rulebook)
+    out, _ = max_pool_forward(x.core_features, rulebook)
     return _output(x, out, rulebook)
 
 
@@ -126,17 +129,19 @@ def sparse_avg_pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | Non
                     indice_key: str | None = None) -> SparseTensor:
     """Mean over the active sites of each window (stride defaults to the kernel size)."""
     rulebook = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
-    return _output(x, avg_pool_forward(x.features, rulebook), rulebook)
+    return _output(x, avg_pool_forward(x.core_features, rulebook), rulebook)
 
 
 def global_max_pool(x: SparseTensor) -> Any:
-    """``[B, C]`` channel-wise maximum per batch element (0 for an empty element)."""
-    return global_max_pool_forward(x.features, x.indices, x.batch_size)[0]
+    """``[B, C]`` channel-wise maximum per batch element (0 for an empty element), in ``x``'s library."""
+    return from_core_array(global_max_pool_forward(x.core_features, x.core_indices, x.batch_size)[0],
+                           like=x.features)
 
 
 def global_avg_pool(x: SparseTensor) -> Any:
-    """``[B, C]`` channel-wise mean per batch element (0 for an empty element)."""
-    return global_avg_pool_forward(x.features, x.indices, x.batch_size)
+    """``[B, C]`` channel-wise mean per batch element (0 for an empty element), in ``x``'s library."""
+    return from_core_array(global_avg_pool_forward(x.core_features, x.core_indices, x.batch_size),
+                           like=x.features)
 
 
 def sparse_add(*tensors: SparseTensor) -> SparseTensor:
@@ -162,16 +167,17 @@ def sparse_add(*tensors: SparseTensor) -> SparseTensor:
                 f"{position} has {other.spatial_shape}, {other.batch_size}, {other.num_channels}"
             )
     if all(other.indices is first.indices for other in tensors):
-        total = first.features
+        total = first.core_features
         for other in tensors[1:]:
-            total = total + other.features
-        return first.replace(total)
+            total = total + other.core_features
+        return first.replace(from_core_array(total, like=first.features))
     # every SparseTensor's sites were checked unique where it was made
-    union, rows = union_sites([t.indices for t in tensors], first.spatial_shape, first.batch_size,
+    union, rows = union_sites([t.core_indices for t in tensors], first.spatial_shape, first.batch_size,
                               assume_unique=all(t._checked for t in tensors))
-    xp = array_module(first.features)
-    dtype = xp.result_type(*[t.features.dtype for t in tensors])
+    xp = array_module(first.core_features)
+    dtype = xp.result_type(*[t.core_features.dtype for t in tensors])
     total = xp.zeros((union.shape[0], first.num_channels), dtype=dtype)
     for tensor, tensor_rows in zip(tensors, rows):
-        total[tensor_rows] += tensor.features.astype(dtype, copy=False)
-    return first.with_sites(total, union, first.spatial_shape)
+        total[tensor_rows] += tensor.core_features.astype(dtype, copy=False)
+    return first.with_sites(from_core_array(total, like=first.features), from_core_array(union, like=first.indices),
+                            first.spatial_shape)

@@ -5,13 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from ._dispatch import check_same_device
+from ._dispatch import array_library, check_same_device, from_core_array
 from .interop import (as_batch_size, as_features, as_indices, as_spatial_shape, check_indices_in_range,
                       check_unique_sites)
 from .dense import from_dense, to_dense
 from .rulebook import Rulebook
 
 __all__ = ["SparseTensor", "RulebookCache"]
+
+
+def in_library_of(core: Any, given: Any) -> Any:
+    """``core`` (validated from ``given``) in ``given``'s library: ``given`` itself when it is that view.
+
+    A torch tensor or JAX array that needed no conversion is kept as it is (same
+    object); one that was converted (int64 indices to int32) comes back converted,
+    in its library. NumPy, CuPy, sequences and other DLPack objects give the core array.
+    """
+    if core is given or array_library(given) not in ("torch", "jax"):
+        return core
+    if str(core.dtype) == str(given.dtype).rsplit(".", 1)[-1] and tuple(core.shape) == tuple(given.shape):
+        return given
+    return from_core_array(core, like=given)
 
 
 class RulebookCache:
@@ -54,9 +68,16 @@ class SparseTensor:
     """Features on the active sites of a batched ``D``-dimensional grid.
 
     Args:
-        features: ``[N, C]`` float16/32/64 (NumPy or CuPy, or any DLPack array).
+        features: ``[N, C]`` float16/32/64 (NumPy or CuPy, a torch tensor, a JAX
+            array, or any DLPack array).
         indices: integer ``[N, 1 + D]``: batch index, then coordinates in the
-            order of ``spatial_shape``. Stored as int32.
+            order of ``spatial_shape``. Stored as int32 (int64 & co. converted once
+            when the values fit).
+
+    ``features`` and ``indices`` stay in the caller's library (a torch tensor in
+    gives torch tensors in the fields, and in the tensors the functional API
+    derives from this one); ``core_features`` and ``core_indices`` are the
+    NumPy / CuPy views the core computes on (the same objects for NumPy / CuPy).
         spatial_shape: ``D`` positive ints (1 to 4 axes).
         batch_size: number of batch elements.
         rulebooks: a cache to share; a fresh one when omitted.
@@ -73,6 +94,8 @@ class SparseTensor:
     batch_size: int
     rulebooks: RulebookCache = field(default_factory=RulebookCache)
     _checked: bool = field(default=False, repr=False)
+    core_features: Any = field(init=False, repr=False)
+    core_indices: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = as_spatial_shape(self.spatial_shape)
@@ -86,8 +109,11 @@ class SparseTensor:
             object.__setattr__(self, "_checked", True)
         object.__setattr__(self, "spatial_shape", shape)
         object.__setattr__(self, "batch_size", batch)
-        object.__setattr__(self, "indices", indices)
-        object.__setattr__(self, "features", features)
+        # the core computes on these views; the fields keep the caller's library (torch in, torch out)
+        object.__setattr__(self, "core_indices", indices)
+        object.__setattr__(self, "core_features", features)
+        object.__setattr__(self, "indices", in_library_of(indices, self.indices))
+        object.__setattr__(self, "features", in_library_of(features, self.features))
 
     def __setstate__(self, state: dict) -> None:
         # an unpickled tensor is checked again (a pickle may carry any arrays)
@@ -112,8 +138,11 @@ class SparseTensor:
 
     def replace(self, features: Any) -> "SparseTensor":
         """The same sites and rulebook cache with new features ``[N, C']``."""
-        return SparseTensor(features, self.indices, self.spatial_shape, self.batch_size,
-                            self.rulebooks, _checked=self._checked)
+        out = SparseTensor(features, self.indices, self.spatial_shape, self.batch_size,
+                           self.rulebooks, _checked=self._checked)
+        if out.indices is self.indices:  # one core view of the sites: cached rulebooks match by identity
+            object.__setattr__(out, "core_indices", self.core_indices)
+        return out
 
     def with_sites(self, features: Any, indices: Any, spatial_shape: Sequence[int]) -> "SparseTensor":
         """A tensor on new sites the library produced, sharing this tensor's cache."""
@@ -122,8 +151,9 @@ class SparseTensor:
 
     def dense(self, channels_first: bool = True) -> Any:
         """The dense grid: ``[B, C, *spatial]`` (or ``[B, *spatial, C]``)."""
-        return to_dense(self.features, self.indices, self.spatial_shape, self.batch_size,
-                        channels_first=channels_first)
+        dense = to_dense(self.core_features, self.core_indices, self.spatial_shape, self.batch_size,
+                         channels_first=channels_first)
+        return from_core_array(dense, like=self.features)
 
     @classmethod
     def from_dense(cls, dense: Any, channels_first: bool = False) -> "SparseTensor":
@@ -133,5 +163,6 @@ class SparseTensor:
             dense: ``[B, *spatial, C]`` (or ``[B, C, *spatial]`` with ``channels_first``).
         """
         features, indices = from_dense(dense, channels_first=channels_first)
+        features, indices = from_core_array(features, like=dense), from_core_array(indices, like=dense)
         shape = dense.shape[2:] if channels_first else dense.shape[1:-1]
         return cls(features, indices, tuple(shape), int(dense.shape[0]), _checked=True)
