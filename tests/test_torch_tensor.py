@@ -404,3 +404,17 @@ def test_sparse_add_of_overlapping_inputs_matches_the_dense_sum_over_many_trials
         expected = do.densify(a.features, a.indices.numpy(), SHAPE, 2) + do.densify(
             b.features, b.indices.numpy(), SHAPE, 2)
         assert torch.allclose(total.dense(), expected)
+
+
+def test_select_by_index_refuses_a_wrong_selection():
+    x = _tensor(15)
+    rows = x.indices.shape[0]
+    with pytest.raises(ValueError, match=rf"bool valid_indices must have one entry per site \({rows}\)"):
+        x.select_by_index(torch.ones(rows + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=rf"valid_indices holds row {rows}, outside"):
+        x.select_by_index(torch.tensor([0, rows]))
+    with pytest.raises(TypeError, match="valid_indices must be a bool mask or an integer tensor"):
+        x.select_by_index(torch.tensor([0.0, 1.0]))
+    picked = x.select_by_index(torch.tensor([2, -1]))
+    expected = do.densify(x.features[[2, rows - 1]], x.indices[[2, rows - 1]].numpy(), SHAPE, 2)
+    assert torch.equal(picked.dense(), expected.to(x.features.dtype))

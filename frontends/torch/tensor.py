@@ -305,7 +305,13 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
                                          self.indice_dict, self._trusted)
 
     def select_by_index(self, valid_indices: torch.Tensor) -> "SparseConvTensor":
-        """The sites picked by ``valid_indices`` (bool mask or row indices), with no saved rulebooks."""
+        """The sites picked by ``valid_indices`` (bool mask or row indices), with no saved rulebooks.
+
+        Raises:
+            ValueError / TypeError: a mask of another length than the rows, row indices
+                outside ``[-N, N)``, or neither a bool nor an integer tensor.
+        """
+        _check_selection(valid_indices, self.indices.shape[0])
         picked = self.indices[valid_indices]
         features = self._features[valid_indices]
         is_mask = isinstance(valid_indices, torch.Tensor) and valid_indices.dtype == torch.bool
@@ -441,6 +447,21 @@ def _feature_functions() -> frozenset:
         functional.elu, functional.gelu, functional.silu, functional.hardtanh, functional.sigmoid, torch.sigmoid,
         torch.tanh, functional.batch_norm, functional.linear, functional.dropout, functional.layer_norm,
     ))
+
+
+def _check_selection(valid_indices: Any, rows: int) -> None:
+    if not isinstance(valid_indices, torch.Tensor) or valid_indices.is_floating_point() or valid_indices.is_complex():
+        kind = valid_indices.dtype if isinstance(valid_indices, torch.Tensor) else type(valid_indices).__name__
+        raise TypeError(f"select_by_index: valid_indices must be a bool mask or an integer tensor of rows, got {kind}")
+    if valid_indices.dtype == torch.bool:
+        if tuple(valid_indices.shape) != (rows,):
+            raise ValueError(f"select_by_index: a bool valid_indices must have one entry per site ({rows}), "
+                             f"got shape {tuple(valid_indices.shape)}")
+    elif valid_indices.numel() and not torch.compiler.is_compiling():
+        low, high = int(valid_indices.min()), int(valid_indices.max())
+        if low < -rows or high >= rows:
+            raise ValueError(f"select_by_index: valid_indices holds row {low if low < -rows else high}, outside "
+                             f"[-{rows}, {rows}) for this tensor's {rows} sites")
 
 
 def _dense_zeros(features: torch.Tensor, batch_size: int, spatial_shape: list[int]) -> torch.Tensor:
