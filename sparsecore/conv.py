@@ -246,9 +246,17 @@ def _cpu_threads(backend: ArrayBackend) -> contextlib.AbstractContextManager[Any
     return contextlib.nullcontext()
 
 
-def _workers(backend: ArrayBackend) -> int:
-    """How many offsets a pass computes side by side: `sparsecore.threads`' count on the CPU, else 1."""
-    return threads.get_num_threads() if isinstance(backend, NumpyBackend) else 1
+def _workers(backend: ArrayBackend, rulebook: Rulebook | PairMap, in_channels: int, out_channels: int) -> int:
+    """How many offsets a pass computes side by side: `sparsecore.threads`' count on the CPU, else 1.
+
+    Layers below `_cpu_kernels.SERIAL_MAX_WORK` (pairs times channels) run on the calling thread:
+    starting workers costs more than they save there.
+    """
+    if not isinstance(backend, NumpyBackend):
+        return 1
+    if rulebook.num_pairs * (in_channels + out_channels) < _cpu_kernels.SERIAL_MAX_WORK:
+        return 1
+    return threads.get_num_threads()
 
 
 def _map_in_order(workers: int, function: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
@@ -295,7 +303,8 @@ def _fused_backward(backend: ArrayBackend, source: Any, grad: Any, matrices: Any
         return _grouped_outer(backend, gathered_source, gathered_grad, groups)
 
     offsets = [offset for offset in range(len(starts) - 1) if starts[offset + 1] > starts[offset]]
-    for offset, product in zip(offsets, _map_in_order(_workers(backend), outer, offsets)):
+    workers = _workers(backend, rulebook, source.shape[1], grad.shape[1])
+    for offset, product in zip(offsets, _map_in_order(workers, outer, offsets)):
         grad_matrices[offset] = product
     return grad_features, grad_matrices
 
@@ -356,7 +365,7 @@ def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: R
         gathered = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
         return output_rows, _batched_product(backend, gathered, matrices[_offset_index(chunk)]), width
 
-    workers = _workers(backend)
+    workers = _workers(backend, rulebook, features.shape[1], weight.shape[0])
     for wave in _waves(_chunks(backend, rulebook, features.shape[1], weight.shape[0]), workers):
         # products side by side, scatters in offset order: the sums do not depend on the workers
         for chunk, (output_rows, products, width) in zip(wave, _map_in_order(workers, product, wave)):
@@ -429,7 +438,7 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
         return (input_rows, _batched_product(backend, gathered_grad, transposed[_offset_index(chunk)]),
                 _batched_outer(backend, gathered_source, gathered_grad, groups), width)
 
-    workers = _workers(backend)
+    workers = _workers(backend, rulebook, features.shape[1], weight.shape[0])
     for wave in _waves(_chunks(backend, rulebook, features.shape[1], weight.shape[0]), workers):
         for chunk, (input_rows, rows_product, outer, width) in zip(wave, _map_in_order(workers, products, wave)):
             backend.scatter_add_pairs(grad_features, input_rows.reshape(-1), rows_product,

@@ -30,6 +30,9 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import numpy as np
     import sparsecore as sc
+    from sparsecore.backends import _cpu_kernels
+
+    _cpu_kernels.SERIAL_MAX_WORK = 0  # these small layers too run on every thread
 
     rng = np.random.default_rng(20261202)
     shape, batch, channels = (12, 40, 40), 2, 32
@@ -113,8 +116,11 @@ def test_bitwise_identical_at_1_2_and_4_threads() -> None:
                                               err_msg=f"{name} {field} at {threads} threads")
 
 
-def test_bitwise_identical_in_process_with_num_threads() -> None:
+def test_bitwise_identical_in_process_with_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     import sparsecore as sc
+    from sparsecore.backends import _cpu_kernels
+
+    monkeypatch.setattr(_cpu_kernels, "SERIAL_MAX_WORK", 0)
 
     rng = np.random.default_rng(20261203)
     cells = rng.choice(2 * 10 * 30 * 30, 2500, replace=False)
@@ -146,7 +152,9 @@ THREAD_COUNT_SCRIPT = textwrap.dedent(
     import numpy as np
     import threadpoolctl
     import sparsecore as sc
-    from sparsecore.backends import NumpyBackend
+    from sparsecore.backends import NumpyBackend, _cpu_kernels
+
+    _cpu_kernels.SERIAL_MAX_WORK = 0  # this small layer too runs on every thread
 
     class RecordingBackend(NumpyBackend):
         # the BLAS threads in force at each matrix product of a pass
@@ -227,3 +235,15 @@ def test_thread_count_errors() -> None:
             os.environ.pop(name, None)
             if old[name] is not None:
                 os.environ[name] = old[name]
+
+
+def test_small_layers_run_on_the_calling_thread() -> None:
+    from sparsecore.backends import _cpu_kernels
+
+    numba = _cpu_kernels.numba_module()
+    seen = []
+    with _cpu_kernels._threads_for(_cpu_kernels.SERIAL_MAX_WORK - 1):
+        seen.append(numba.get_num_threads())
+    with _cpu_kernels._threads_for(_cpu_kernels.SERIAL_MAX_WORK):
+        seen.append(numba.get_num_threads())
+    assert seen == [1, numba.get_num_threads()]

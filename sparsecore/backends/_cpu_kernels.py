@@ -29,10 +29,11 @@ a shape is seen on a machine. ``import sparsecore`` does not import numba.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from ..threads import default_num_threads
 __all__ = [
     "ROW_BLOCK",
     "SPECIALISE_MIN_PAIR_FLOPS",
+    "SERIAL_MAX_WORK",
     "neighbour_table",
     "accumulate_rows",
     "numba_module",
@@ -72,6 +74,27 @@ def numba_module() -> Any:
             "install it with `pip install numba` (a requirement of sparsecore)"
         ) from None
     return numba
+
+
+SERIAL_MAX_WORK = 4_000_000
+"""Most ``pairs * (in_channels + out_channels)`` run on the calling thread alone: waking the pool
+costs more than it saves on small layers, and a loaded machine can make every wake-up wait for a
+descheduled worker (the results are the same either way)."""
+
+
+@contextlib.contextmanager
+def _threads_for(work: int) -> Iterator[None]:
+    """Numba's threads for a kernel of ``work``: one below `SERIAL_MAX_WORK`, else unchanged."""
+    numba = numba_module()
+    previous = numba.get_num_threads()
+    if work >= SERIAL_MAX_WORK or previous == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
 
 
 def _sources() -> Any:
@@ -109,7 +132,8 @@ def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[i
     if volume == 0 or num_rows == 0 or offset_starts[-1] == 0:
         return table
     collisions = np.zeros(volume, dtype=np.int64)
-    _sources().fill_table(keys, values, np.asarray(offset_starts, dtype=np.int64), table, collisions)
+    with _threads_for(2 * int(offset_starts[-1])):
+        _sources().fill_table(keys, values, np.asarray(offset_starts, dtype=np.int64), table, collisions)
     if collisions.any():
         offset = int(np.flatnonzero(collisions)[0])
         raise ValueError(
@@ -151,4 +175,5 @@ def accumulate_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray,
         kernel = _rows_kernel(groups, in_per_group, out_per_group)
     else:
         kernel = _rows_kernel(0, 0, 0)
-    kernel(source, table, matrices, out)
+    with _threads_for(pairs * (source.shape[1] + out.shape[1])):
+        kernel(source, table, matrices, out)
