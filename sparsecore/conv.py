@@ -14,8 +14,8 @@ initialises the output. Products run in ``backend.compute_dtype``: float32 for
 float16 inputs on NumPy, float16 (cuBLAS, float32 accumulation) on the GPU.
 
 On the CPU (NumPy backend), layers whose per-group weight matrix is at most
-`FUSED_MAX_MATRIX` run fused instead (`fused_on_cpu`): the forward and the
-d-features are compiled output-stationary loops over a neighbour table
+`FUSED_MAX_MATRIX` run fused instead (`fused_on_cpu`; the backward only above
+`FUSED_BACKWARD_MIN_MATRIX`): the forward and the d-features are compiled output-stationary loops over a neighbour table
 (`sparsecore.backends._cpu_kernels`), each output row summing its offsets in
 a fixed order on any number of threads; the d-weights are one BLAS GEMM per
 offset. On the CPU, BLAS runs on one thread inside a pass and the per-offset
@@ -38,11 +38,15 @@ from .backends import _cpu_kernels
 from .rulebook import PairMap, Rulebook
 
 __all__ = ["conv_forward", "conv_backward", "check_conv_weight", "check_weight_layout", "fused_on_cpu",
-           "FUSED_MAX_MATRIX"]
+           "FUSED_MAX_MATRIX", "FUSED_BACKWARD_MIN_MATRIX"]
 
 FUSED_MAX_MATRIX = 64 * 64
 """Largest per-group weight matrix (``in_per_group * out_per_group``) run by the fused CPU kernels;
 larger ones run per-offset BLAS GEMMs (docs/performance.md has the measurements)."""
+
+FUSED_BACKWARD_MIN_MATRIX = 32 * 32
+"""The backward runs fused only above this per-group matrix: below it the per-offset BLAS backward
+was faster (16 -> 16: 102 ms against 140 ms on one thread)."""
 
 
 def check_weight_layout(weight: Any, in_channels: int, groups: int, ndim: int) -> None:
@@ -210,27 +214,34 @@ def _batched_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) ->
     return backend.matmul(left_split, right_split)
 
 
-def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int) -> bool:
-    """Whether a layer runs the fused CPU dataflow (`sparsecore.backends._cpu_kernels`) rather than BLAS.
+def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int,
+                 stage: str = "forward") -> bool:
+    """Whether a layer's pass runs the fused CPU dataflow (`sparsecore.backends._cpu_kernels`) rather than BLAS.
 
     The fused kernels read each neighbour row once and write each output row
     once, with no intermediate arrays, and run on every thread deterministically;
-    per-offset BLAS GEMMs win only when a layer's matrices are large enough for
-    BLAS's blocking to beat a row-at-a-time product (see docs/performance.md for
-    the measurements behind `FUSED_MAX_MATRIX`).
+    per-offset BLAS GEMMs win when a layer's matrices are large enough for
+    BLAS's blocking to beat a row-at-a-time product (above `FUSED_MAX_MATRIX`),
+    and in the backward of narrow layers (up to `FUSED_BACKWARD_MIN_MATRIX`).
+    The choice depends on sizes only, never on the thread count, so results stay
+    bitwise identical at every thread count (docs/performance.md).
 
     Args:
         backend: the layer's backend (only the NumPy backend has fused kernels).
         in_channels: input channels.
         out_channels: output channels.
         groups: channel groups.
+        stage: ``"forward"`` or ``"backward"``.
 
     Returns:
         True for the fused dataflow.
     """
     if not isinstance(backend, NumpyBackend):
         return False
-    return (in_channels // groups) * (out_channels // groups) <= FUSED_MAX_MATRIX
+    matrix = (in_channels // groups) * (out_channels // groups)
+    if stage == "backward" and matrix <= FUSED_BACKWARD_MIN_MATRIX:
+        return False
+    return matrix <= FUSED_MAX_MATRIX
 
 
 def _cpu_threads(backend: ArrayBackend) -> contextlib.AbstractContextManager[Any]:
@@ -417,7 +428,7 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
     grad = xp.ascontiguousarray(grad_output, dtype=dtype)
     matrices = _offset_matrices(weight, groups, dtype)
     out_channels = weight.shape[0]
-    if fused_on_cpu(backend, features.shape[1], out_channels, groups):
+    if fused_on_cpu(backend, features.shape[1], out_channels, groups, "backward"):
         grad_features, grad_matrices = _fused_backward(backend, source, grad, xp.ascontiguousarray(matrices), rulebook)
         return (grad_features.astype(features.dtype, copy=False),
                 _weight_from_matrices(grad_matrices, weight).astype(weight.dtype, copy=False))

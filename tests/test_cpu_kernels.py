@@ -90,6 +90,10 @@ def test_fused_rule():
     assert not conv.fused_on_cpu(NUMPY_BACKEND, 128, 128, 1)
     assert conv.fused_on_cpu(NUMPY_BACKEND, 256, 256, 4)  # 64 x 64 per group
     assert not conv.fused_on_cpu(object(), 16, 16, 1)  # only the NumPy backend has fused kernels
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 16, 16, 1, "backward")  # narrow backward: BLAS
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 32, 32, 1, "backward")
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 1, "backward")
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 128, 128, 1, "backward")
 
 
 def _layer_case(seed: int, kind: str, channels_in: int, channels_out: int, groups: int):
@@ -117,7 +121,9 @@ def _layer_case(seed: int, kind: str, channels_in: int, channels_out: int, group
                          [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4)])
 def test_both_cpu_dataflows_match_the_dense_oracle(fused, kind, channels_in, channels_out, groups, monkeypatch):
     monkeypatch.setattr(conv, "FUSED_MAX_MATRIX", 10**9 if fused else -1)
+    monkeypatch.setattr(conv, "FUSED_BACKWARD_MIN_MATRIX", -1)
     assert conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, groups) is fused
+    assert conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, groups, "backward") is fused
     features, weight, rulebook, grad_output, oracle = _layer_case(1403, kind, channels_in, channels_out, groups)
     out = sc.conv_forward(features, weight, rulebook, groups=groups)
     do.assert_close(out, oracle.values, "conv_forward")

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent(
     _cpu_kernels.SERIAL_MAX_WORK = 0  # these small layers too run on every thread
 
     rng = np.random.default_rng(20261202)
-    shape, batch, channels = (12, 40, 40), 2, 32
+    shape, batch, channels = (12, 40, 40), 2, 48  # 48: fused forward and backward
     cells = rng.choice(batch * int(np.prod(shape)), 3000, replace=False)
     indices = np.stack(np.unravel_index(cells, (batch,) + shape), 1).astype(np.int32)
     features = rng.standard_normal((len(indices), channels)).astype(np.float32)
