@@ -581,7 +581,8 @@ def test_row_count_message_reads_one_per_active_site(rb3d):
     assert f"features has {n + 1} rows but {n} are expected: one per active site (" in message
     assert "active sites;" not in message
     with pytest.raises(ValueError, match="one per active site \\(features and indices must have one row per site\\)"):
-        sc.SparseTensor(np.ones((3, 2)), np.zeros((2, 4), dtype=np.int32) + np.arange(2, dtype=np.int32)[:, None], (4, 4, 4), 2)
+        two_sites = np.zeros((2, 4), dtype=np.int32) + np.arange(2, dtype=np.int32)[:, None]
+        sc.SparseTensor(np.ones((3, 2)), two_sites, (4, 4, 4), 2)
 
 
 def test_sparse_conv_channel_mismatch():
