@@ -130,8 +130,21 @@ def test_fuse_spconv_bn_eval_equals_conv_then_bn():
     folded = spconvq.fuse_spconv_bn_eval(conv, bn)
     want = bn(conv(x).features)
     torch.testing.assert_close(folded(x).features, want, rtol=1e-12, atol=1e-12)
+    assert type(folded) is spconv.SparseConv3d
     with pytest.raises(ValueError, match="eval"):
         spconvq.fuse_spconv_bn_eval(conv.train(), bn)
+
+
+def test_fuse_spconv_bn_eval_of_a_1x1_layer_keeps_spconvs_weight_reading():
+    torch.manual_seed(24)
+    conv = spconv.SubMConv3d(4, 6, 1).double().eval()
+    bn = nn.BatchNorm1d(6).double().eval()
+    _randomize_bn(bn, 24)
+    x = _tensor(24)
+    x = x.replace_feature(x.features.double())
+    folded = spconvq.fuse_spconv_bn_eval(conv, bn)
+    assert type(folded) is spconv.SubMConv3d and folded.reads_weight_as_spconv_1x1
+    torch.testing.assert_close(folded(x).features, bn(conv(x).features), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("is_qat", [False, True])
@@ -431,3 +444,29 @@ def test_prepare_spconv_torch_inference_with_and_without_linear():
     assert float((outputs[True] - outputs[False]).abs().max()) <= step * 1.001
     want = model(_tensor(21))
     assert float((outputs[True] - want).norm() / want.norm()) < 0.05
+
+
+def test_layers_excluded_by_the_qconfig_mapping_stay_float():
+    """The guide's ``set_module_name_regex(..., None)`` and ``set_object_type(ModuleClass, None)``.
+
+    A conv fused with its batch norm / ReLU is reached by its name, not its class:
+    torch maps object-type qconfigs onto its own fused types only.
+    """
+    model = _model(22)
+    mapping = spconvq.get_default_spconv_qconfig_mapping(False)
+    mapping.set_module_name_regex("down.*", None)
+    mapping.set_object_type(spconv.SparseMaxPool3d, None)
+    mapping.set_module_name("head", None)
+    backend = spconvq.get_spconv_backend_config()
+    prepared = qfx.prepare_fx(model, mapping, (), backend_config=backend,
+                              prepare_custom_config=spconvq.get_spconv_prepare_custom_config())
+    for seed in range(4):
+        prepared(_tensor(800 + seed))
+    converted = _convert(prepared, mapping, backend)
+    kinds = _module_kinds(converted)
+    assert kinds.count("SparseConvReLU") == 2 and kinds.count("SparseConvAddReLU") == 1  # stem, block
+    assert "SparseConv3d" in kinds  # the strided conv (its batch norm folded) stays float
+    assert "SubMConv3d" in kinds  # the head stays float
+    x = _tensor(23)
+    want = model(x)
+    assert float((converted(x) - want).norm() / want.norm()) < 0.1

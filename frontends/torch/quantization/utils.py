@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -84,7 +85,10 @@ def clone_sparse_conv(conv: SparseConvolution) -> SparseConvolution:
 
 
 def fuse_spconv_bn_eval(conv: SparseConvolution, bn: nn.modules.batchnorm._BatchNorm) -> SparseConvolution:
-    """A copy of ``conv`` computing ``bn(conv(x))`` with ``bn``'s running statistics (eval mode).
+    """A copy of ``conv`` (same class) computing ``bn(conv(x))`` with ``bn``'s running statistics (eval mode).
+
+    The copy keeps ``conv``'s class, so qconfig rules by type still apply after fusion;
+    a 1x1 layer's weight is folded in its stored (spconv) layout.
 
     Raises:
         ValueError: when ``conv`` or ``bn`` is in training mode, or their channels differ.
@@ -97,14 +101,15 @@ def fuse_spconv_bn_eval(conv: SparseConvolution, bn: nn.modules.batchnorm._Batch
                          "output channels")
     if not bn.track_running_stats or bn.running_mean is None:
         raise ValueError("cannot fold a batch norm without running statistics (track_running_stats=False)")
-    fused = clone_sparse_conv(conv)
-    if fused.bias is None:
-        fused.bias = nn.Parameter(torch.zeros(conv.out_channels, device=conv.weight.device,
-                                              dtype=conv.weight.dtype))
-    fused.weight, fused.bias = fuse_spconv_bn_weights(
-        fused.weight.detach(), None if conv.bias is None else conv.bias.detach(), bn.running_mean,
+    weight, bias = fuse_spconv_bn_weights(
+        effective_weight(conv).detach(), None if conv.bias is None else conv.bias.detach(), bn.running_mean,
         bn.running_var, bn.eps, None if bn.weight is None else bn.weight.detach(),
         None if bn.bias is None else bn.bias.detach())
+    if getattr(conv, "reads_weight_as_spconv_1x1", False):
+        # back to the stored layout: the layer reads stored.reshape(in, out).T as its [out, 1.., in] weight
+        stored = weight.detach().reshape(conv.out_channels, conv.in_channels).t().reshape(conv.weight.shape)
+        weight = nn.Parameter(stored.contiguous(), weight.requires_grad)
+    fused = copy.deepcopy(conv)
+    fused.weight = weight
+    fused.bias = bias
     return fused
-
-
