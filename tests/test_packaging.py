@@ -124,10 +124,13 @@ def _requirement_name(requirement: str) -> str:
     return re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0].lower()
 
 
-def test_runtime_dependency_is_numpy_only(wheel_metadata: email.message.Message) -> None:
+def test_runtime_dependencies_are_numpy_numba_threadpoolctl(wheel_metadata: email.message.Message) -> None:
+    # numpy for the arrays, numba for the fused CPU passes, threadpoolctl to hold BLAS's threads;
+    # no framework, no CuPy (extras), nothing else (each new one is a decision for docs/performance.md)
     requirements = wheel_metadata.get_all("Requires-Dist") or []
     unconditional = [requirement for requirement in requirements if "extra ==" not in requirement]
-    assert [_requirement_name(requirement) for requirement in unconditional] == ["numpy"], unconditional
+    names = [_requirement_name(requirement) for requirement in unconditional]
+    assert names == ["numpy", "numba", "threadpoolctl"], unconditional
 
 
 def test_extras(wheel_metadata: email.message.Message) -> None:
