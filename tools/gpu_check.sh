@@ -27,7 +27,7 @@ log=$out/gpu_check.log
 : >"$log"
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX tests must not take most of the GPU from CuPy
-export SPARSECORE_DATA_DIR=$root/.peer/data
+export SPARSECORE_DATA_DIR=$root/data  # the scans travel in the working tree
 began=$SECONDS
 steps=()
 step_rc=0
@@ -86,7 +86,7 @@ if [ -s .peer/spconv_site.tar.xz ]; then
 else
   steps+=("peer|skipped: no .peer/spconv_site.tar.xz (run tools/prepare_gpu_carry.sh, carry .peer)|0")
 fi
-[ -d .peer/data ] || echo "warning: no .peer/data: the benchmark looks in ../shared/data" | tee -a "$log"
+[ -f data/lidar_voxels_125k.npz ] || echo "warning: no data/lidar_voxels_125k.npz in the working tree: the benchmark cannot run on the real scan" | tee -a "$log"
 
 # --- install
 if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
