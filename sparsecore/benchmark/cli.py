@@ -13,11 +13,11 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from sparsecore.benchmark import int8 as int8_suite, scenes
 from sparsecore.benchmark import runtime as runtime_suite
-from sparsecore.benchmark.timing import THREAD_VARIABLES
+from sparsecore.benchmark.thread_control import sparsecore_threads, thread_limit
 
 __all__ = ["build_parser", "load_inputs", "thread_limit", "main"]
 
@@ -129,67 +129,6 @@ def _add_network_arguments(parser: argparse.ArgumentParser, gpu_suite: bool) -> 
                         "per-layer forward and backward times, sparsecore vs spconv (needs matplotlib)")
 
 
-@contextlib.contextmanager
-def thread_limit(threads: int | None, argv: Sequence[str], allow_reexec: bool) -> Iterator[str]:
-    """Limits NumPy's BLAS threads for the duration of the benchmark.
-
-    NumPy reads the thread variables when it loads its BLAS, which has already
-    happened by the time this package runs. So: threadpoolctl when it is
-    installed; otherwise, when allowed, the process starts itself again with
-    the variables set (``os.execv``); otherwise a warning.
-
-    Args:
-        threads: the thread count wanted, or None to leave it alone.
-        argv: the command-line arguments, to start again with.
-        allow_reexec: whether replacing the process is acceptable (only when
-            run as ``python -m sparsecore.benchmark``).
-
-    Yields:
-        How the thread count was applied, for the header.
-    """
-    if threads is None or threads == 0:
-        yield "as configured"
-        return
-    if threads < 1:
-        raise SystemExit(f"--threads must be at least 1, got {threads}")
-    wanted = str(threads)
-    if all(os.environ.get(variable) == wanted for variable in THREAD_VARIABLES):
-        yield f"{threads} (environment)"
-        return
-    try:
-        import threadpoolctl
-    except ImportError:
-        threadpoolctl = None
-    if threadpoolctl is not None:
-        with threadpoolctl.threadpool_limits(limits=threads):
-            yield f"{threads} (threadpoolctl)"
-        return
-    if allow_reexec:
-        environment = dict(os.environ)
-        environment.update({variable: wanted for variable in THREAD_VARIABLES})
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "sparsecore.benchmark", *argv], environment)
-    print(
-        f"warning: --threads {threads} not applied: install threadpoolctl, or set "
-        f"{', '.join(THREAD_VARIABLES)} before starting Python",
-        file=sys.stderr,
-    )
-    yield "as configured (--threads not applied)"
-
-
-def _sparsecore_threads(stack: contextlib.ExitStack, threads: int | None) -> int:
-    """Runs sparsecore's CPU passes on ``threads`` for the rest of ``stack`` (0 or None: its default)."""
-    import sparsecore
-
-    if threads:
-        try:
-            stack.enter_context(sparsecore.num_threads(threads))
-        except ValueError as error:
-            raise SystemExit(f"error: --threads {threads}: {error}") from None
-    return sparsecore.get_num_threads()
-
-
 def load_inputs(arguments: argparse.Namespace) -> Any:
     """Finds or makes the scene and the points named by the arguments.
 
@@ -247,7 +186,7 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
 
     with contextlib.ExitStack() as stack:
         threads_applied = stack.enter_context(thread_limit(arguments.threads, argv, allow_reexec))
-        threads = _sparsecore_threads(stack, arguments.threads)
+        threads = sparsecore_threads(stack, arguments.threads)
         load = stack.enter_context(busy_process()) if arguments.busy else "none added"
         try:
             inputs = load_inputs(arguments)

@@ -12,6 +12,7 @@ from sparsecore.benchmark import network, report
 from sparsecore.benchmark.cases import Row
 from sparsecore.benchmark.network_spconv import SPCONV_ALGORITHMS
 from sparsecore.benchmark.network_suite import NetworkOptions, run_network_suite
+from sparsecore.benchmark.thread_control import thread_limit
 
 __all__ = ["DEFAULTS", "network_options", "summary_markdown", "run_network_command"]
 
@@ -129,8 +130,6 @@ def run_network_command(arguments: argparse.Namespace, argv: Sequence[str], allo
     Returns:
         0, or 1 when a case failed or sparsecore and spconv disagree.
     """
-    from sparsecore.benchmark.cli import thread_limit
-
     options = network_options(arguments)
     threads = arguments.threads if options.device == "cpu" else None
     with thread_limit(threads, argv, allow_reexec) as threads_applied:
