@@ -284,6 +284,22 @@ def test_malformed_nodes_are_named() -> None:
         session.run(features, indices, 2, (9, 11, 7))
 
 
+def test_conv_geometry_is_validated_when_the_file_is_read() -> None:
+    rng = make_rng(13)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, kind="subm", kernel=2, rulebook="a")
+    with pytest.raises(runtime.GraphError, match="node 0 'conv0'.*odd kernel size"):
+        runtime.load_model(builder.model(4, "1"))
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 4, kind="regular", kernel=3, stride=2, padding=1, rulebook="down")
+    node = runtime.load_model(builder.model(4, "1")).graph.nodes[0]
+    assert (node.kind, node.kernel_size, node.stride, node.padding, node.output_padding) == (
+        "regular", (3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0))
+    assert node.geometry == sparsecore.ConvGeometry("regular", (3,) * 3, (2,) * 3, (1,) * 3, (1,) * 3, (0,) * 3)
+    with pytest.raises(AttributeError, match="no attribute 'kernel'"):
+        node.kernel
+
+
 def test_runtime_imports_neither_torch_nor_jax(tmp_path: Path) -> None:
     builder = GraphBuilder(make_rng(12))
     builder.conv("conv0", "0", "1", 4, 4, rulebook="a", activation="ReLU")

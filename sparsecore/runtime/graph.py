@@ -18,6 +18,7 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from ..geometry import ConvGeometry
 from .nodes import (
     ACTIVATIONS,
     DOMAINS,
@@ -166,14 +167,13 @@ def _conv_node(where: str, node: Any, reader: _Reader, initializers: dict[str, n
     stride = reader.integers("stride", ndim, (1,) * ndim, minimum=1)
     padding = reader.integers("padding", ndim, (0,) * ndim, minimum=0)
     output_padding = reader.integers("output_padding", ndim, (0,) * ndim, minimum=0)
-    if kind == "subm":
-        even = [size for size in kernel_size if size % 2 == 0]
-        if even:
-            raise reader.fail(f"a submanifold conv needs odd kernel sizes, got kernel_size={kernel_size}")
+    try:
+        geometry = ConvGeometry(kind, kernel_size, stride, padding, dilation, output_padding)
+    except ValueError as error:  # an even submanifold kernel, an output padding out of range
+        raise reader.fail(str(error)) from None
     return ConvNode(
-        name=node.name, input=node.input[0], output=node.output[0], weight=weight, bias=bias, kind=kind,
-        kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
-        output_padding=output_padding, groups=groups, rulebook=rulebook,
+        name=node.name, input=node.input[0], output=node.output[0], weight=weight, bias=bias,
+        geometry=geometry, groups=groups, rulebook=rulebook,
         activation=reader.text("activation", "None", ACTIVATIONS),
         activation_alpha=reader.real("act_alpha", 0.0),
         precision=reader.text("precision", "fp16", PRECISIONS),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
+
+from ..geometry import ConvGeometry
 
 __all__ = [
     "GraphError",
@@ -35,16 +37,32 @@ class GraphError(ValueError):
     """A graph the runtime cannot run: the message names the node and what is wrong."""
 
 
+# the ConvNode attributes that read its geometry (kept as attributes for callers of the node tables)
+_GEOMETRY_FIELDS = ("kind", "kernel_size", "stride", "padding", "dilation", "output_padding")
+
+
 @dataclass(frozen=True)
-class ConvNode:
+class _OneInputNode:
+    """The fields every node that reads one value carries: its name, its input and its output."""
+
+    name: str
+    input: str
+    output: str
+
+
+@dataclass(frozen=True)
+class ConvNode(_OneInputNode):
     """A ``SparseConvolution`` node.
 
     Attributes:
         name, input, output: the node's name and value names.
         weight: ``[out, *kernel, in // groups]`` as stored (float16 or float32).
         bias: ``[out]`` (zeros where the layer had none).
-        kind: ``"subm"``, ``"regular"``, ``"transposed"`` or ``"inverse"``.
-        kernel_size, stride, padding, dilation, output_padding: per axis.
+        geometry: the layer's validated `ConvGeometry` (kind ``"subm"``, ``"regular"``,
+            ``"transposed"`` or ``"inverse"``; per-axis kernel size, stride, padding,
+            dilation and output padding, as the file states them). ``node.kind``,
+            ``node.kernel_size``, ``node.stride``, ``node.padding``, ``node.dilation`` and
+            ``node.output_padding`` read it.
         groups: channel groups.
         rulebook: the geometry key (spconv's ``indice_key``).
         activation: one of `ACTIVATIONS`, applied after the bias.
@@ -54,17 +72,9 @@ class ConvNode:
         weight_dynamic_ranges: int8 per-output-channel weight ranges, empty when absent.
     """
 
-    name: str
-    input: str
-    output: str
     weight: np.ndarray
     bias: np.ndarray
-    kind: str
-    kernel_size: tuple[int, ...]
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    output_padding: tuple[int, ...]
+    geometry: ConvGeometry
     groups: int
     rulebook: str
     activation: str
@@ -73,6 +83,11 @@ class ConvNode:
     output_precision: str
     input_dynamic_range: float
     weight_dynamic_ranges: tuple[float, ...]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _GEOMETRY_FIELDS:
+            return getattr(self.geometry, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def in_channels(self) -> int:
@@ -95,41 +110,28 @@ class AddNode:
 
 
 @dataclass(frozen=True)
-class ReluNode:
+class ReluNode(_OneInputNode):
     """``Relu`` of a sparse value's features or of a dense array."""
-
-    name: str
-    input: str
-    output: str
 
 
 @dataclass(frozen=True)
-class ScatterDenseNode:
+class ScatterDenseNode(_OneInputNode):
     """``ScatterDense``: a sparse value to a dense ``[B, C, *spatial]`` array (spconv's ``.dense()``)."""
 
-    name: str
-    input: str
-    output: str
     traced_output_shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class ReshapeNode:
+class ReshapeNode(_OneInputNode):
     """``Reshape`` of a dense array to ``dims`` (torch ``view`` semantics; -1 allowed once)."""
 
-    name: str
-    input: str
-    output: str
     dims: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class TransposeNode:
+class TransposeNode(_OneInputNode):
     """``Transpose`` of a dense array by the axis order ``dims`` (torch ``permute``)."""
 
-    name: str
-    input: str
-    output: str
     dims: tuple[int, ...]
 
 
