@@ -37,10 +37,6 @@ class GraphError(ValueError):
     """A graph the runtime cannot run: the message names the node and what is wrong."""
 
 
-# the ConvNode attributes that read its geometry (kept as attributes for callers of the node tables)
-_GEOMETRY_FIELDS = ("kind", "kernel_size", "stride", "padding", "dilation", "output_padding")
-
-
 @dataclass(frozen=True)
 class _OneInputNode:
     """The fields every node that reads one value carries: its name, its input and its output."""
@@ -48,6 +44,10 @@ class _OneInputNode:
     name: str
     input: str
     output: str
+
+
+# the ConvNode attributes that read its geometry (kept as attributes for callers of the node tables)
+_GEOMETRY_FIELDS = ("kind", "kernel_size", "stride", "padding", "dilation", "output_padding")
 
 
 @dataclass(frozen=True)
