@@ -22,14 +22,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from sparsecore.benchmark import scenes
-from sparsecore.benchmark.timing import THREAD_VARIABLES, machine_description
+from sparsecore.benchmark.timing import THREAD_VARIABLES, machine_description, time_alternating
 
 __all__ = ["Int8Timing", "add_parser", "run_int8_command", "time_alternating", "layer_inputs", "cpu_timings"]
 
@@ -69,21 +68,6 @@ def add_parser(suites: Any) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)  # one thread count, JSON out
-
-
-def time_alternating(functions: dict[str, Callable[[], Any]], repeat: int, synchronize: Callable[[], None]
-                     ) -> dict[str, list[float]]:
-    """Milliseconds of each function over ``repeat`` rounds, the functions taking turns; one warm-up round."""
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    for round_index in range(repeat + 1):
-        for name, function in functions.items():
-            synchronize()
-            start = time.perf_counter()
-            function()
-            synchronize()
-            if round_index:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times
 
 
 def layer_inputs(voxels_path: str | None, seed: int, xp: Any = np) -> dict[str, Any]:

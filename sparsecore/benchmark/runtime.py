@@ -18,7 +18,6 @@ import contextlib
 import json
 import statistics
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sparsecore.benchmark import scenes
-from sparsecore.benchmark.timing import machine_description
+from sparsecore.benchmark.timing import machine_description, time_alternating
 
 __all__ = ["RuntimeTiming", "add_parser", "run_runtime_command", "second_backbone"]
 
@@ -97,20 +96,6 @@ def second_backbone(in_channels: int) -> Any:
     return model.eval()
 
 
-def _alternate(functions: dict[str, Callable[[], Any]], repeat: int, synchronize: Callable[[], None]
-               ) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    for round_index in range(repeat + 1):  # round 0 warms up
-        for name, function in functions.items():
-            synchronize()
-            start = time.perf_counter()
-            function()
-            synchronize()
-            if round_index:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def run_runtime_command(arguments: argparse.Namespace) -> int:
     """Times the variants and prints the table (and writes JSON with ``--json``)."""
     import torch
@@ -171,7 +156,7 @@ def _run(arguments: argparse.Namespace, scene: scenes.VoxelScene) -> int:
     for dtype, session in sessions.items():
         outputs[f"sparsecore.runtime {dtype}"] = to_host(
             session.run(core_features, core_indices, batch, shape).dense).astype(np.float32)
-    times = _alternate(functions, arguments.repeat, synchronize)
+    times = time_alternating(functions, arguments.repeat, synchronize)
     baseline = statistics.median(times["sparsecore.torch float32"])
     rows = [RuntimeTiming(name, statistics.median(values), min(values), baseline / statistics.median(values),
                           float(np.abs(outputs[name] - reference).max()))

@@ -21,6 +21,7 @@ __all__ = [
     "THREAD_VARIABLES",
     "median_seconds",
     "median_seconds_with_setup",
+    "time_alternating",
     "cpu_model",
     "blas_thread_count",
     "machine_description",
@@ -77,6 +78,32 @@ def median_seconds_with_setup(
         function(argument)
         durations.append(time.perf_counter() - start)
     return statistics.median(durations)
+
+
+def time_alternating(functions: dict[str, Callable[[], Any]], repeat: int, synchronize: Callable[[], None]
+                     ) -> dict[str, list[float]]:
+    """Milliseconds of each function over ``repeat`` rounds, the functions taking turns; one warm-up round.
+
+    Taking turns spreads the load of a machine shared with other work over every variant alike.
+
+    Args:
+        functions: the variants by name, each called with no arguments.
+        repeat: timed rounds.
+        synchronize: waits for queued device work (``lambda: None`` on the CPU), before and after each call.
+
+    Returns:
+        Per name, ``repeat`` durations in milliseconds, in round order.
+    """
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for round_index in range(repeat + 1):  # round 0 warms up
+        for name, function in functions.items():
+            synchronize()
+            start = time.perf_counter()
+            function()
+            synchronize()
+            if round_index:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def cpu_model() -> str:
