@@ -159,46 +159,21 @@ class _QatSparseConv(SparseConvolution):
         return conv
 
 
-class SparseConv(_QatSparseConv):
-    """QAT sparse conv."""
-
-    _FLOAT_MODULE = SparseConvolution
-
-
-class SparseConvReLU(_QatSparseConv):
-    """QAT ``relu(conv(x))``."""
-
-    _FLOAT_MODULE = fused.SpconvReLUNd
-    _HAS_RELU = True
+def _variant(name: str, float_module: Any, doc: str, *, bn: bool = False, relu: bool = False,
+             add: bool = False) -> type:
+    """The QAT class of one float module: its name, the module it replaces and which parts it folds in."""
+    attributes = {"__doc__": doc, "__module__": __name__, "__qualname__": name, "_FLOAT_MODULE": float_module,
+                  "_HAS_BN": bn, "_HAS_RELU": relu, "_HAS_ADD": add}
+    return type(name, (_QatSparseConv,), attributes)
 
 
-class SparseConvAddReLU(_QatSparseConv):
-    """QAT ``relu(conv(x) + add_input)``."""
-
-    _FLOAT_MODULE = fused.SpconvAddReLUNd
-    _HAS_RELU = True
-    _HAS_ADD = True
-
-
-class SparseConvBn(_QatSparseConv):
-    """QAT ``bn(conv(x))`` with the batch norm folded into the fake-quantized weight."""
-
-    _FLOAT_MODULE = fused.SpconvBnNd
-    _HAS_BN = True
-
-
-class SparseConvBnReLU(_QatSparseConv):
-    """QAT ``relu(bn(conv(x)))``."""
-
-    _FLOAT_MODULE = fused.SpconvBnReLUNd
-    _HAS_BN = True
-    _HAS_RELU = True
-
-
-class SparseConvBnAddReLU(_QatSparseConv):
-    """QAT ``relu(bn(conv(x)) + add_input)``."""
-
-    _FLOAT_MODULE = fused.SpconvBnAddReLUNd
-    _HAS_BN = True
-    _HAS_RELU = True
-    _HAS_ADD = True
+SparseConv = _variant("SparseConv", SparseConvolution, "QAT sparse conv.")
+SparseConvReLU = _variant("SparseConvReLU", fused.SpconvReLUNd, "QAT ``relu(conv(x))``.", relu=True)
+SparseConvAddReLU = _variant("SparseConvAddReLU", fused.SpconvAddReLUNd, "QAT ``relu(conv(x) + add_input)``.",
+                             relu=True, add=True)
+SparseConvBn = _variant("SparseConvBn", fused.SpconvBnNd,
+                        "QAT ``bn(conv(x))`` with the batch norm folded into the fake-quantized weight.", bn=True)
+SparseConvBnReLU = _variant("SparseConvBnReLU", fused.SpconvBnReLUNd, "QAT ``relu(bn(conv(x)))``.", bn=True,
+                            relu=True)
+SparseConvBnAddReLU = _variant("SparseConvBnAddReLU", fused.SpconvBnAddReLUNd,
+                               "QAT ``relu(bn(conv(x)) + add_input)``.", bn=True, relu=True, add=True)
