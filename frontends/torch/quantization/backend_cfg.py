@@ -71,30 +71,32 @@ def fuse_conv_relu(is_qat: bool, conv: nn.Module, relu: nn.Module) -> nn.Module:
     return fused.SpconvReLUNd(conv, relu)
 
 
+def _fuse_folding_bn(is_qat: bool, qat_module: type, ptq_module: Any, conv: nn.Module, bn: nn.Module,
+                     *after: nn.Module) -> nn.Module:
+    """conv -> bn (-> ``after``): ``qat_module(conv, bn, *after)`` for QAT; for PTQ the batch norm folded
+    into a copy of the conv, wrapped as ``ptq_module(folded, *after)`` (the folded conv alone when None)."""
+    _check_same_mode(conv, bn, *after)
+    _check_bn(conv, bn)
+    if is_qat:
+        return qat_module(conv, bn, *after)
+    folded = fuse_spconv_bn_eval(conv, bn)
+    return folded if ptq_module is None else ptq_module(folded, *after)
+
+
 def fuse_conv_bn(is_qat: bool, conv: nn.Module, bn: nn.Module) -> nn.Module:
     """conv -> bn: `SpconvBnNd` for QAT, the folded conv for PTQ."""
-    _check_same_mode(conv, bn)
-    _check_bn(conv, bn)
-    return fused.SpconvBnNd(conv, bn) if is_qat else fuse_spconv_bn_eval(conv, bn)
+    return _fuse_folding_bn(is_qat, fused.SpconvBnNd, None, conv, bn)
 
 
 def fuse_conv_bn_relu(is_qat: bool, conv: nn.Module, bn: nn.Module, relu: nn.Module) -> nn.Module:
     """conv -> bn -> relu: `SpconvBnReLUNd` for QAT, folded conv + ReLU (`SpconvReLUNd`) for PTQ."""
-    _check_same_mode(conv, bn, relu)
-    _check_bn(conv, bn)
-    if is_qat:
-        return fused.SpconvBnReLUNd(conv, bn, relu)
-    return fused.SpconvReLUNd(fuse_spconv_bn_eval(conv, bn), relu)
+    return _fuse_folding_bn(is_qat, fused.SpconvBnReLUNd, fused.SpconvReLUNd, conv, bn, relu)
 
 
 def fuse_conv_bn_add_relu(is_qat: bool, relu: nn.Module, add_pattern: tuple) -> nn.Module:
     """relu(bn(conv(x)) + y): `SpconvBnAddReLUNd` for QAT, folded `SpconvAddReLUNd` for PTQ."""
     _, (bn, conv), _ = add_pattern
-    _check_same_mode(conv, bn, relu)
-    _check_bn(conv, bn)
-    if is_qat:
-        return fused.SpconvBnAddReLUNd(conv, bn, relu)
-    return fused.SpconvAddReLUNd(fuse_spconv_bn_eval(conv, bn), relu)
+    return _fuse_folding_bn(is_qat, fused.SpconvBnAddReLUNd, fused.SpconvAddReLUNd, conv, bn, relu)
 
 
 def fuse_conv_add_relu(is_qat: bool, relu: nn.Module, add_pattern: tuple) -> nn.Module:

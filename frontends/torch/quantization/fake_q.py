@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Callable, Union
 
 import torch
-import torch.fx
 from torch.ao.quantization.fake_quantize import (
     FakeQuantize,
     FixedQParamsFakeQuantize,
@@ -35,6 +34,7 @@ from torch.ao.quantization.qconfig import QConfig, default_reuse_input_qconfig
 from torch.ao.quantization.qconfig_mapping import _FIXED_QPARAMS_OP_TO_OBSERVER, QConfigMapping
 
 from ..tensor import SparseConvTensor
+from .graph import modules_in_graph
 
 __all__ = [
     "SparseHistogramObserver", "SparseMinMaxObserver", "SparseMovingAvgObsFakeQuantize",
@@ -84,50 +84,33 @@ def is_calibrated(observer: torch.nn.Module) -> bool:
     return min_val.numel() > 0 and bool(torch.isfinite(min_val).all())
 
 
-def _checked_qparams(observer: torch.nn.Module, compute: Callable[[], Any]) -> Any:
-    if not is_calibrated(observer):
-        raise RuntimeError(UNCALIBRATED_MESSAGE.format(observer=type(observer).__name__))
-    return compute()
+class _SparseRows:
+    """Mixin for an observer or fake quantizer: it observes only the real rows of a `SparseConvTensor` (or a
+    tensor), passes empty inputs unobserved, and refuses to give qparams before it has seen data."""
+
+    def forward(self, value: Union[SparseConvTensor, torch.Tensor]) -> Union[SparseConvTensor, torch.Tensor]:
+        return _observe_rows(super().forward, value)  # type: ignore[misc]
+
+    def calculate_qparams(self) -> Any:
+        if not is_calibrated(self):  # type: ignore[arg-type]
+            raise RuntimeError(UNCALIBRATED_MESSAGE.format(observer=type(self).__name__))
+        return super().calculate_qparams()  # type: ignore[misc]
 
 
-class SparseHistogramObserver(HistogramObserver):
+class SparseHistogramObserver(_SparseRows, HistogramObserver):
     """``HistogramObserver`` for a `SparseConvTensor`'s features (or a tensor); ignores empty and padded rows."""
 
-    def forward(self, x_orig):
-        return _observe_rows(super().forward, x_orig)
 
-    def calculate_qparams(self):
-        return _checked_qparams(self, super().calculate_qparams)
-
-
-class SparseMinMaxObserver(MinMaxObserver):
+class SparseMinMaxObserver(_SparseRows, MinMaxObserver):
     """``MinMaxObserver`` for a `SparseConvTensor`'s features (or a tensor); ignores empty and padded rows."""
 
-    def forward(self, x_orig):
-        return _observe_rows(super().forward, x_orig)
 
-    def calculate_qparams(self):
-        return _checked_qparams(self, super().calculate_qparams)
-
-
-class SparseMovingAvgObsFakeQuantize(FakeQuantize):
+class SparseMovingAvgObsFakeQuantize(_SparseRows, FakeQuantize):
     """``FakeQuantize`` for a `SparseConvTensor`'s features (or a tensor); ignores empty and padded rows."""
 
-    def forward(self, X):
-        return _observe_rows(super().forward, X)
 
-    def calculate_qparams(self):
-        return _checked_qparams(self, super().calculate_qparams)
-
-
-class SparseFusedMovingAvgObsFakeQuantize(FusedMovingAvgObsFakeQuantize):
+class SparseFusedMovingAvgObsFakeQuantize(_SparseRows, FusedMovingAvgObsFakeQuantize):
     """``FusedMovingAvgObsFakeQuantize`` for a `SparseConvTensor`'s features; ignores empty and padded rows."""
-
-    def forward(self, X):
-        return _observe_rows(super().forward, X)
-
-    def calculate_qparams(self):
-        return _checked_qparams(self, super().calculate_qparams)
 
 
 _ACTIVATION_ARGS: dict[str, Any] = {
@@ -211,15 +194,11 @@ def check_calibration(prepared: torch.nn.Module) -> None:
     Args:
         prepared: the GraphModule returned by ``prepare_fx`` / ``prepare_qat_fx``.
     """
-    if not isinstance(prepared, torch.fx.GraphModule):
-        raise TypeError(f"check_calibration takes the GraphModule prepare_fx returns, got {type(prepared).__name__}")
+    observers = modules_in_graph(prepared, (HistogramObserver, MinMaxObserver, FakeQuantize,
+                                            FusedMovingAvgObsFakeQuantize),
+                                 "check_calibration takes the GraphModule prepare_fx returns")
     missing = []
-    for node in prepared.graph.nodes:
-        if node.op != "call_module":
-            continue
-        observer = prepared.get_submodule(node.target)
-        if not isinstance(observer, (HistogramObserver, MinMaxObserver, FakeQuantize, FusedMovingAvgObsFakeQuantize)):
-            continue
+    for node, observer in observers:
         if is_calibrated(observer):
             continue
         source = node.args[0] if node.args else None

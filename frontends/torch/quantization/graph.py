@@ -25,7 +25,7 @@ from .quantized import conv as quantized
 from .quantized.reference import SpConv
 
 __all__ = ["quantize_per_tensor", "quantized_add", "quantized_add_relu", "transform_qdq", "remove_conv_add_dq",
-           "is_dequantize_node", "is_quantize_node"]
+           "is_dequantize_node", "is_quantize_node", "modules_in_graph"]
 
 Quantizable = Union[SparseConvTensor, torch.Tensor]
 
@@ -127,6 +127,30 @@ def _lowered_class(module: nn.Module) -> Optional[type]:
     return None
 
 
+def modules_in_graph(model: Any, types: Union[type, tuple[type, ...]], taker: str
+                     ) -> list[tuple[torch.fx.Node, nn.Module]]:
+    """The ``call_module`` nodes of ``model`` whose module is one of ``types``, with their modules, in graph order.
+
+    Args:
+        model: a ``torch.fx.GraphModule``.
+        types: the module classes to keep (``isinstance``).
+        taker: the caller and what it takes, for the error (``"transform_qdq takes the GraphModule
+            that convert_fx returns"``).
+
+    Raises:
+        TypeError: ``"<taker>, got <type>"`` when ``model`` is not a GraphModule.
+    """
+    if not isinstance(model, torch.fx.GraphModule):
+        raise TypeError(f"{taker}, got {type(model).__name__}")
+    found = []
+    for node in model.graph.nodes:
+        if node.op == "call_module":
+            module = model.get_submodule(node.target)
+            if isinstance(module, types):
+                found.append((node, module))
+    return found
+
+
 def _only_quantize_user(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     users = list(node.users)
     if len(users) == 1 and is_quantize_node(users[0]) and users[0].args[0] is node:
@@ -184,12 +208,9 @@ def transform_qdq(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def remove_conv_add_dq(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Feeds each int8 conv-add-relu its residual as int8 (drops the dequantize before it); returns ``model``."""
-    if not isinstance(model, torch.fx.GraphModule):
-        raise TypeError(f"remove_conv_add_dq takes a GraphModule, got {type(model).__name__}")
-    for node in model.graph.nodes:
-        if node.op != "call_module" or len(node.args) < 2:
-            continue
-        if type(model.get_submodule(node.target)) is not quantized.SparseConvAddReLU:
+    for node, module in modules_in_graph(model, quantized.SparseConvAddReLU,
+                                         "remove_conv_add_dq takes a GraphModule"):
+        if len(node.args) < 2 or type(module) is not quantized.SparseConvAddReLU:
             continue
         residual = node.args[1]
         if is_dequantize_node(residual):

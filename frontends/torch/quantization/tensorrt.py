@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from .graph import is_quantize_node
+from .graph import is_quantize_node, modules_in_graph
 from .quantized import conv as quantized
 
 __all__ = ["Int8LayerParameters", "tensorrt_parameters", "input_scale_of"]
@@ -95,15 +95,9 @@ def tensorrt_parameters(model: torch.fx.GraphModule) -> list[Int8LayerParameters
         TypeError: for a model that is not a GraphModule.
         ValueError: naming the layer, when its input is not int8 (its scale unknown).
     """
-    if not isinstance(model, torch.fx.GraphModule):
-        raise TypeError(f"tensorrt_parameters takes the converted GraphModule, got {type(model).__name__}")
     layers = []
-    for node in model.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = model.get_submodule(node.target)
-        if not isinstance(module, quantized.SparseConv):
-            continue
+    for node, module in modules_in_graph(model, quantized.SparseConv,
+                                         "tensorrt_parameters takes the converted GraphModule"):
         input_scale = input_scale_of(model, node.args[0])
         if input_scale is None:
             raise ValueError(f"layer {node.target}: its input is not int8 in the graph, so its input scale is "
