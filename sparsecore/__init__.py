@@ -20,6 +20,7 @@ from .functional import (
 )
 from .geometry import CONV_KINDS, ConvGeometry
 from .hashing import HashTable, pack_keys, unpack_keys
+from .layer_geometry import FoundRulebook, GeometryCache, InputSites, find_layer_rulebook, sites_identity
 from .int8 import RequantParameters, dequantize, int8_conv_forward, int8_max_pool_forward, quantize, requant_parameters
 from .pool import (
     avg_pool_backward,
@@ -42,6 +43,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CONV_KINDS",
     "ConvGeometry",
+    "FoundRulebook",
+    "GeometryCache",
+    "InputSites",
     "HashTable",
     "PairMap",
     "Rulebook",
@@ -71,6 +75,7 @@ __all__ = [
     "global_max_pool_forward",
     "int8_conv_forward",
     "int8_max_pool_forward",
+    "find_layer_rulebook",
     "inverse_rulebook",
     "layer_rulebook",
     "max_pool_backward",
@@ -80,6 +85,7 @@ __all__ = [
     "quantize",
     "requant_parameters",
     "set_num_threads",
+    "sites_identity",
     "sparse_add",
     "sparse_avg_pool",
     "sparse_conv",

@@ -1,8 +1,9 @@
 """Tensor-level operations: a layer's geometry (rulebook, with ``indice_key`` reuse) plus its feature pass.
 
-These are the NumPy/CuPy user's API and the pattern the frontends follow:
-build or fetch the rulebook, run the feature pass, wrap the result on the
-output sites, sharing the input's rulebook cache.
+These are the NumPy/CuPy user's API: find or build the rulebook through the
+one geometry path (`sparsecore.layer_geometry.find_layer_rulebook`, which the
+frontends call too), run the feature pass, wrap the result on the output
+sites, sharing the input's rulebook cache handle.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from .conv import check_weight_layout, conv_forward
 from .dense import union_sites
 from .geometry import ConvGeometry, PerAxis
 from .pool import avg_pool_forward, global_avg_pool_forward, global_max_pool_forward, max_pool_forward
-from .reuse import check_inverse_fits, check_rulebook_fits
-from .rulebook import Rulebook, build_rulebook, inverse_rulebook
+from .layer_geometry import find_layer_rulebook
+from .rulebook import Rulebook
 from .tensor import SparseTensor
 
 __all__ = [
@@ -30,38 +31,22 @@ __all__ = [
 
 
 def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | None = None) -> Rulebook:
-    """The rulebook of a layer with ``geometry`` on ``x``: from the cache under
-    ``indice_key`` when present (after checking it fits), else built and cached.
+    """The rulebook of a layer with ``geometry`` on ``x``, by `find_layer_rulebook` (the one geometry path).
 
-    For ``geometry.kind == "inverse"`` the rulebook under ``indice_key`` (a regular
+    Found in ``x``'s cache (canonically, or under ``indice_key`` after checking it
+    fits) or built; the cache `find_layer_rulebook` returns is stored in
+    ``x.rulebooks``, the handle every tensor derived from ``x`` shares. For
+    ``geometry.kind == "inverse"`` the rulebook under ``indice_key`` (a regular
     conv or pool's) is reversed; the key is required.
 
     Raises:
-        ValueError: a cached rulebook that does not fit, or an inverse conv without
-            a matching ``indice_key``.
+        ValueError: a cached rulebook that does not fit, a non-submanifold layer
+            whose key holds another layer's rulebook, or an inverse conv without a
+            matching ``indice_key``.
     """
-    if geometry.kind == "inverse":
-        saved = x.rulebooks.get(indice_key) if indice_key else None
-        if saved is None:
-            known = x.rulebooks.keys()
-            raise ValueError(
-                f"an inverse conv needs the indice_key of the regular conv or pool it "
-                f"reverses; got indice_key={indice_key!r}, and this tensor's cache holds "
-                f"{known if known else 'no rulebooks'}. Give the paired SparseConv the same "
-                "indice_key and feed the inverse conv a tensor derived from its output."
-            )
-        check_inverse_fits(saved, geometry.kernel_size, x.core_indices, x.spatial_shape, indice_key)
-        return inverse_rulebook(saved)
-    if indice_key is not None:
-        cached = x.rulebooks.get(indice_key)
-        if cached is not None:
-            check_rulebook_fits(cached, geometry, x.core_indices, x.spatial_shape, indice_key)
-            return cached
-    rulebook = build_rulebook(x.core_indices, x.spatial_shape, x.batch_size, geometry,
-                              assume_unique=x._checked)
-    if indice_key is not None:
-        x.rulebooks.put(indice_key, rulebook)
-    return rulebook
+    found = find_layer_rulebook(x.rulebooks.value, x.sites, geometry, indice_key)
+    x.rulebooks.value = found.cache
+    return found.rulebook
 
 
 def _output(x: SparseTensor, features: Any, rulebook: Rulebook) -> SparseTensor:
@@ -70,7 +55,7 @@ def _output(x: SparseTensor, features: Any, rulebook: Rulebook) -> SparseTensor:
     if rulebook.output_indices is x.core_indices:
         return x.replace(features)
     indices = from_core_array(rulebook.output_indices, like=x.indices)
-    return x.with_sites(features, indices, rulebook.output_spatial_shape)
+    return x.with_sites(features, indices, rulebook.output_spatial_shape, core_indices=rulebook.output_indices)
 
 
 def sparse_conv(x: SparseTensor, weight: Any, bias: Any | None = None, *, kind: str = "regular",

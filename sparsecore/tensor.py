@@ -9,6 +9,7 @@ from ._dispatch import array_library, check_same_device, from_core_array
 from .interop import (as_batch_size, as_features, as_indices, as_spatial_shape, check_indices_in_range,
                       check_unique_sites)
 from .dense import from_dense, to_dense
+from .layer_geometry import GeometryCache, InputSites, sites_identity
 from .rulebook import Rulebook
 
 __all__ = ["SparseTensor", "RulebookCache"]
@@ -31,36 +32,39 @@ def in_library_of(core: Any, given: Any) -> Any:
 class RulebookCache:
     """Rulebooks by ``indice_key``, shared by every tensor derived from one input.
 
-    A layer that names an ``indice_key`` stores its rulebook here; a later
-    submanifold layer with the same key reuses it, and an inverse conv with the
-    same key reverses it (spconv's ``indice_dict``).
+    A handle on an immutable `sparsecore.layer_geometry.GeometryCache` (``value``):
+    `sparsecore.functional` passes the value to `find_layer_rulebook` and stores
+    the value it returns back here, so every tensor holding this handle (the
+    input and everything derived from it) sees the layer's ``indice_key`` and
+    its canonical entry. A later submanifold layer with the same key reuses the
+    rulebook, and an inverse conv with the same key reverses it (spconv's
+    ``indice_dict``). ``sparsecore.torch`` holds the value itself instead, per
+    tensor, copy-on-write (spconv's behaviour; see `sparsecore.layer_geometry`).
     """
 
-    def __init__(self) -> None:
-        self._rulebooks: dict[str, Rulebook] = {}
+    def __init__(self, value: GeometryCache | None = None) -> None:
+        self.value = GeometryCache() if value is None else value
 
     def get(self, key: str) -> Rulebook | None:
         """The rulebook stored under ``key``, or None."""
-        return self._rulebooks.get(key)
+        return self.value.aliases.get(key)
 
     def put(self, key: str, rulebook: Rulebook) -> None:
         """Stores ``rulebook`` under ``key`` (replacing any previous one)."""
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"indice_key must be a non-empty string, got {key!r}")
-        self._rulebooks[key] = rulebook
+        self.value = self.value.with_alias(key, rulebook)
 
     def keys(self) -> list[str]:
         """The stored keys, in insertion order."""
-        return list(self._rulebooks)
+        return list(self.value.aliases)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._rulebooks
+        return key in self.value.aliases
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._rulebooks))
+        return iter(list(self.value.aliases))
 
     def __len__(self) -> int:
-        return len(self._rulebooks)
+        return len(self.value.aliases)
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,10 +148,25 @@ class SparseTensor:
             object.__setattr__(out, "core_indices", self.core_indices)
         return out
 
-    def with_sites(self, features: Any, indices: Any, spatial_shape: Sequence[int]) -> "SparseTensor":
-        """A tensor on new sites the library produced, sharing this tensor's cache."""
-        return SparseTensor(features, indices, tuple(spatial_shape), self.batch_size,
-                            self.rulebooks, _checked=True)
+    def with_sites(self, features: Any, indices: Any, spatial_shape: Sequence[int],
+                   core_indices: Any = None) -> "SparseTensor":
+        """A tensor on new sites the library produced, sharing this tensor's cache.
+
+        ``core_indices``: the core array ``indices`` views (a rulebook's output
+        sites), kept as the new tensor's ``core_indices`` so that the rulebooks
+        built on it are found by identity (`sites`).
+        """
+        out = SparseTensor(features, indices, tuple(spatial_shape), self.batch_size,
+                           self.rulebooks, _checked=True)
+        if core_indices is not None and tuple(core_indices.shape) == tuple(out.core_indices.shape):
+            object.__setattr__(out, "core_indices", core_indices)
+        return out
+
+    @property
+    def sites(self) -> InputSites:
+        """The input sites as the geometry path reads them (identity: the ``core_indices`` object)."""
+        return InputSites(sites_identity(self.core_indices), self.core_indices, self.spatial_shape,
+                          self.batch_size, self._checked)
 
     def dense(self, channels_first: bool = True) -> Any:
         """The dense grid: ``[B, C, *spatial]`` (or ``[B, *spatial, C]``)."""
