@@ -171,7 +171,7 @@ def to_core_array(value: Any, name: str = "array") -> Any:
     if library in ("torch", "jax", "dlpack"):
         device_type = _dlpack_device_type(value)
         if device_type in _DLPACK_CUDA_TYPES:
-            from .backends import require_cuda  # a CUDA array exists, so CuPy is the engine for it
+            from .backends.cuda_device import require_cuda  # a CUDA array exists: CuPy is its engine
 
             return require_cuda(f"{name} (a CUDA array)").from_dlpack(value)
         if device_type is None or device_type in _DLPACK_CPU_TYPES:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from typing import Any, Iterator
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "set_num_threads",
     "num_threads",
     "blas_threads",
+    "numba_module",
 ]
 
 THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "SPARSECORE_NUM_THREADS", "OMP_NUM_THREADS")
@@ -63,9 +65,30 @@ def default_num_threads() -> int:
     return _usable_cores()
 
 
-def _numba() -> Any:
-    from .backends._cpu_kernels import numba_module
+@functools.lru_cache(maxsize=1)
+def numba_module() -> Any:
+    """The ``numba`` module, imported on first use (it costs about 0.3 s).
 
+    Its thread pool is sized when it loads: unless ``NUMBA_NUM_THREADS`` is set (or
+    numba was imported already), it is set to `default_num_threads` first, so
+    ``SPARSECORE_NUM_THREADS`` and ``OMP_NUM_THREADS`` are honoured.
+
+    Raises:
+        ImportError: numba does not import (it is an install requirement).
+    """
+    if "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
+        os.environ["NUMBA_NUM_THREADS"] = str(default_num_threads())
+    try:
+        import numba
+    except ImportError as error:  # pragma: no cover - numba is an install requirement
+        raise ImportError(
+            f"sparsecore's CPU feature passes need numba, which does not import here ({error}); "
+            "install it with `pip install numba` (a requirement of sparsecore)"
+        ) from None
+    return numba
+
+
+def _numba() -> Any:
     return numba_module()
 
 

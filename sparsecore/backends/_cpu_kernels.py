@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import sys
 from typing import Any, Iterator
 
 import numpy as np
 
-from ..threads import default_num_threads
+from ..threads import numba_module
 
 __all__ = [
     "ROW_BLOCK",
@@ -54,26 +52,6 @@ ROW_BLOCK = 64
 SPECIALISE_MIN_PAIR_FLOPS = 200_000_000
 """A layer's ``2 * pairs * in_channels * out_channels / groups`` from which its channel counts are
 compiled in as constants; below it the generic kernel runs (no compile per shape)."""
-
-
-@functools.lru_cache(maxsize=1)
-def numba_module() -> Any:
-    """The ``numba`` module, imported on first use (it costs about 0.3 s).
-
-    Its thread pool is sized when it loads: unless ``NUMBA_NUM_THREADS`` is set (or
-    numba was imported already), it is set to `sparsecore.threads.default_num_threads`
-    first, so ``SPARSECORE_NUM_THREADS`` and ``OMP_NUM_THREADS`` are honoured.
-    """
-    if "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
-        os.environ["NUMBA_NUM_THREADS"] = str(default_num_threads())
-    try:
-        import numba
-    except ImportError as error:  # pragma: no cover - numba is an install requirement
-        raise ImportError(
-            f"sparsecore's CPU feature passes need numba, which does not import here ({error}); "
-            "install it with `pip install numba` (a requirement of sparsecore)"
-        ) from None
-    return numba
 
 
 SERIAL_MAX_WORK = 4_000_000

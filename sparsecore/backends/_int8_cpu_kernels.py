@@ -35,7 +35,7 @@ SPECIALISE_MIN_PAIR_MACS = 100_000_000
 def available() -> bool:
     """Whether numba imports here (loaded as the float passes load it, so its thread pool is
     sized by `sparsecore.threads` whichever pass comes first)."""
-    from ._cpu_kernels import numba_module
+    from ..threads import numba_module
 
     try:
         numba_module()

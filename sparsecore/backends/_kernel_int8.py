@@ -1,6 +1,7 @@
 """The kernel backend's int8 passes: ``sc_int8_conv`` (dp4a, fused epilogue) and ``sc_int8_max_pool``.
 
-Functions of a `KernelBackend`. The pairs are grouped by output with a stable
+Functions of a `KernelDevice` (a kernel backend's ``xp`` and launch settings).
+The pairs are grouped by output with a stable
 ``xp.argsort`` (`group_starts`: pairs of one output in kernel-offset order,
 padding rows of -1 dropped), so each output element is one thread's int32
 sum, without atomics. The operands are packed on the device with ``xp``
@@ -16,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._launch import check_integer_vector, check_row_count
+from ._launch import KernelDevice, check_integer_vector, check_row_count
 from ._sorting import group_starts
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._numpy_int8 import Int8Epilogue
-    from .kernel_backend import KernelBackend
 
 __all__ = ["pack_words", "pack_features", "pack_weight", "conv_pairs", "max_pool_pairs"]
 
@@ -69,10 +69,10 @@ def _grouped_by_output(xp: Any, pair_input: Any, pair_output: Any, num_output: i
     return order, grouped_input, output_starts
 
 
-def conv_pairs(backend: "KernelBackend", features: Any, weight: Any, pair_input: Any, pair_output: Any,
+def conv_pairs(device: KernelDevice, features: Any, weight: Any, pair_input: Any, pair_output: Any,
                run_starts: tuple[int, ...], num_output: int, groups: int, epilogue: "Int8Epilogue") -> Any:
     """int8 conv with one ``sc_int8_conv`` launch (see `ArrayBackend.int8_conv_pairs`)."""
-    xp = backend.xp
+    xp = device.xp
     if features.dtype != np.int8 or weight.dtype != np.int8:
         raise TypeError(f"int8_conv_pairs: features and weight must be int8, got {features.dtype} and {weight.dtype}")
     _check_pairs(features, pair_input, pair_output, num_output, "int8_conv_pairs")
@@ -90,20 +90,20 @@ def conv_pairs(backend: "KernelBackend", features: Any, weight: Any, pair_input:
     bias = epilogue.bias if epilogue.bias is not None else xp.zeros(1, dtype=xp.float32)
     residual = epilogue.residual if epilogue.residual is not None else xp.zeros((1, 1), dtype=xp.int8)
     output_scale = epilogue.output_scale if integer else np.float32(1)
-    backend._run("sc_int8_conv", ("signed char" if integer else "float",), num_output * out_channels,
-                 (x_packed, w_packed, grouped_input, grouped_offsets, output_starts, np.int64(num_output),
-                  np.int64(out_channels), np.int64(out_channels // groups), np.int32(words),
-                  xp.ascontiguousarray(epilogue.multiplier, dtype=xp.float32),
-                  xp.ascontiguousarray(bias, dtype=xp.float32), np.int32(epilogue.bias is not None),
-                  xp.ascontiguousarray(residual), np.int32(epilogue.residual is not None),
-                  np.float32(epilogue.residual_scale), np.int32(epilogue.relu), np.float32(output_scale), out))
+    device.run("sc_int8_conv", ("signed char" if integer else "float",), num_output * out_channels,
+               (x_packed, w_packed, grouped_input, grouped_offsets, output_starts, np.int64(num_output),
+                np.int64(out_channels), np.int64(out_channels // groups), np.int32(words),
+                xp.ascontiguousarray(epilogue.multiplier, dtype=xp.float32),
+                xp.ascontiguousarray(bias, dtype=xp.float32), np.int32(epilogue.bias is not None),
+                xp.ascontiguousarray(residual), np.int32(epilogue.residual is not None),
+                np.float32(epilogue.residual_scale), np.int32(epilogue.relu), np.float32(output_scale), out))
     return out
 
 
-def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pair_output: Any,
+def max_pool_pairs(device: KernelDevice, features: Any, pair_input: Any, pair_output: Any,
                    num_output: int) -> Any:
     """int8 max pool with one ``sc_int8_max_pool`` launch (see `ArrayBackend.int8_max_pool_pairs`)."""
-    xp = backend.xp
+    xp = device.xp
     if features.ndim != 2 or features.dtype != np.int8:
         raise TypeError(f"int8_max_pool_pairs: features must be int8 [N, C], got {features.dtype} "
                         f"{tuple(features.shape)}")
@@ -113,7 +113,7 @@ def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pai
     if num_output * channels == 0 or pair_input.shape[0] == 0:
         return out
     _, grouped_input, output_starts = _grouped_by_output(xp, pair_input, pair_output, num_output)
-    backend._run("sc_int8_max_pool", (), num_output * channels,
-                 (xp.ascontiguousarray(features), grouped_input, output_starts, np.int64(num_output),
-                  np.int64(channels), out))
+    device.run("sc_int8_max_pool", (), num_output * channels,
+               (xp.ascontiguousarray(features), grouped_input, output_starts, np.int64(num_output),
+                np.int64(channels), out))
     return out

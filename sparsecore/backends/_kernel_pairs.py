@@ -1,8 +1,8 @@
 """The kernel backend's pair primitives: compaction, conv candidates, pair scatters, max pooling.
 
-Functions of a `KernelBackend` (its ``xp`` and its launcher), kept apart from
-the hashing and row primitives of `kernel_backend` so each module has one
-concern. Each makes its inputs contiguous, checks them, launches registered
+Functions of a `KernelDevice` (a kernel backend's ``xp`` and launch settings),
+kept apart from the hashing and row primitives of `kernel_backend` so each
+module has one concern. Each makes its inputs contiguous, checks them, launches registered
 ``sc_*`` kernels (never a zero-block grid) and uses ``xp`` for sorts and
 scans. None needs atomics, so every result is bitwise reproducible, and none
 synchronises with the host except where a size must be known to allocate
@@ -11,30 +11,27 @@ synchronises with the host except where a size must be known to allocate
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ._launch import INT32_MAX, check_float, check_integer_vector, check_row_count, check_scatter, vector_width
+from ._launch import INT32_MAX, KernelDevice, check_float, check_integer_vector, check_row_count, check_scatter, vector_width
 from ._sorting import group_starts
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .kernel_backend import KernelBackend
-
-__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_pairs", "max_pool_pairs", "max_pool_backward_pairs"]
+__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_rows", "scatter_add_pairs", "max_pool_pairs", "max_pool_backward_pairs"]
 
 # Entries of a compaction tile per thread: a tile is this many times the block.
 _TILE_ENTRIES_PER_THREAD = 8
 
 
-def compact_pairs(backend: "KernelBackend", table: Any) -> tuple[Any, Any, tuple[int, ...]]:
+def compact_pairs(device: KernelDevice, table: Any) -> tuple[Any, Any, tuple[int, ...]]:
     """Entries ``>= 0`` of an integer ``[R, L]`` table, in row-major order (see `ArrayBackend.compact_pairs`).
 
     Two passes of ``rulebook.cu``: ``sc_compact_count`` counts each tile's
     entries, ``xp.cumsum`` turns counts into positions, ``sc_compact_write``
     writes them; one device-to-host copy brings the per-row counts.
     """
-    xp = backend.xp
+    xp = device.xp
     if table.ndim != 2 or table.dtype.kind not in "iu":
         raise ValueError(f"compact_pairs: table must be a 2-D integer array, got {table.dtype} {tuple(table.shape)}")
     num_rows, row_length = (int(size) for size in table.shape)
@@ -44,12 +41,12 @@ def compact_pairs(backend: "KernelBackend", table: Any) -> tuple[Any, Any, tuple
     if num_rows == 0 or row_length == 0:
         empty = xp.zeros(0, dtype=xp.int32)
         return empty, empty.copy(), (0,) * (num_rows + 1)
-    tile_size = backend.block_threads * _TILE_ENTRIES_PER_THREAD
+    tile_size = device.block_threads * _TILE_ENTRIES_PER_THREAD
     tiles_per_row = -(-row_length // tile_size)
     num_tiles = num_rows * tiles_per_row
     tile_counts = xp.empty(num_tiles, dtype=xp.int64)
-    backend._run("sc_compact_count", (), num_tiles * backend.block_threads,
-                 (values, np.int64(num_rows), np.int64(row_length), np.int64(tile_size), tile_counts))
+    device.run("sc_compact_count", (), num_tiles * device.block_threads,
+               (values, np.int64(num_rows), np.int64(row_length), np.int64(tile_size), tile_counts))
     tile_offsets = xp.cumsum(tile_counts) - tile_counts
     row_counts = tile_counts.reshape(num_rows, tiles_per_row).sum(axis=1).tolist()
     starts = [0]
@@ -58,13 +55,13 @@ def compact_pairs(backend: "KernelBackend", table: Any) -> tuple[Any, Any, tuple
     columns = xp.empty(starts[-1], dtype=xp.int32)
     found = xp.empty(starts[-1], dtype=xp.int32)
     if starts[-1]:
-        backend._run("sc_compact_write", (), num_tiles * backend.block_threads,
-                     (values, np.int64(num_rows), np.int64(row_length), np.int64(tile_size), tile_offsets,
-                      columns, found))
+        device.run("sc_compact_write", (), num_tiles * device.block_threads,
+                   (values, np.int64(num_rows), np.int64(row_length), np.int64(tile_size), tile_offsets,
+                    columns, found))
     return columns, found, tuple(starts)
 
 
-def conv_candidate_pairs(backend: "KernelBackend", indices: Any, geometry: Any,
+def conv_candidate_pairs(device: KernelDevice, indices: Any, geometry: Any,
                          output_spatial_shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...]]:
     """Input rows and output keys of every valid (site, offset) pair (see `ArrayBackend.conv_candidate_pairs`).
 
@@ -73,7 +70,7 @@ def conv_candidate_pairs(backend: "KernelBackend", indices: Any, geometry: Any,
     offset where the key is valid keeps the pairs grouped by offset, rows
     increasing.
     """
-    xp = backend.xp
+    xp = device.xp
     if geometry.kind not in ("regular", "transposed"):
         raise ValueError(f"conv_candidate_pairs: geometry must be regular or transposed, got {geometry.kind!r}")
     ndim = geometry.ndim
@@ -87,17 +84,38 @@ def conv_candidate_pairs(backend: "KernelBackend", indices: Any, geometry: Any,
     parameters = np.array([geometry.stride, geometry.padding, geometry.dilation, tuple(output_spatial_shape)])
     keys = xp.empty((volume, count), dtype=xp.int64)
     kernel = "sc_transposed_conv_candidates" if geometry.kind == "transposed" else "sc_regular_conv_candidates"
-    backend._run(kernel, (), volume * count,
-                 (xp.ascontiguousarray(indices, dtype=xp.int32), np.int64(count), np.int32(ndim),
-                  xp.asarray(np.ascontiguousarray(positions, dtype=np.int32)), np.int32(volume),
-                  xp.asarray(np.ascontiguousarray(parameters, dtype=np.int32)), keys))
+    device.run(kernel, (), volume * count,
+               (xp.ascontiguousarray(indices, dtype=xp.int32), np.int64(count), np.int32(ndim),
+                xp.asarray(np.ascontiguousarray(positions, dtype=np.int32)), np.int32(volume),
+                xp.asarray(np.ascontiguousarray(parameters, dtype=np.int32)), keys))
     offset_of_valid = xp.where(keys >= 0, xp.arange(volume, dtype=xp.int32)[:, None], xp.int32(-1))
-    rows, offsets, starts = compact_pairs(backend, offset_of_valid)
+    rows, offsets, starts = compact_pairs(device, offset_of_valid)
     pair_keys = xp.take(keys.reshape(-1), offsets.astype(xp.int64) * count + rows)
     return rows, pair_keys, starts
 
 
-def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: Any,
+def scatter_add_rows(device: KernelDevice, target: Any, rows: Any, values: Any) -> None:
+    """``target[rows] += values`` in place with ``sc_scatter_add_rows_unique<T>``.
+
+    Args:
+        target: ``[N, C]`` float32/float64/float16/bfloat16, updated in place
+            (a non-contiguous target is updated through a contiguous copy).
+        rows: integer ``[M]`` in ``[0, N)``, unique within the call.
+        values: ``[M, C]``, cast to ``target``'s dtype.
+    """
+    xp = device.xp
+    dtype_name, count, channels = check_scatter(target, rows, values, "scatter_add_rows")
+    contiguous_target = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
+    values = xp.ascontiguousarray(values, dtype=target.dtype)
+    rows = xp.ascontiguousarray(rows, dtype=xp.int32)
+    vector = vector_width(channels, target.dtype.itemsize, values, contiguous_target)
+    device.run("sc_scatter_add_rows_unique", (dtype_name,), count * channels // vector,
+               (values, rows, np.int64(count), np.int64(channels), np.int32(vector), contiguous_target))
+    if contiguous_target is not target:
+        target[...] = contiguous_target
+
+
+def scatter_add_pairs(device: KernelDevice, target: Any, rows: Any, values: Any,
                       run_starts: tuple[int, ...]) -> None:
     """``target[rows[p]] += values[p]`` (see `ArrayBackend.scatter_add_pairs`).
 
@@ -108,13 +126,13 @@ def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: 
     accumulator type (float32 for 16-bit storage), rounding once. No sort, no
     atomics, no host synchronisation.
     """
-    xp = backend.xp
+    xp = device.xp
     dtype_name, count, channels = check_scatter(target, rows, values, "scatter_add_pairs")
     if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
         raise ValueError(f"scatter_add_pairs: run_starts must run from 0 to {count}, got {tuple(run_starts)}")
     lengths = [stop - start for start, stop in zip(run_starts[:-1], run_starts[1:])]
     if sum(1 for length in lengths if length) <= 1:
-        backend.scatter_add_rows(target, rows, values)
+        scatter_add_rows(device, target, rows, values)
         return
     if not target.flags.c_contiguous:
         raise ValueError("scatter_add_pairs: target must be C-contiguous (it is updated in place)")
@@ -130,12 +148,12 @@ def scatter_add_pairs(backend: "KernelBackend", target: Any, rows: Any, values: 
     slots[:, num_rows] = -1  # the spare column took the padding entries
     values = xp.ascontiguousarray(values, dtype=target.dtype)
     vector = vector_width(channels, target.dtype.itemsize, values, target)
-    backend._run("sc_sum_run_rows", (dtype_name,), num_rows * channels // vector,
-                 (values, slots, np.int64(len(lengths)), np.int64(slot_stride), np.int64(num_rows),
-                  np.int64(channels), np.int32(vector), target))
+    device.run("sc_sum_run_rows", (dtype_name,), num_rows * channels // vector,
+               (values, slots, np.int64(len(lengths)), np.int64(slot_stride), np.int64(num_rows),
+                np.int64(channels), np.int32(vector), target))
 
 
-def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pair_output: Any,
+def max_pool_pairs(device: KernelDevice, features: Any, pair_input: Any, pair_output: Any,
                    num_output: int) -> tuple[Any, Any]:
     """Per-output maxima over the pairs with ``sc_max_pool_forward`` (see `ArrayBackend.max_pool_pairs`).
 
@@ -143,7 +161,7 @@ def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pai
     pair (kernel-offset) order, so the kernel's "earliest wins ties" is the
     earliest offset's.
     """
-    xp = backend.xp
+    xp = device.xp
     dtype_name = check_float(features, "features", "max_pool_pairs")
     check_integer_vector(pair_input, "pair_input", "max_pool_pairs")
     check_integer_vector(pair_output, "pair_output", "max_pool_pairs", int(pair_input.shape[0]))
@@ -156,13 +174,13 @@ def max_pool_pairs(backend: "KernelBackend", features: Any, pair_input: Any, pai
         return out, argmax
     order, output_starts = group_starts(xp, pair_output, num_output)
     grouped_input = xp.ascontiguousarray(xp.take(pair_input, order), dtype=xp.int32)
-    backend._run("sc_max_pool_forward", (dtype_name,), num_output * channels,
-                 (xp.ascontiguousarray(features), grouped_input, output_starts, np.int64(num_output),
-                  np.int64(channels), out, argmax))
+    device.run("sc_max_pool_forward", (dtype_name,), num_output * channels,
+               (xp.ascontiguousarray(features), grouped_input, output_starts, np.int64(num_output),
+                np.int64(channels), out, argmax))
     return out, argmax
 
 
-def max_pool_backward_pairs(backend: "KernelBackend", grad_output: Any, argmax: Any, pair_input: Any,
+def max_pool_backward_pairs(device: KernelDevice, grad_output: Any, argmax: Any, pair_input: Any,
                             pair_output: Any, num_input: int) -> Any:
     """Max-pool gradient by input with ``sc_max_pool_backward`` (see `ArrayBackend.max_pool_backward_pairs`).
 
@@ -170,7 +188,7 @@ def max_pool_backward_pairs(backend: "KernelBackend", grad_output: Any, argmax: 
     with a negative input row, padding, fall before the first group and are
     never read); each input row's gradient is summed over its group in order.
     """
-    xp = backend.xp
+    xp = device.xp
     dtype_name = check_float(grad_output, "grad_output", "max_pool_backward_pairs")
     check_integer_vector(pair_input, "pair_input", "max_pool_backward_pairs")
     check_integer_vector(pair_output, "pair_output", "max_pool_backward_pairs", int(pair_input.shape[0]))
@@ -184,7 +202,7 @@ def max_pool_backward_pairs(backend: "KernelBackend", grad_output: Any, argmax: 
         return grad
     order, input_starts = group_starts(xp, pair_input, num_input)
     grouped_output = xp.ascontiguousarray(xp.take(pair_output, order), dtype=xp.int32)
-    backend._run("sc_max_pool_backward", (dtype_name,), num_input * channels,
-                 (xp.ascontiguousarray(grad_output), xp.ascontiguousarray(argmax, dtype=xp.int32), grouped_output,
-                  input_starts, np.int64(num_input), np.int64(channels), grad))
+    device.run("sc_max_pool_backward", (dtype_name,), num_input * channels,
+               (xp.ascontiguousarray(grad_output), xp.ascontiguousarray(argmax, dtype=xp.int32), grouped_output,
+                input_starts, np.int64(num_input), np.int64(channels), grad))
     return grad

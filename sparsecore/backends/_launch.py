@@ -1,6 +1,8 @@
 """The mechanics every kernel launch wrapper shares: argument checks, grid sizing, launching.
 
-A wrapper in `kernel_backend` makes its inputs contiguous (a RawKernel ignores
+A wrapper in `kernel_backend` (or in `_kernel_pairs` / `_kernel_int8`, which
+receive the backend's `KernelDevice`: its array module and launch settings,
+nothing else) makes its inputs contiguous (a RawKernel ignores
 strides), checks their dtypes and shapes with the helpers here, sizes the
 grid with `grid_blocks`, and launches through `launch`, which does nothing
 at all when there is no work: a launch never has zero blocks.
@@ -9,12 +11,14 @@ at all when there is no work: a launch never has zero blocks.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from . import kernel_registry
 
 __all__ = [
     "KernelLauncher",
+    "KernelDevice",
     "INT32_MAX",
     "INT64_MAX",
     "FLOAT_DTYPE_NAMES",
@@ -55,6 +59,32 @@ class KernelLauncher(Protocol):
             args: C-contiguous arrays of the backend's ``xp`` and NumPy scalars of
                 the exact parameter types (``numpy.int64`` for ``long long``...).
         """
+
+
+@dataclass(frozen=True)
+class KernelDevice:
+    """What a launch wrapper needs of a kernel backend: its array module and how it launches.
+
+    `sparsecore.backends.kernel_backend.KernelBackend.device` hands this to the
+    pair and int8 wrappers (`_kernel_pairs`, `_kernel_int8`), which therefore
+    depend on this module only, not on the backend class.
+
+    Attributes:
+        xp: the array module of the arrays the kernels run on (``cupy``, or ``numpy``
+            under the CPU emulation).
+        launcher: the `KernelLauncher`.
+        block_threads: threads per block of every launch, 1 to 1024.
+        max_blocks: most blocks of a launch (grid-stride loops cover the rest).
+    """
+
+    xp: Any
+    launcher: KernelLauncher
+    block_threads: int
+    max_blocks: int
+
+    def run(self, name: str, type_names: Sequence[str], work: int, args: Sequence[Any]) -> None:
+        """Launches kernel ``name`` over ``work`` items with this device's grid settings (`launch`)."""
+        launch(self.launcher, name, type_names, work, args, self.block_threads, self.max_blocks)
 
 
 def hash_capacity(num_keys: int) -> int:

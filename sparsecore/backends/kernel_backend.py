@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernel_int8, _kernel_pairs, _launch
-from ._launch import INT64_MAX, KernelLauncher, check_float, check_integer_vector, check_row_count
+from ._launch import INT64_MAX, KernelDevice, KernelLauncher, check_float, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
 __all__ = ["KernelBackend", "KernelHashTable", "KernelLauncher"]
@@ -108,6 +108,12 @@ class KernelBackend:
         """float16 stays float16 with ``native_float16``, else becomes float32; other dtypes are kept."""
         dtype = np.dtype(dtype)
         return dtype if dtype != np.float16 or self.native_float16 else np.dtype(np.float32)
+
+    @property
+    def device(self) -> KernelDevice:
+        """The array module and launch settings, all the launch wrappers of `_kernel_pairs` and
+        `_kernel_int8` receive."""
+        return KernelDevice(self.xp, self.launcher, self.block_threads, self.max_blocks)
 
     def _run(self, kernel: str, type_names: tuple[str, ...], work: int, args: tuple[Any, ...]) -> None:
         _launch.launch(self.launcher, kernel, type_names, work, args, self.block_threads, self.max_blocks)
@@ -221,12 +227,12 @@ class KernelBackend:
 
     def compact_pairs(self, table: Any) -> tuple[Any, Any, tuple[int, ...]]:
         """Entries ``>= 0`` of an integer ``[R, L]`` table with ``sc_compact_count`` / ``sc_compact_write``."""
-        return _kernel_pairs.compact_pairs(self, table)
+        return _kernel_pairs.compact_pairs(self.device, table)
 
     def conv_candidate_pairs(self, indices: Any, geometry: Any,
                              output_spatial_shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...]]:
         """Valid (input row, output key) pairs per offset with the ``sc_*_conv_candidates`` kernels."""
-        return _kernel_pairs.conv_candidate_pairs(self, indices, geometry, output_spatial_shape)
+        return _kernel_pairs.conv_candidate_pairs(self.device, indices, geometry, output_spatial_shape)
 
     # --------------------------------------------------------- feature passes
 
@@ -254,50 +260,34 @@ class KernelBackend:
         return out
 
     def scatter_add_rows(self, target: Any, rows: Any, values: Any) -> None:
-        """``target[rows] += values`` in place with ``sc_scatter_add_rows_unique<T>``.
-
-        Args:
-            target: ``[N, C]`` float32/float64/float16/bfloat16, updated in place
-                (a non-contiguous target is updated through a contiguous copy).
-            rows: integer ``[M]`` in ``[0, N)``, unique within the call.
-            values: ``[M, C]``, cast to ``target``'s dtype.
-        """
-        xp = self.xp
-        dtype_name, count, channels = _launch.check_scatter(target, rows, values, "scatter_add_rows")
-        contiguous_target = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
-        values = xp.ascontiguousarray(values, dtype=target.dtype)
-        rows = xp.ascontiguousarray(rows, dtype=xp.int32)
-        vector = _launch.vector_width(channels, target.dtype.itemsize, values, contiguous_target)
-        self._run("sc_scatter_add_rows_unique", (dtype_name,), count * channels // vector,
-                  (values, rows, np.int64(count), np.int64(channels), np.int32(vector), contiguous_target))
-        if contiguous_target is not target:
-            target[...] = contiguous_target
+        """``target[rows] += values`` in place with ``sc_scatter_add_rows_unique<T>`` (see `_kernel_pairs`)."""
+        _kernel_pairs.scatter_add_rows(self.device, target, rows, values)
 
     def scatter_add_pairs(self, target: Any, rows: Any, values: Any, run_starts: tuple[int, ...]) -> None:
         """``target[rows] += values`` over several offsets' pairs with one ``sc_segment_sum_rows``."""
-        _kernel_pairs.scatter_add_pairs(self, target, rows, values, run_starts)
+        _kernel_pairs.scatter_add_pairs(self.device, target, rows, values, run_starts)
 
     def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
                        num_output: int) -> tuple[Any, Any]:
         """Per-output maxima and argmax rows with ``sc_max_pool_forward`` (``run_starts`` unused)."""
-        return _kernel_pairs.max_pool_pairs(self, features, pair_input, pair_output, num_output)
+        return _kernel_pairs.max_pool_pairs(self.device, features, pair_input, pair_output, num_output)
 
     def max_pool_backward_pairs(self, grad_output: Any, argmax: Any, pair_input: Any, pair_output: Any,
                                 run_starts: tuple[int, ...], num_input: int) -> Any:
         """Max-pool gradient by input rows with ``sc_max_pool_backward`` (``run_starts`` unused)."""
-        return _kernel_pairs.max_pool_backward_pairs(self, grad_output, argmax, pair_input, pair_output, num_input)
+        return _kernel_pairs.max_pool_backward_pairs(self.device, grad_output, argmax, pair_input, pair_output, num_input)
 
     def int8_conv_pairs(self, features: Any, weight: Any, pair_input: Any, pair_output: Any,
                         run_starts: tuple[int, ...], num_output: int, identity_offset: int, groups: int,
                         epilogue: Any) -> Any:
         """int8 conv with ``sc_int8_conv`` (dp4a, fused epilogue; ``identity_offset`` unused)."""
-        return _kernel_int8.conv_pairs(self, features, weight, pair_input, pair_output, run_starts, num_output,
+        return _kernel_int8.conv_pairs(self.device, features, weight, pair_input, pair_output, run_starts, num_output,
                                        groups, epilogue)
 
     def int8_max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
                             num_output: int) -> Any:
         """int8 max pool with ``sc_int8_max_pool`` (``run_starts`` unused)."""
-        return _kernel_int8.max_pool_pairs(self, features, pair_input, pair_output, num_output)
+        return _kernel_int8.max_pool_pairs(self.device, features, pair_input, pair_output, num_output)
 
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         """Deterministic float64 sums of ``values`` into ``size`` bins by ``index``.
