@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -28,7 +27,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sparsecore.benchmark import scenes
-from sparsecore.benchmark.timing import THREAD_VARIABLES, machine_description, time_alternating
+from sparsecore.benchmark.timing import (THREAD_VARIABLES, add_scan_suite_parser, machine_description,
+                                         summarize_times, time_alternating)
 
 __all__ = ["Int8Timing", "add_parser", "run_int8_command", "time_alternating", "layer_inputs", "cpu_timings"]
 
@@ -58,15 +58,11 @@ class Int8Timing:
 
 def add_parser(suites: Any) -> None:
     """Registers the ``int8`` sub-command on the benchmark's sub-parsers."""
-    parser = suites.add_parser(
-        "int8", help="int8 vs float SubMConv3d 64->64 forward on the real scan (CPU: 1 and 2 threads; GPU: float16)",
-        description=__doc__.split("\n\n")[1])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser = add_scan_suite_parser(
+        suites, "int8", "int8 vs float SubMConv3d 64->64 forward on the real scan (CPU: 1 and 2 threads; GPU: "
+        "float16)", __doc__.split("\n\n")[1], 7, scenes.VOXELS_FILE_NAME)
     parser.add_argument("--threads", type=str, default="1,2", help="comma-separated BLAS thread counts (cpu)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed runs per variant (alternating)")
-    parser.add_argument("--voxels", metavar="PATH", help=f"voxelized scan (default: {scenes.VOXELS_FILE_NAME})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)  # one thread count, JSON out
 
 
@@ -114,9 +110,8 @@ def _variants(inputs: dict[str, Any], float_dtype: Any) -> dict[str, Callable[[]
 
 
 def _rows(device: str, threads: int, times: dict[str, list[float]]) -> list[Int8Timing]:
-    baseline = statistics.median(next(iter(times.values())))
-    return [Int8Timing(device, threads, name, statistics.median(values), min(values),
-                       baseline / statistics.median(values)) for name, values in times.items()]
+    summary = summarize_times(times, baseline=next(iter(times)))  # the float variant comes first
+    return [Int8Timing(device, threads, name, *numbers) for name, numbers in summary.items()]
 
 
 def cpu_timings(voxels_path: str | None, seed: int, repeat: int, threads: int) -> list[Int8Timing]:

@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from sparsecore.benchmark import scenes
-from sparsecore.benchmark.timing import machine_description, time_alternating
+from sparsecore.benchmark.timing import add_scan_suite_parser, machine_description, summarize_times, time_alternating
 
 __all__ = ["RuntimeTiming", "add_parser", "run_runtime_command", "second_backbone"]
 
@@ -43,16 +42,12 @@ class RuntimeTiming:
 
 def add_parser(suites: Any) -> None:
     """Registers the ``runtime`` sub-command on the benchmark's sub-parsers."""
-    parser = suites.add_parser(
-        "runtime", help="sparsecore.runtime (exported ONNX) vs sparsecore.torch on a SECOND-style backbone",
-        description=__doc__.split("\n\n")[1])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per variant (alternating)")
+    parser = add_scan_suite_parser(
+        suites, "runtime", "sparsecore.runtime (exported ONNX) vs sparsecore.torch on a SECOND-style backbone",
+        __doc__.split("\n\n")[1], 5, scenes.VOXELS_FILE_NAME)
     parser.add_argument("--threads", type=int, default=0,
                         help="threads of sparsecore's CPU passes, torch's intra-op pool and BLAS (default 0: leave "
                         "them as they are)")
-    parser.add_argument("--voxels", metavar="PATH", help=f"voxelized scan (default: {scenes.VOXELS_FILE_NAME})")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
 
 
 def second_backbone(in_channels: int) -> Any:
@@ -157,10 +152,8 @@ def _run(arguments: argparse.Namespace, scene: scenes.VoxelScene) -> int:
         outputs[f"sparsecore.runtime {dtype}"] = to_host(
             session.run(core_features, core_indices, batch, shape).dense).astype(np.float32)
     times = time_alternating(functions, arguments.repeat, synchronize)
-    baseline = statistics.median(times["sparsecore.torch float32"])
-    rows = [RuntimeTiming(name, statistics.median(values), min(values), baseline / statistics.median(values),
-                          float(np.abs(outputs[name] - reference).max()))
-            for name, values in times.items()]
+    rows = [RuntimeTiming(name, *numbers, float(np.abs(outputs[name] - reference).max()))
+            for name, numbers in summarize_times(times, "sparsecore.torch float32").items()]
     header = machine_description()
     header.update({
         "scene": f"{scene.source}: {len(scene.indices)} voxels, spatial shape {scene.spatial_shape}",

@@ -22,6 +22,8 @@ __all__ = [
     "median_seconds",
     "median_seconds_with_setup",
     "time_alternating",
+    "summarize_times",
+    "add_scan_suite_parser",
     "cpu_model",
     "blas_thread_count",
     "machine_description",
@@ -104,6 +106,30 @@ def time_alternating(functions: dict[str, Callable[[], Any]], repeat: int, synch
             if round_index:
                 times[name].append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def summarize_times(times: dict[str, list[float]], baseline: str) -> dict[str, tuple[float, float, float]]:
+    """Per variant of `time_alternating`'s result: median ms, minimum ms, and the baseline's median over the
+    variant's median (> 1: faster than the baseline)."""
+    reference = statistics.median(times[baseline])
+    return {name: (statistics.median(values), min(values), reference / statistics.median(values))
+            for name, values in times.items()}
+
+
+def add_scan_suite_parser(suites: Any, name: str, help_text: str, description: str, repeat: int,
+                          voxels_file_name: str) -> Any:
+    """Registers a sub-command whose variants take turns on the voxelized scan; returns its parser.
+
+    The parser has ``--device`` (cpu / cuda), ``--repeat`` (timed rounds, default ``repeat``),
+    ``--voxels`` (the scan, default ``voxels_file_name`` in the data directories) and ``--json``;
+    the suite adds its own options.
+    """
+    parser = suites.add_parser(name, help=help_text, description=description)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeat", type=int, default=repeat, help="timed runs per variant (alternating)")
+    parser.add_argument("--voxels", metavar="PATH", help=f"voxelized scan (default: {voxels_file_name})")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    return parser
 
 
 def cpu_model() -> str:
