@@ -18,7 +18,8 @@ from torch import nn
 
 import sparsecore.torch as spconv
 from sparsecore.torch.fx import SparseTracer, sparse_symbolic_trace
-from tests.dense_oracle import densify, dense_conv, make_rng, random_features, random_indices, read_sites
+from tests.dense_oracle import densify, dense_conv, read_sites
+from tests.torch_networks import FusableResidualBlock, randomize_batch_norms, sparse_input
 
 warnings.filterwarnings("ignore", message="is_fx_tracing will return true")
 
@@ -26,42 +27,12 @@ SHAPE = [12, 11]
 BATCH = 2
 
 
-def _sparse_input(seed: int, channels: int, num: int | None = None, dtype=torch.float64):
-    rng = make_rng(seed)
-    indices = random_indices(rng, SHAPE, BATCH, num=num) if num is not None else random_indices(rng, SHAPE, BATCH)
-    features = random_features(rng, indices.shape[0], channels)
-    return torch.tensor(features, dtype=dtype), torch.tensor(indices)
+def _sparse_input(seed: int, channels: int):
+    return sparse_input(seed, SHAPE, BATCH, channels)
 
 
 def _randomize_bn(model: nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            with torch.no_grad():
-                module.running_mean.copy_(torch.randn(module.num_features, generator=generator) * 0.3)
-                module.running_var.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
-                module.weight.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
-                module.bias.copy_(torch.randn(module.num_features, generator=generator) * 0.2)
-
-
-class FusableBlock(spconv.SparseModule):
-    """The residual block spconv's INT8 guide calls fusable."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1_bn_relu = spconv.SparseSequential(
-            conv=spconv.SubMConv2d(channels, channels, 3, 1, 1, bias=False),
-            bn=nn.BatchNorm1d(channels), relu=nn.ReLU(inplace=True))
-        self.conv2_bn = spconv.SparseSequential(
-            conv=spconv.SubMConv2d(channels, channels, 3, 1, 1, bias=False), bn=nn.BatchNorm1d(channels))
-        self.relu = spconv.SparseReLU(inplace=True)
-        self.iden_for_fx_match = spconv.SparseIdentity()
-
-    def forward(self, x):
-        identity = self.iden_for_fx_match(x)
-        out = self.conv1_bn_relu(x)
-        out = self.conv2_bn(out)
-        return self.relu(out + identity)
+    randomize_batch_norms(model, seed, mean_std=0.3, variance_low=0.5, variance_width=1.0)
 
 
 class Net(nn.Module):
@@ -70,7 +41,7 @@ class Net(nn.Module):
     def __init__(self, channels: int = 4) -> None:
         super().__init__()
         self.stem = spconv.SubMConv2d(3, channels, 3, indice_key="stem")
-        self.block = FusableBlock(channels)
+        self.block = FusableResidualBlock(channels, spconv.SubMConv2d)
         self.down = spconv.SparseConv2d(channels, channels, 3, stride=2, padding=1, indice_key="down")
         self.pool = spconv.SparseMaxPool2d(2, 2)
         self.to_dense = spconv.ToDense()
@@ -187,7 +158,7 @@ def test_fusable_block_fuses_with_torch_ao():
 
     features, indices = _sparse_input(8, 4)
     torch.manual_seed(8)
-    block = FusableBlock(4).double().eval()
+    block = FusableResidualBlock(4, spconv.SubMConv2d).double().eval()
     _randomize_bn(block, 8)
     # fuse_fx traces with torch's plain tracer, for which a SparseSequential is a leaf:
     # trace into the containers first
@@ -216,11 +187,11 @@ def test_sparse_tracer_extra_leaves():
     class Wrapper(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner = FusableBlock(3)
+            self.inner = FusableResidualBlock(3, spconv.SubMConv2d)
 
         def forward(self, x):
             return self.inner(x)
 
-    tracer = SparseTracer(leaf_module_classes=(FusableBlock,))
+    tracer = SparseTracer(leaf_module_classes=(FusableResidualBlock,))
     graph = tracer.trace(Wrapper())
     assert [n.target for n in graph.nodes if n.op == "call_module"] == ["inner"]

@@ -23,7 +23,7 @@ from torch import nn
 import sparsecore.torch as spconv
 import sparsecore.torch.quantization as spconvq
 from sparsecore.torch.quantization.fake_q import SparseMinMaxObserver, is_calibrated
-from tests.dense_oracle import make_rng, random_features, random_indices
+from tests.torch_networks import FusableResidualBlock, randomize_batch_norms, sparse_input
 
 warnings.filterwarnings("ignore", message="is_fx_tracing will return true")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -34,42 +34,11 @@ BATCH = 2
 
 
 def _tensor(seed: int, channels: int = 4, num: int = 180) -> spconv.SparseConvTensor:
-    rng = make_rng(seed)
-    indices = random_indices(rng, SHAPE, BATCH, num=num)
-    features = random_features(rng, indices.shape[0], channels, np.float32)
-    return spconv.SparseConvTensor(torch.tensor(features), torch.tensor(indices), SHAPE, BATCH)
+    return spconv.SparseConvTensor(*sparse_input(seed, SHAPE, BATCH, channels, num, np.float32), SHAPE, BATCH)
 
 
 def _randomize_bn(model: nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            with torch.no_grad():
-                module.running_mean.copy_(torch.randn(module.num_features, generator=generator) * 0.2)
-                module.running_var.copy_(torch.rand(module.num_features, generator=generator) * 0.5 + 0.1)
-                module.weight.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
-                module.bias.copy_(torch.randn(module.num_features, generator=generator) * 0.2)
-
-
-class ResidualBlock(spconv.SparseModule):
-    """spconv's fusable residual block (INT8 guide)."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1_bn_relu = spconv.SparseSequential(
-            conv=spconv.SubMConv3d(channels, channels, 3, 1, 1, bias=False, indice_key="res"),
-            bn=nn.BatchNorm1d(channels), relu=nn.ReLU(inplace=True))
-        self.conv2_bn = spconv.SparseSequential(
-            conv=spconv.SubMConv3d(channels, channels, 3, 1, 1, bias=False, indice_key="res"),
-            bn=nn.BatchNorm1d(channels))
-        self.relu = spconv.SparseReLU(inplace=True)
-        self.iden_for_fx_match = spconv.SparseIdentity()
-
-    def forward(self, x):
-        identity = self.iden_for_fx_match(x)
-        out = self.conv1_bn_relu(x)
-        out = self.conv2_bn(out)
-        return self.relu(out + identity)
+    randomize_batch_norms(model, seed, mean_std=0.2, variance_low=0.1, variance_width=0.5)
 
 
 class SmallNet(nn.Module):
@@ -79,7 +48,7 @@ class SmallNet(nn.Module):
         super().__init__()
         self.stem = spconv.SparseSequential(spconv.SubMConv3d(4, channels, 3, bias=False, indice_key="stem"),
                                             nn.BatchNorm1d(channels), nn.ReLU())
-        self.block = ResidualBlock(channels)
+        self.block = FusableResidualBlock(channels, spconv.SubMConv3d, indice_key="res")
         self.down = spconv.SparseSequential(spconv.SparseConv3d(channels, 12, 3, 2, 1, bias=False),
                                             spconv.SparseBatchNorm(12), spconv.SparseReLU())
         self.pool = spconv.SparseMaxPool3d(2, 2)
@@ -470,3 +439,14 @@ def test_layers_excluded_by_the_qconfig_mapping_stay_float():
     x = _tensor(23)
     want = model(x)
     assert float((converted(x) - want).norm() / want.norm()) < 0.1
+
+
+@pytest.mark.parametrize("name, what", [
+    ("check_calibration", "the GraphModule prepare_fx returns"),
+    ("tensorrt_parameters", "the converted GraphModule"),
+    ("transform_qdq", "the GraphModule that convert_fx returns"),
+    ("remove_conv_add_dq", "a GraphModule"),
+])
+def test_graph_passes_refuse_a_plain_module_by_name(name, what):
+    with pytest.raises(TypeError, match=f"{name} takes {what}, got SmallNet"):
+        getattr(spconvq, name)(_model(31))
