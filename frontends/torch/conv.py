@@ -23,20 +23,26 @@ and ignored; a fused ``act_type`` also works in training.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn import init
 
 import sparsecore as sc
 
-from ._convert import check_same_device
-from ._geometry import check_input, layer_indice_data
-from .modules import SparseModule, start_benchmark
-from .ops import sparse_conv_features
+from .exportable import export_forward
+from .layer import SparseModule, geometry_repr, layer_forward
+from .ops import autocast_inputs, sparse_conv_features
+from .spconv_compat import (
+    MAX_NUM_VOXELS_DURING_TRAINING,
+    activation_name,
+    apply_activation,
+    effective_weight,
+    layer_rulebook_key,
+    spconv_1x1_weight,  # noqa: F401  (its old home: sparsecore.torch.quantization imports it from here)
+    weight_layout_hook,
+)
 from .tensor import SparseConvTensor, expand_nd
 
 __all__ = [
@@ -46,74 +52,6 @@ __all__ = [
     "SparseConvTranspose1d", "SparseConvTranspose2d", "SparseConvTranspose3d", "SparseConvTranspose4d",
     "SparseInverseConv1d", "SparseInverseConv2d", "SparseInverseConv3d", "SparseInverseConv4d",
 ]
-
-MAX_NUM_VOXELS_DURING_TRAINING = "max_num_voxels_during_training"
-
-_ACTIVATIONS = {"none": None, "none_": None, "relu": "relu", "sigmoid": "sigmoid", "leakyrelu": "leaky_relu",
-                "leaky_relu": "leaky_relu"}
-
-
-def _activation_name(act_type: Any) -> Optional[str]:
-    """``None`` / "relu" / "sigmoid" / "leaky_relu" from a string or an enum like spconv's ``tv.gemm.Activation``."""
-    if act_type is None:
-        return None
-    name = getattr(act_type, "name", act_type)
-    key = str(name).lower()
-    if key not in _ACTIVATIONS:
-        raise ValueError(f"act_type must be None, 'relu', 'sigmoid' or 'leaky_relu', got {act_type!r}")
-    return _ACTIVATIONS[key]
-
-
-def spconv_1x1_weight(weight: torch.Tensor, in_channels: int, out_channels: int) -> torch.Tensor:
-    """The core-layout weight that computes spconv's 1x1 product with the stored tensor.
-
-    spconv 2.x computes a 1x1 layer as ``features @ weight.view(in, out)``; the
-    core computes ``features @ weight[:, 0, ..., 0, :].T``. This returns
-    ``weight.reshape(in, out).T`` laid out as ``[out, 1, ..., 1, in]``, a
-    differentiable function of ``weight``, so gradients reach the stored
-    parameter in spconv's reading too.
-
-    Args:
-        weight: ``[out, 1, ..., 1, in]``, as stored in the module and its state_dict.
-        in_channels, out_channels: the layer's channels.
-
-    Returns:
-        A tensor of ``weight``'s shape, dtype and device.
-    """
-    return weight.reshape(in_channels, out_channels).t().reshape(weight.shape)
-
-
-def autocast_inputs(*tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-    """Casts float32 tensors to the autocast dtype when autocast is on for their device.
-
-    The core then multiplies in that dtype's storage with float32 accumulation.
-    """
-    first = next(t for t in tensors if t is not None)
-    device_type = first.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t is not None and t.dtype == torch.float32 else t for t in tensors)
-
-
-def _weight_layout_hook(module: "SparseConvolution", state_dict: dict, prefix: str, *args: Any) -> None:
-    """Fills a missing voxel-count buffer and applies ``SPCONV_SAVED_WEIGHT_LAYOUT`` (as spconv)."""
-    name = prefix + MAX_NUM_VOXELS_DURING_TRAINING
-    if hasattr(module, MAX_NUM_VOXELS_DURING_TRAINING) and name not in state_dict:
-        state_dict[name] = torch.zeros(1, dtype=torch.int32)
-    layout = os.environ.get("SPCONV_SAVED_WEIGHT_LAYOUT", "")
-    key = prefix + "weight"
-    if not layout or layout == "KRSC" or key not in state_dict:
-        return
-    ndim = module.ndim
-    weight = state_dict[key]
-    if layout == "RSKC":  # [*k, out, in] -> [out, *k, in]
-        state_dict[key] = weight.permute(ndim, *range(ndim), ndim + 1).contiguous()
-    elif layout == "RSCK":  # [*k, in, out] -> [out, *k, in]
-        state_dict[key] = weight.permute(ndim + 1, *range(ndim), ndim).contiguous()
-    else:
-        raise ValueError(f"SPCONV_SAVED_WEIGHT_LAYOUT must be KRSC, RSKC or RSCK, got {layout!r}")
-
 
 class SparseConvolution(SparseModule):
     """A sparse convolution layer (spconv ``SparseConvolution``).
@@ -176,7 +114,7 @@ class SparseConvolution(SparseModule):
         self.act_type = act_type
         self.act_alpha = act_alpha
         self.act_beta = act_beta
-        self._activation = _activation_name(act_type)
+        self._activation = activation_name(act_type)
         if inverse and indice_key is None:
             raise ValueError("an inverse conv needs the indice_key of the SparseConv / SparseMaxPool it inverts")
         if inverse:
@@ -197,7 +135,7 @@ class SparseConvolution(SparseModule):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self.register_load_state_dict_pre_hook(_weight_layout_hook)
+        self.register_load_state_dict_pre_hook(weight_layout_hook)
 
     @property
     def reads_weight_as_spconv_1x1(self) -> bool:
@@ -230,11 +168,8 @@ class SparseConvolution(SparseModule):
         return self.indice_key is not None and not self.subm
 
     def extra_repr(self) -> str:
-        text = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
-        if any(self.padding):
-            text += f", padding={self.padding}"
-        if any(d != 1 for d in self.dilation):
-            text += f", dilation={self.dilation}"
+        text = f"{self.in_channels}, {self.out_channels}, " + geometry_repr(self.kernel_size, self.stride,
+                                                                             self.padding, self.dilation)
         if any(self.output_padding):
             text += f", output_padding={self.output_padding}"
         if self.groups != 1:
@@ -246,43 +181,19 @@ class SparseConvolution(SparseModule):
         return text
 
     def _apply_activation(self, features: torch.Tensor) -> torch.Tensor:
-        if self._activation == "relu":
-            return F.relu(features)
-        if self._activation == "sigmoid":
-            return torch.sigmoid(features)
-        if self._activation == "leaky_relu":
-            return F.leaky_relu(features, self.act_alpha)
-        return features
+        return apply_activation(features, self._activation, self.act_alpha)
 
     def forward(self, input: SparseConvTensor, add_input: Optional[SparseConvTensor] = None) -> SparseConvTensor:
         """Convolves ``input``; ``add_input`` (same sites as the output) is added before the activation."""
         if torch.compiler.is_exporting():  # geometry as an opaque op: frontends/torch/exportable.py
-            from .exportable import export_forward
             return export_forward(self, input, add_input)
-        layer = type(self).__name__
-        check_input(layer, input, self.in_channels, self.ndim)
-        check_same_device(layer, features=input.features, indices=input.indices, weight=self.weight)
-        record = start_benchmark(self, input, "SparseConvolution", self._benchmark_params) if input.benchmark else None
-        # spconv's 1x1 shortcut neither reads nor saves its indice_key, so spconv models give a
-        # SubM 1x1 projection the key of a 3x3 layer; a regular 1x1 layer keeps its key (an
-        # inverse conv may need it)
-        indice_key = None if self.conv1x1 and self.subm else self.indice_key
-        data, indice_dict = layer_indice_data(layer, input, self._geometry, indice_key, self.algo)
-        if record is not None:
-            record.indices_done()
-        weight = self.weight
-        if self.reads_weight_as_spconv_1x1:
-            weight = spconv_1x1_weight(weight, self.in_channels, self.out_channels)
-        features, weight, bias = autocast_inputs(input.features, weight, self.bias)
-        out_features = sparse_conv_features(features, weight, bias, data, self.groups)
-        if record is not None:
-            record.done(input.features.shape[0], out_features.shape[0])
-        if hasattr(self, MAX_NUM_VOXELS_DURING_TRAINING):
-            buffer = getattr(self, MAX_NUM_VOXELS_DURING_TRAINING)
-            with torch.no_grad():
-                buffer.clamp_(min=data.num_output)
-        out = SparseConvTensor._derived(input, out_features, data.out_indices, data.out_spatial_shape, indice_dict,
-                                        core_indices=data.out_core_indices)
+
+        def feature_pass(data):
+            features, weight, bias = autocast_inputs(input.features, effective_weight(self), self.bias)
+            return sparse_conv_features(features, weight, bias, data, self.groups)
+
+        out = layer_forward(self, input, "SparseConvolution", layer_rulebook_key(self), feature_pass,
+                            in_channels=self.in_channels, weight=self.weight)
         if add_input is not None:
             out = out.replace_feature(out.features + add_input.features)
         if self._activation is not None:

@@ -18,7 +18,9 @@ same kernel on the same sites and reversed by an inverse conv. The exported
 program is therefore a graph of these ops plus BatchNorm, ReLU, adds,
 ``.dense()`` and views, valid for any input sites (export with a dynamic
 number of sites to run it on other scans). Sparse max / avg pools take the
-same path (``sparsecore::export_pool``); global pools do not.
+same path (``sparsecore::export_pool``); global pools do not. The three ops
+are declared from one table, `EXPORT_OPS`, as the feature-pass ops are
+(`sparsecore.torch._op_table`).
 
 `SparseConvolution.forward` (and the pools' forward) takes this path when ``torch.compiler.is_exporting()``,
 so ``torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),))``
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -36,89 +39,106 @@ import torch
 from torch import Tensor
 
 import sparsecore as sc
+from sparsecore.interop import is_cupy_array
 
-from ._convert import core_context, core_float_view, core_view, to_torch
-from .conv import SparseConvolution, spconv_1x1_weight
+from ._op_table import OpSpec, Output, declare_ops
+from .spconv_compat import effective_weight, layer_rulebook_key
 from .tensor import SparseConvTensor
 
-__all__ = ["ExportRulebook", "export_forward", "export_pool_forward", "effective_weight", "layer_rulebook_key", "sites_dynamic_shapes"]
+__all__ = ["ExportRulebook", "export_forward", "export_pool_forward", "effective_weight", "layer_rulebook_key",
+           "sites_dynamic_shapes", "EXPORT_OPS"]
 
 
 @dataclass(frozen=True)
 class ExportRulebook:
-    """A layer's rulebook as tensors, saved under its ``indice_key`` during export."""
+    """A layer's rulebook as tensors, saved under its ``indice_key`` during export.
 
-    kind: str
-    kernel_size: tuple[int, ...]
-    dilation: tuple[int, ...]
+    Attributes:
+        geometry: the layer geometry it was built for.
+        indices: int32 ``[N_in, 1 + D]`` input sites.
+        out_indices: int32 ``[N_out, 1 + D]`` output sites.
+        pairs: ``(pair_input [P] int32, pair_output [P] int32, offset_counts [K] int64)``,
+            the pairs grouped by kernel offset and each offset's pair count.
+        spatial_shapes: ``(input grid shape, output grid shape)``.
+    """
+
+    geometry: sc.ConvGeometry
     indices: Tensor
     out_indices: Tensor
-    pair_input: Tensor
-    pair_output: Tensor
-    offset_counts: Tensor
-    input_spatial_shape: tuple[int, ...]
-    output_spatial_shape: tuple[int, ...]
+    pairs: tuple[Tensor, Tensor, Tensor]
+    spatial_shapes: tuple[tuple[int, ...], tuple[int, ...]]
+
+    kind = property(lambda self: self.geometry.kind, doc="The geometry's kind ('subm', 'regular', ...).")
+    kernel_size = property(lambda self: self.geometry.kernel_size, doc="The kernel size per axis.")
+    dilation = property(lambda self: self.geometry.dilation, doc="The dilation per axis.")
+    pair_input = property(lambda self: self.pairs[0], doc="int32 ``[P]`` input rows.")
+    pair_output = property(lambda self: self.pairs[1], doc="int32 ``[P]`` output rows.")
+    offset_counts = property(lambda self: self.pairs[2], doc="int64 ``[K]`` pairs per kernel offset.")
+    input_spatial_shape = property(lambda self: self.spatial_shapes[0], doc="The input grid shape.")
+    output_spatial_shape = property(lambda self: self.spatial_shapes[1], doc="The output grid shape.")
+
+    def inverted(self, geometry: sc.ConvGeometry) -> "ExportRulebook":
+        """The same pairs read backwards: output sites to input sites (an inverse conv's rulebook)."""
+        return ExportRulebook(geometry, self.out_indices, self.indices, (self.pair_output, self.pair_input,
+                              self.offset_counts), (self.output_spatial_shape, self.input_spatial_shape))
 
 
-@torch.library.custom_op("sparsecore::export_rulebook", mutates_args=())
-def _export_rulebook(indices: Tensor, spatial_shape: list[int], batch_size: int, kind: str, kernel_size: list[int],
-                     stride: list[int], padding: list[int], dilation: list[int],
-                     output_padding: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    geometry = sc.ConvGeometry.create(len(spatial_shape), kernel_size, stride, padding, dilation, output_padding,
-                                      kind=kind)
-    with core_context(indices.device):
-        rulebook = sc.build_rulebook(core_view(indices, "indices"), spatial_shape, batch_size, geometry)
-        counts = torch.tensor(rulebook.offset_counts, dtype=torch.int64)
-        return (to_torch(rulebook.output_indices).clone(), to_torch(rulebook.pair_input).clone(),
-                to_torch(rulebook.pair_output).clone(), counts)
+def _geometry(a: SimpleNamespace) -> sc.ConvGeometry:
+    return sc.ConvGeometry.create(len(a.spatial_shape), a.kernel_size, a.stride, a.padding, a.dilation,
+                                  a.output_padding, kind=a.kind)
 
 
-@_export_rulebook.register_fake
-def _(indices, spatial_shape, batch_size, kind, kernel_size, stride, padding, dilation, output_padding):
+def _build_rulebook(a: SimpleNamespace) -> tuple:
+    rulebook = sc.build_rulebook(a.indices, a.spatial_shape, a.batch_size, _geometry(a))
+    # copies: the outputs of a custom op may not alias its inputs (a subm layer's output sites are its input's)
+    return (rulebook.output_indices.copy(), rulebook.pair_input.copy(), rulebook.pair_output.copy(),
+            np.asarray(rulebook.offset_counts, dtype=np.int64))
+
+
+def _rulebook_shapes(a: SimpleNamespace) -> list:
     context = torch.library.get_ctx()
-    sites = indices.shape[0] if kind == "subm" else context.new_dynamic_size(min=1)
+    sites = a.indices.shape[0] if a.kind == "subm" else context.new_dynamic_size(min=1)
     pairs = context.new_dynamic_size()
-    return (indices.new_empty((sites, indices.shape[1])), indices.new_empty(pairs), indices.new_empty(pairs),
-            indices.new_empty(math.prod(kernel_size), dtype=torch.int64))
+    return [(sites, a.indices.shape[1]), (pairs,), (pairs,), (math.prod(a.kernel_size),)]
 
 
-def _pair_map(pair_input: Tensor, pair_output: Tensor, offset_counts: Tensor, num_input: int, num_output: int,
-              kernel_size: list[int]) -> sc.PairMap:
-    starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(offset_counts.cpu().numpy())]))
-    return sc.PairMap(core_view(pair_input, "pair_input"), core_view(pair_output, "pair_output"), starts,
-                      int(num_input), int(num_output), tuple(kernel_size))
+def _pairs(a: SimpleNamespace) -> sc.PairMap:
+    """The core `sparsecore.PairMap` of an export op's arguments (offset starts from the per-offset counts)."""
+    counts = a.offset_counts.get() if is_cupy_array(a.offset_counts) else a.offset_counts  # to the host
+    starts = tuple(int(s) for s in np.concatenate([[0], np.cumsum(counts)]))
+    return sc.PairMap(a.pair_input, a.pair_output, starts, int(a.features.shape[0]), int(a.out_indices.shape[0]),
+                      tuple(int(k) for k in a.kernel_size))
 
 
-@torch.library.custom_op("sparsecore::export_pool", mutates_args=())
-def _export_pool(features: Tensor, pair_input: Tensor, pair_output: Tensor, offset_counts: Tensor,
-                 out_indices: Tensor, kernel_size: list[int], mode: str) -> Tensor:
-    with core_context(features.device):
-        pairs = _pair_map(pair_input, pair_output, offset_counts, features.shape[0], out_indices.shape[0],
-                          kernel_size)
-        values = core_float_view(features, "features")
-        out = sc.max_pool_forward(values, pairs)[0] if mode == "max" else sc.avg_pool_forward(values, pairs)
-        return to_torch(out, features.dtype)
+def _pool(a: SimpleNamespace) -> Any:
+    pairs = _pairs(a)
+    return sc.max_pool_forward(a.features, pairs)[0] if a.mode == "max" else sc.avg_pool_forward(a.features, pairs)
 
 
-@_export_pool.register_fake
-def _(features, pair_input, pair_output, offset_counts, out_indices, kernel_size, mode):
-    return features.new_empty((out_indices.shape[0], features.shape[1]))
+_EXPORT_PAIRS = "Tensor pair_input, Tensor pair_output, Tensor offset_counts, Tensor out_indices"
 
+#: The export ops, one entry an op (see `_op_table.OpSpec`); forward only (export traces inference).
+EXPORT_OPS = (
+    OpSpec("export_rulebook",
+           "(Tensor indices, SymInt[] spatial_shape, SymInt batch_size, str kind, SymInt[] kernel_size, "
+           "SymInt[] stride, SymInt[] padding, SymInt[] dilation, SymInt[] output_padding) "
+           "-> (Tensor, Tensor, Tensor, Tensor)",
+           (Output("out_indices", "indices"), Output("pair_input", "indices"), Output("pair_output", "indices"),
+            Output("offset_counts", torch.int64)),
+           _build_rulebook, _rulebook_shapes),
+    OpSpec("export_pool",
+           f"(Tensor features, {_EXPORT_PAIRS}, SymInt[] kernel_size, str mode) -> Tensor",
+           (Output("out", "features"),), _pool,
+           lambda a: [(a.out_indices.shape[0], a.features.shape[1])]),
+    OpSpec("export_conv",
+           f"(Tensor features, Tensor weight, Tensor? bias, {_EXPORT_PAIRS}, SymInt[] kernel_size, SymInt groups) "
+           "-> Tensor",
+           (Output("out", "features"),),
+           lambda a: sc.conv_forward(a.features, a.weight, _pairs(a), bias=a.bias, groups=a.groups),
+           lambda a: [(a.out_indices.shape[0], a.weight.shape[0])]),
+)
 
-@torch.library.custom_op("sparsecore::export_conv", mutates_args=())
-def _export_conv(features: Tensor, weight: Tensor, bias: Optional[Tensor], pair_input: Tensor, pair_output: Tensor,
-                 offset_counts: Tensor, out_indices: Tensor, kernel_size: list[int], groups: int) -> Tensor:
-    with core_context(features.device):
-        pairs = _pair_map(pair_input, pair_output, offset_counts, features.shape[0], out_indices.shape[0],
-                          kernel_size)
-        out = sc.conv_forward(core_float_view(features, "features"), core_float_view(weight, "weight"), pairs,
-                              bias=None if bias is None else core_float_view(bias, "bias"), groups=groups)
-        return to_torch(out, features.dtype)
-
-
-@_export_conv.register_fake
-def _(features, weight, bias, pair_input, pair_output, offset_counts, out_indices, kernel_size, groups):
-    return features.new_empty((out_indices.shape[0], weight.shape[0]))
+declare_ops(EXPORT_OPS)
 
 
 def export_pool_forward(module: Any, input: SparseConvTensor) -> SparseConvTensor:
@@ -126,28 +146,18 @@ def export_pool_forward(module: Any, input: SparseConvTensor) -> SparseConvTenso
     key = module.indice_key
     rulebook = _rulebook(module, input, key)
     mode = "max" if module._kind == "SparseMaxPool" else "avg"
-    features = torch.ops.sparsecore.export_pool(input.features, rulebook.pair_input, rulebook.pair_output,
-                                                rulebook.offset_counts, rulebook.out_indices,
+    features = torch.ops.sparsecore.export_pool(input.features, *rulebook.pairs, rulebook.out_indices,
                                                 list(module.kernel_size), mode)
+    return _output(input, features, rulebook, key)
+
+
+def _output(input: SparseConvTensor, features: Tensor, rulebook: ExportRulebook,
+            key: Optional[str]) -> SparseConvTensor:
     indice_dict = dict(input.indice_dict)
     if key is not None:
         indice_dict[key] = rulebook
     return SparseConvTensor._derived(input, features, rulebook.out_indices, list(rulebook.output_spatial_shape),
                                      indice_dict)
-
-
-def effective_weight(module: SparseConvolution) -> Tensor:
-    """The ``[out, *kernel, in // groups]`` weight the layer computes with (spconv's 1x1 reading applied)."""
-    if getattr(module, "reads_weight_as_spconv_1x1", False):
-        return spconv_1x1_weight(module.weight, module.in_channels, module.out_channels)
-    return module.weight
-
-
-def layer_rulebook_key(module: SparseConvolution) -> Optional[str]:
-    """The key the layer reads and saves: a SubM 1x1 layer ignores its ``indice_key`` (spconv's shortcut)."""
-    if getattr(module, "conv1x1", False) and module.subm:
-        return None
-    return module.indice_key
 
 
 def _rulebook(module: Any, x: SparseConvTensor, key: Optional[str]) -> ExportRulebook:
@@ -156,41 +166,35 @@ def _rulebook(module: Any, x: SparseConvTensor, key: Optional[str]) -> ExportRul
     if saved is not None and not isinstance(saved, ExportRulebook):
         raise TypeError(f"{layer}: indice_dict[{key!r}] holds a {type(saved).__name__}; run the exported model "
                         "on a fresh SparseConvTensor")
-    if getattr(module, "inverse", False):
+    geometry = module._geometry
+    if geometry.kind == "inverse":
         if saved is None or saved.kind != "regular":
             raise ValueError(f"{layer} inverts indice_key {key!r}, but no regular conv saved it before")
-        return ExportRulebook("inverse", saved.kernel_size, saved.dilation, saved.out_indices, saved.indices,
-                              saved.pair_output, saved.pair_input, saved.offset_counts, saved.output_spatial_shape,
-                              saved.input_spatial_shape)
-    kind = "subm" if module.subm else "transposed" if getattr(module, "transposed", False) else "regular"
+        return saved.inverted(geometry)
     if saved is not None:
-        if kind != "subm" or saved.kind != "subm" or saved.kernel_size != tuple(module.kernel_size) or \
-                saved.dilation != tuple(module.dilation) or saved.indices is not x.indices:
+        if geometry.kind != "subm" or saved.kind != "subm" or saved.kernel_size != geometry.kernel_size or \
+                saved.dilation != geometry.dilation or saved.indices is not x.indices:
             raise ValueError(f"{layer}: indice_key {key!r} exists and only a SubM layer with the same kernel and "
                              "dilation, on the same sites, may share it")
         return saved
     outputs = torch.ops.sparsecore.export_rulebook(
-        x.indices, list(x.spatial_shape), x.batch_size, kind, list(module.kernel_size), list(module.stride),
-        list(module.padding), list(module.dilation), list(getattr(module, "output_padding", [0] * len(module.stride))))
-    out_indices = x.indices if kind == "subm" else outputs[0]
-    shape = tuple(x.spatial_shape) if kind == "subm" else tuple(module._geometry.output_spatial_shape(x.spatial_shape))
-    return ExportRulebook(kind, tuple(module.kernel_size), tuple(module.dilation), x.indices, out_indices,
-                          outputs[1], outputs[2], outputs[3], tuple(x.spatial_shape), shape)
+        x.indices, list(x.spatial_shape), x.batch_size, geometry.kind, list(geometry.kernel_size),
+        list(geometry.stride), list(geometry.padding), list(geometry.dilation), list(geometry.output_padding))
+    subm = geometry.kind == "subm"
+    out_indices = x.indices if subm else outputs[0]
+    shape = tuple(x.spatial_shape) if subm else tuple(geometry.output_spatial_shape(x.spatial_shape))
+    return ExportRulebook(geometry, x.indices, out_indices, tuple(outputs[1:]), (tuple(x.spatial_shape), shape))
 
 
-def export_forward(module: SparseConvolution, input: SparseConvTensor,
+def export_forward(module: Any, input: SparseConvTensor,
                    add_input: Optional[SparseConvTensor] = None) -> SparseConvTensor:
     """A sparse conv's forward through the export ops (same results as the eager forward)."""
     key = layer_rulebook_key(module)
     rulebook = _rulebook(module, input, key)
     features = torch.ops.sparsecore.export_conv(
-        input.features, effective_weight(module), module.bias, rulebook.pair_input, rulebook.pair_output,
-        rulebook.offset_counts, rulebook.out_indices, list(module.kernel_size), module.groups)
-    indice_dict = dict(input.indice_dict)
-    if key is not None and not module.inverse:
-        indice_dict[key] = rulebook
-    out = SparseConvTensor._derived(input, features, rulebook.out_indices, list(rulebook.output_spatial_shape),
-                                    indice_dict)
+        input.features, effective_weight(module), module.bias, *rulebook.pairs, rulebook.out_indices,
+        list(module.kernel_size), module.groups)
+    out = _output(input, features, rulebook, None if module.inverse else key)
     if add_input is not None:
         out = out.replace_feature(out.features + add_input.features)
     if module._activation is not None:

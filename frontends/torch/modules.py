@@ -4,18 +4,21 @@
 (subclasses of `SparseModule`, `SparseBatchNorm`, `SparseReLU`) and applies
 any other module (``nn.BatchNorm1d``, ``nn.ReLU``, ...) to its features,
 skipping it when the tensor has no active site, exactly as spconv does.
+`SparseModule` and `start_benchmark` live in `sparsecore.torch.layer` (the
+layers' shared base) and are re-exported here under spconv's module path.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
+from .conv import SparseConvolution
 from .fx import FxLeafModule, traces_into_containers
+from .layer import SparseModule, start_benchmark
 from .tensor import SparseConvTensor
 
 __all__ = [
@@ -35,52 +38,29 @@ __all__ = [
 ]
 
 
-class SparseModule(FxLeafModule, nn.Module):
-    """Marker base class: `SparseSequential` hands these modules the whole `SparseConvTensor`.
+class _OnFeatures:
+    """Applies the torch module it is mixed into to a `SparseConvTensor`'s features (or to a plain tensor)."""
 
-    Under ``torch.fx`` tracing a sparse module is a leaf (one ``call_module`` node).
-    """
-
-    def __init__(self, name: Optional[str] = None) -> None:
-        super().__init__()
-        self.name = name
-        self._sparse_unique_name = ""
+    def forward(self, input):
+        if isinstance(input, SparseConvTensor):
+            return input.replace_feature(super().forward(input.features))
+        return super().forward(input)
 
 
-class SparseBatchNorm(FxLeafModule, nn.BatchNorm1d):
+class SparseBatchNorm(_OnFeatures, FxLeafModule, nn.BatchNorm1d):
     """``BatchNorm1d`` on the features of a `SparseConvTensor` (or on a plain tensor)."""
 
-    def forward(self, input):
-        if isinstance(input, SparseConvTensor):
-            return input.replace_feature(super().forward(input.features))
-        return super().forward(input)
 
-
-class SparseSyncBatchNorm(FxLeafModule, nn.SyncBatchNorm):
+class SparseSyncBatchNorm(_OnFeatures, FxLeafModule, nn.SyncBatchNorm):
     """``SyncBatchNorm`` on the features of a `SparseConvTensor`."""
 
-    def forward(self, input):
-        if isinstance(input, SparseConvTensor):
-            return input.replace_feature(super().forward(input.features))
-        return super().forward(input)
 
-
-class SparseReLU(FxLeafModule, nn.ReLU):
+class SparseReLU(_OnFeatures, FxLeafModule, nn.ReLU):
     """``ReLU`` on the features of a `SparseConvTensor`."""
 
-    def forward(self, input):
-        if isinstance(input, SparseConvTensor):
-            return input.replace_feature(super().forward(input.features))
-        return super().forward(input)
 
-
-class SparseIdentity(FxLeafModule, nn.Identity):
+class SparseIdentity(_OnFeatures, FxLeafModule, nn.Identity):
     """``Identity`` on the features of a `SparseConvTensor`."""
-
-    def forward(self, input):
-        if isinstance(input, SparseConvTensor):
-            return input.replace_feature(super().forward(input.features))
-        return super().forward(input)
 
 
 class Identity(nn.Module):
@@ -100,8 +80,6 @@ def is_spconv_module(module: nn.Module) -> bool:
 
 def is_sparse_conv(module: nn.Module) -> bool:
     """True for sparse convolution layers."""
-    from .conv import SparseConvolution
-
     return isinstance(module, SparseConvolution)
 
 
@@ -179,50 +157,3 @@ def assign_name_for_sparse_modules(module: nn.Module) -> None:
     for name, child in module.named_modules():
         if isinstance(child, SparseModule):
             child._sparse_unique_name = name
-
-
-# --------------------------------------------------------------------------- benchmark records
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _BenchmarkRecord:
-    """Fills ``input.benchmark_record[name]`` like spconv's benchmark mode."""
-
-    def __init__(self, entry: dict, device: torch.device) -> None:
-        self.entry = entry
-        self.device = device
-        _synchronize(device)
-        self.start = time.perf_counter()
-
-    def indices_done(self) -> None:
-        _synchronize(self.device)
-        now = time.perf_counter()
-        self.entry["indice_gen_time"].append(now - self.start)
-        self.start = now
-
-    def done(self, num_points: int, num_out_points: int) -> None:
-        _synchronize(self.device)
-        self.entry["time"].append(time.perf_counter() - self.start)
-        self.entry["num_points"].append(int(num_points))
-        self.entry["num_out_points"].append(int(num_out_points))
-
-
-@torch.compiler.disable
-def start_benchmark(module: SparseModule, input: SparseConvTensor, kind: str,
-                    params: Callable[[], dict]) -> _BenchmarkRecord:
-    """Starts timing one layer call in benchmark mode (``SparseConvTensor(..., benchmark=True)``)."""
-    name = module.name
-    if name is None:
-        raise ValueError(
-            "benchmark mode needs named sparse modules: pass name=... to the layers (or give them "
-            "names with assign_name_for_sparse_modules and set .name)"
-        )
-    if name not in input.benchmark_record:
-        input.benchmark_record[name] = {"type": kind, "indice_gen_time": [], "time": [], "num_points": [],
-                                        "num_out_points": [], "params": params()}
-    return _BenchmarkRecord(input.benchmark_record[name], input.features.device)
-

@@ -8,6 +8,10 @@ and friends): no algorithm lives here. Because they are custom ops with
 ``torch.compile(fullgraph=True)`` traces straight through them, and
 ``torch.autograd.gradcheck`` / ``torch.library.opcheck`` apply.
 
+The ops are declared from one table, `OPS`: an entry gives the name, the
+schema, the core call, the output shapes of the fake kernel and the backward
+(see `sparsecore.torch._op_table`), so a new op is one entry.
+
 Ops (all under the ``sparsecore`` namespace):
 
 ========================  ==============================================
@@ -29,6 +33,7 @@ The helpers at the bottom (`sparse_conv_features`, ...) take an
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -36,12 +41,14 @@ from torch import Tensor
 
 import sparsecore as sc
 
-from ._convert import core_context, core_float_view, core_view, to_torch
+from ._op_table import Backward, OpSpec, Output, declare_ops
 
 if TYPE_CHECKING:
     from .tensor import IndiceData
 
 __all__ = [
+    "OPS",
+    "autocast_inputs",
     "sparse_conv_features",
     "max_pool_features",
     "avg_pool_features",
@@ -52,269 +59,120 @@ __all__ = [
 ]
 
 
-def _pair_map(pair_input: Tensor, pair_output: Tensor, offset_starts: Sequence[int], num_input: int,
-              num_output: int, kernel_size: Sequence[int], identity_offset: int = -1) -> sc.PairMap:
-    return sc.PairMap(core_view(pair_input, "pair_input"), core_view(pair_output, "pair_output"),
-                      tuple(int(s) for s in offset_starts), int(num_input), int(num_output),
-                      tuple(int(k) for k in kernel_size), int(identity_offset))
+def _pairs(a: SimpleNamespace, num_input: int, num_output: int) -> sc.PairMap:
+    """The core `sparsecore.PairMap` of an op's rulebook arguments (core views and ints)."""
+    return sc.PairMap(a.pair_input, a.pair_output, tuple(int(s) for s in a.offset_starts), int(num_input),
+                      int(num_output), tuple(int(k) for k in a.kernel_size), int(getattr(a, "identity_offset", -1)))
 
 
-def _optional_view(tensor: Optional[Tensor], name: str):
-    return None if tensor is None else core_float_view(tensor, name)
-
-
-# --------------------------------------------------------------------------- convolution
-
-
-@torch.library.custom_op("sparsecore::conv_forward", mutates_args=())
-def _conv_forward(features: Tensor, weight: Tensor, bias: Optional[Tensor], pair_input: Tensor,
-                  pair_output: Tensor, offset_starts: list[int], num_output: int, kernel_size: list[int],
-                  identity_offset: int, groups: int) -> Tensor:
-    with core_context(features.device):
-        pairs = _pair_map(pair_input, pair_output, offset_starts, features.shape[0], num_output,
-                          kernel_size, identity_offset)
-        out = sc.conv_forward(core_float_view(features, "features"), core_float_view(weight, "weight"),
-                              pairs, bias=_optional_view(bias, "bias"), groups=groups)
-        return to_torch(out, features.dtype)
-
-
-@_conv_forward.register_fake
-def _(features, weight, bias, pair_input, pair_output, offset_starts, num_output, kernel_size,
-      identity_offset, groups):
-    return features.new_empty((num_output, weight.shape[0]))
-
-
-@torch.library.custom_op("sparsecore::conv_backward", mutates_args=())
-def _conv_backward(grad_output: Tensor, features: Tensor, weight: Tensor, pair_input: Tensor,
-                   pair_output: Tensor, offset_starts: list[int], kernel_size: list[int],
-                   identity_offset: int, groups: int) -> tuple[Tensor, Tensor]:
-    with core_context(features.device):
-        pairs = _pair_map(pair_input, pair_output, offset_starts, features.shape[0], grad_output.shape[0],
-                          kernel_size, identity_offset)
-        grad_features, grad_weight = sc.conv_backward(
-            core_float_view(grad_output, "grad_output"), core_float_view(features, "features"),
-            core_float_view(weight, "weight"), pairs, groups=groups)
-        return to_torch(grad_features, features.dtype), to_torch(grad_weight, weight.dtype)
-
-
-@_conv_backward.register_fake
-def _(grad_output, features, weight, pair_input, pair_output, offset_starts, kernel_size, identity_offset,
-      groups):
-    return torch.empty_like(features), torch.empty_like(weight)
-
-
-def _conv_setup_context(ctx, inputs, output):
-    features, weight, bias, pair_input, pair_output, offset_starts, _, kernel_size, identity_offset, groups = inputs
-    ctx.save_for_backward(features, weight, pair_input, pair_output)
-    ctx.rulebook = (list(offset_starts), list(kernel_size), identity_offset, groups)
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-def _conv_grad(ctx, grad_output):
-    features, weight, pair_input, pair_output = ctx.saved_tensors
-    offset_starts, kernel_size, identity_offset, groups = ctx.rulebook
+def _conv_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
     grad_features, grad_weight = torch.ops.sparsecore.conv_backward(
-        grad_output.contiguous(), features, weight, pair_input, pair_output, offset_starts, kernel_size,
-        identity_offset, groups)
-    grad_bias = None
-    if ctx.bias_dtype is not None:
-        grad_bias = grad_output.sum(0).to(ctx.bias_dtype)
-    return grad_features, grad_weight, grad_bias, None, None, None, None, None, None, None
-
-
-_conv_forward.register_autograd(_conv_grad, setup_context=_conv_setup_context)
-
-
-# --------------------------------------------------------------------------- pooling
-
-
-@torch.library.custom_op("sparsecore::max_pool_forward", mutates_args=())
-def _max_pool_forward(features: Tensor, pair_input: Tensor, pair_output: Tensor, offset_starts: list[int],
-                      num_output: int, kernel_size: list[int]) -> tuple[Tensor, Tensor]:
-    with core_context(features.device):
-        pairs = _pair_map(pair_input, pair_output, offset_starts, features.shape[0], num_output, kernel_size)
-        out, argmax = sc.max_pool_forward(core_float_view(features, "features"), pairs)
-        return to_torch(out, features.dtype), to_torch(argmax)
-
-
-@_max_pool_forward.register_fake
-def _(features, pair_input, pair_output, offset_starts, num_output, kernel_size):
-    shape = (num_output, features.shape[1])
-    return features.new_empty(shape), features.new_empty(shape, dtype=torch.int32)
-
-
-@torch.library.custom_op("sparsecore::max_pool_backward", mutates_args=())
-def _max_pool_backward(grad_output: Tensor, argmax: Tensor, num_input: int) -> Tensor:
-    with core_context(grad_output.device):
-        grad = sc.max_pool_backward(core_float_view(grad_output, "grad_output"), core_view(argmax, "argmax"),
-                                    num_input)
-        return to_torch(grad, grad_output.dtype)
-
-
-@_max_pool_backward.register_fake
-def _(grad_output, argmax, num_input):
-    return grad_output.new_empty((num_input, grad_output.shape[1]))
-
-
-@torch.library.custom_op("sparsecore::max_pool_pairs_backward", mutates_args=())
-def _max_pool_pairs_backward(grad_output: Tensor, argmax: Tensor, pair_input: Tensor, pair_output: Tensor,
-                             offset_starts: list[int], num_input: int, kernel_size: list[int]) -> Tensor:
-    with core_context(grad_output.device):
-        pairs = _pair_map(pair_input, pair_output, offset_starts, num_input, grad_output.shape[0], kernel_size)
-        grad = sc.max_pool_backward(core_float_view(grad_output, "grad_output"), core_view(argmax, "argmax"),
-                                    num_input, rulebook=pairs)
-        return to_torch(grad, grad_output.dtype)
-
-
-@_max_pool_pairs_backward.register_fake
-def _(grad_output, argmax, pair_input, pair_output, offset_starts, num_input, kernel_size):
-    return grad_output.new_empty((num_input, grad_output.shape[1]))
-
-
-def _max_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    ctx.num_input = inputs[0].shape[0]
-    ctx.mark_non_differentiable(output[1])
-
-
-def _max_grad(ctx, grad_output, _grad_argmax):
-    (argmax,) = ctx.saved_tensors
-    grad = torch.ops.sparsecore.max_pool_backward(grad_output.contiguous(), argmax, ctx.num_input)
-    return (grad,) + (None,) * (ctx.num_other_inputs)
-
-
-def _register_max(op, num_other_inputs: int) -> None:
-    def setup(ctx, inputs, output):
-        _max_setup_context(ctx, inputs, output)
-        ctx.num_other_inputs = num_other_inputs
-
-    op.register_autograd(_max_grad, setup_context=setup)
-
-
-def _max_pairs_setup_context(ctx, inputs, output):
-    features, pair_input, pair_output, offset_starts, _, kernel_size = inputs
-    ctx.save_for_backward(output[1], pair_input, pair_output)
-    ctx.num_input = features.shape[0]
-    ctx.offset_starts, ctx.kernel_size = list(offset_starts), list(kernel_size)
-    ctx.mark_non_differentiable(output[1])
-
-
-def _max_pairs_grad(ctx, grad_output, _grad_argmax):
-    argmax, pair_input, pair_output = ctx.saved_tensors
-    grad = torch.ops.sparsecore.max_pool_pairs_backward(grad_output.contiguous(), argmax, pair_input, pair_output,
-                                                        ctx.offset_starts, ctx.num_input, ctx.kernel_size)
-    return grad, None, None, None, None, None
-
-
-_max_pool_forward.register_autograd(_max_pairs_grad, setup_context=_max_pairs_setup_context)
-
-
-@torch.library.custom_op("sparsecore::avg_pool_forward", mutates_args=())
-def _avg_pool_forward(features: Tensor, pair_input: Tensor, pair_output: Tensor, offset_starts: list[int],
-                      num_output: int, kernel_size: list[int]) -> Tensor:
-    with core_context(features.device):
-        pairs = _pair_map(pair_input, pair_output, offset_starts, features.shape[0], num_output, kernel_size)
-        return to_torch(sc.avg_pool_forward(core_float_view(features, "features"), pairs), features.dtype)
-
-
-@_avg_pool_forward.register_fake
-def _(features, pair_input, pair_output, offset_starts, num_output, kernel_size):
-    return features.new_empty((num_output, features.shape[1]))
-
-
-@torch.library.custom_op("sparsecore::avg_pool_backward", mutates_args=())
-def _avg_pool_backward(grad_output: Tensor, pair_input: Tensor, pair_output: Tensor, offset_starts: list[int],
-                       num_input: int, kernel_size: list[int]) -> Tensor:
-    with core_context(grad_output.device):
-        pairs = _pair_map(pair_input, pair_output, offset_starts, num_input, grad_output.shape[0], kernel_size)
-        grad = sc.avg_pool_backward(core_float_view(grad_output, "grad_output"), pairs)
-        return to_torch(grad, grad_output.dtype)
-
-
-@_avg_pool_backward.register_fake
-def _(grad_output, pair_input, pair_output, offset_starts, num_input, kernel_size):
-    return grad_output.new_empty((num_input, grad_output.shape[1]))
-
-
-def _avg_setup_context(ctx, inputs, output):
-    features, pair_input, pair_output, offset_starts, _, kernel_size = inputs
-    ctx.save_for_backward(pair_input, pair_output)
-    ctx.rulebook = (list(offset_starts), features.shape[0], list(kernel_size))
-
-
-def _avg_grad(ctx, grad_output):
-    pair_input, pair_output = ctx.saved_tensors
-    offset_starts, num_input, kernel_size = ctx.rulebook
-    grad = torch.ops.sparsecore.avg_pool_backward(grad_output.contiguous(), pair_input, pair_output,
-                                                  offset_starts, num_input, kernel_size)
-    return grad, None, None, None, None, None
-
-
-_avg_pool_forward.register_autograd(_avg_grad, setup_context=_avg_setup_context)
-
-
-# --------------------------------------------------------------------------- global pooling
-
-
-@torch.library.custom_op("sparsecore::global_max_pool", mutates_args=())
-def _global_max_pool(features: Tensor, indices: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
-    with core_context(features.device):
-        out, argmax = sc.global_max_pool_forward(core_float_view(features, "features"),
-                                                 core_view(indices, "indices"), batch_size)
-        return to_torch(out, features.dtype), to_torch(argmax)
-
-
-@_global_max_pool.register_fake
-def _(features, indices, batch_size):
-    shape = (batch_size, features.shape[1])
-    return features.new_empty(shape), features.new_empty(shape, dtype=torch.int32)
-
-
-_register_max(_global_max_pool, 2)
-
-
-@torch.library.custom_op("sparsecore::global_avg_pool", mutates_args=())
-def _global_avg_pool(features: Tensor, indices: Tensor, batch_size: int) -> Tensor:
-    with core_context(features.device):
-        out = sc.global_avg_pool_forward(core_float_view(features, "features"), core_view(indices, "indices"),
-                                         batch_size)
-        return to_torch(out, features.dtype)
-
-
-@_global_avg_pool.register_fake
-def _(features, indices, batch_size):
-    return features.new_empty((batch_size, features.shape[1]))
-
-
-@torch.library.custom_op("sparsecore::global_avg_pool_backward", mutates_args=())
-def _global_avg_pool_backward(grad_output: Tensor, indices: Tensor, batch_size: int) -> Tensor:
-    with core_context(grad_output.device):
-        grad = sc.global_avg_pool_backward(core_float_view(grad_output, "grad_output"),
-                                           core_view(indices, "indices"), batch_size)
-        return to_torch(grad, grad_output.dtype)
-
-
-@_global_avg_pool_backward.register_fake
-def _(grad_output, indices, batch_size):
-    return grad_output.new_empty((indices.shape[0], grad_output.shape[1]))
-
-
-def _global_avg_setup_context(ctx, inputs, output):
-    _, indices, batch_size = inputs
-    ctx.save_for_backward(indices)
-    ctx.batch_size = batch_size
-
-
-def _global_avg_grad(ctx, grad_output):
-    (indices,) = ctx.saved_tensors
-    grad = torch.ops.sparsecore.global_avg_pool_backward(grad_output.contiguous(), indices, ctx.batch_size)
-    return grad, None, None
-
-
-_global_avg_pool.register_autograd(_global_avg_grad, setup_context=_global_avg_setup_context)
+        grad_output, saved.features, saved.weight, saved.pair_input, saved.pair_output, list(saved.offset_starts),
+        list(saved.kernel_size), saved.identity_offset, saved.groups)
+    grads = {"features": grad_features, "weight": grad_weight}
+    if saved.dtypes["bias"] is not None:
+        grads["bias"] = grad_output.sum(0).to(saved.dtypes["bias"])
+    return grads
+
+
+def _max_pool_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
+    return {"features": torch.ops.sparsecore.max_pool_pairs_backward(
+        grad_output, saved.argmax, saved.pair_input, saved.pair_output, list(saved.offset_starts),
+        saved.shapes["features"][0], list(saved.kernel_size))}
+
+
+def _avg_pool_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
+    return {"features": torch.ops.sparsecore.avg_pool_backward(
+        grad_output, saved.pair_input, saved.pair_output, list(saved.offset_starts), saved.shapes["features"][0],
+        list(saved.kernel_size))}
+
+
+def _global_max_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
+    return {"features": torch.ops.sparsecore.max_pool_backward(grad_output, saved.argmax,
+                                                               saved.shapes["features"][0])}
+
+
+def _global_avg_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
+    return {"features": torch.ops.sparsecore.global_avg_pool_backward(grad_output, saved.indices,
+                                                                      saved.batch_size)}
+
+
+_RULEBOOK = "Tensor pair_input, Tensor pair_output, SymInt[] offset_starts"
+_OUT = (Output("out", "features"),)
+_GRAD = (Output("grad", "grad_output"),)
+_WITH_ARGMAX = (Output("out", "features"), Output("argmax", torch.int32))
+
+#: The feature passes, one entry an op (see `_op_table.OpSpec`).
+OPS = (
+    OpSpec("conv_forward",
+           f"(Tensor features, Tensor weight, Tensor? bias, {_RULEBOOK}, SymInt num_output, SymInt[] kernel_size, "
+           "SymInt identity_offset, SymInt groups) -> Tensor", _OUT,
+           lambda a: sc.conv_forward(a.features, a.weight, _pairs(a, a.features.shape[0], a.num_output),
+                                     bias=a.bias, groups=a.groups),
+           lambda a: [(a.num_output, a.weight.shape[0])],
+           Backward(("features", "weight", "pair_input", "pair_output"), _conv_gradients)),
+    OpSpec("conv_backward",
+           f"(Tensor grad_output, Tensor features, Tensor weight, {_RULEBOOK}, SymInt[] kernel_size, "
+           "SymInt identity_offset, SymInt groups) -> (Tensor, Tensor)",
+           (Output("grad_features", "features"), Output("grad_weight", "weight")),
+           lambda a: sc.conv_backward(a.grad_output, a.features, a.weight,
+                                      _pairs(a, a.features.shape[0], a.grad_output.shape[0]), groups=a.groups),
+           lambda a: [a.features.shape, a.weight.shape]),
+    OpSpec("max_pool_forward",
+           f"(Tensor features, {_RULEBOOK}, SymInt num_output, SymInt[] kernel_size) -> (Tensor, Tensor)",
+           _WITH_ARGMAX,
+           lambda a: sc.max_pool_forward(a.features, _pairs(a, a.features.shape[0], a.num_output)),
+           lambda a: [(a.num_output, a.features.shape[1])] * 2,
+           Backward(("argmax", "pair_input", "pair_output"), _max_pool_gradients)),
+    OpSpec("max_pool_backward", "(Tensor grad_output, Tensor argmax, SymInt num_input) -> Tensor", _GRAD,
+           lambda a: sc.max_pool_backward(a.grad_output, a.argmax, a.num_input),
+           lambda a: [(a.num_input, a.grad_output.shape[1])]),
+    OpSpec("max_pool_pairs_backward",
+           f"(Tensor grad_output, Tensor argmax, {_RULEBOOK}, SymInt num_input, SymInt[] kernel_size) -> Tensor",
+           _GRAD,
+           lambda a: sc.max_pool_backward(a.grad_output, a.argmax, a.num_input,
+                                          rulebook=_pairs(a, a.num_input, a.grad_output.shape[0])),
+           lambda a: [(a.num_input, a.grad_output.shape[1])]),
+    OpSpec("avg_pool_forward", f"(Tensor features, {_RULEBOOK}, SymInt num_output, SymInt[] kernel_size) -> Tensor",
+           _OUT,
+           lambda a: sc.avg_pool_forward(a.features, _pairs(a, a.features.shape[0], a.num_output)),
+           lambda a: [(a.num_output, a.features.shape[1])],
+           Backward(("pair_input", "pair_output"), _avg_pool_gradients)),
+    OpSpec("avg_pool_backward",
+           f"(Tensor grad_output, {_RULEBOOK}, SymInt num_input, SymInt[] kernel_size) -> Tensor", _GRAD,
+           lambda a: sc.avg_pool_backward(a.grad_output, _pairs(a, a.num_input, a.grad_output.shape[0])),
+           lambda a: [(a.num_input, a.grad_output.shape[1])]),
+    OpSpec("global_max_pool", "(Tensor features, Tensor indices, SymInt batch_size) -> (Tensor, Tensor)",
+           _WITH_ARGMAX,
+           lambda a: sc.global_max_pool_forward(a.features, a.indices, a.batch_size),
+           lambda a: [(a.batch_size, a.features.shape[1])] * 2,
+           Backward(("argmax",), _global_max_gradients)),
+    OpSpec("global_avg_pool", "(Tensor features, Tensor indices, SymInt batch_size) -> Tensor", _OUT,
+           lambda a: sc.global_avg_pool_forward(a.features, a.indices, a.batch_size),
+           lambda a: [(a.batch_size, a.features.shape[1])],
+           Backward(("indices",), _global_avg_gradients)),
+    OpSpec("global_avg_pool_backward", "(Tensor grad_output, Tensor indices, SymInt batch_size) -> Tensor", _GRAD,
+           lambda a: sc.global_avg_pool_backward(a.grad_output, a.indices, a.batch_size),
+           lambda a: [(a.indices.shape[0], a.grad_output.shape[1])]),
+)
+
+declare_ops(OPS)
 
 
 # --------------------------------------------------------------------------- helpers for the layers
+
+
+def autocast_inputs(*tensors: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    """Casts float32 tensors to the autocast dtype when autocast is on for their device.
+
+    The core then multiplies in that dtype's storage with float32 accumulation.
+    """
+    first = next(t for t in tensors if t is not None)
+    device_type = first.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.dtype == torch.float32 else t for t in tensors)
 
 
 def sparse_conv_features(features: Tensor, weight: Tensor, bias: Optional[Tensor], data: "IndiceData",

@@ -18,9 +18,11 @@ import torch
 import sparsecore as sc
 
 from ._convert import check_same_device
-from ._geometry import check_input, layer_indice_data
-from .modules import SparseModule, start_benchmark
+from ._geometry import check_input
+from .exportable import export_pool_forward
+from .layer import SparseModule, geometry_repr, layer_forward
 from .ops import avg_pool_features, global_avg_pool_features, global_max_pool_features, max_pool_features
+from .spconv_compat import MAX_NUM_VOXELS_DURING_TRAINING
 from .tensor import SparseConvTensor, expand_nd
 
 __all__ = [
@@ -28,9 +30,6 @@ __all__ = [
     "SparseAvgPool", "SparseAvgPool1d", "SparseAvgPool2d", "SparseAvgPool3d", "SparseAvgPool4d",
     "SparseGlobalMaxPool", "SparseGlobalAvgPool",
 ]
-
-MAX_NUM_VOXELS_DURING_TRAINING = "max_num_voxels_during_training"
-
 
 class _SparsePool(SparseModule):
     _pool_pass = staticmethod(max_pool_features)
@@ -59,11 +58,7 @@ class _SparsePool(SparseModule):
         return getattr(self, MAX_NUM_VOXELS_DURING_TRAINING, None)
 
     def extra_repr(self) -> str:
-        text = f"kernel_size={self.kernel_size}, stride={self.stride}"
-        if any(self.padding):
-            text += f", padding={self.padding}"
-        if any(d != 1 for d in self.dilation):
-            text += f", dilation={self.dilation}"
+        text = geometry_repr(self.kernel_size, self.stride, self.padding, self.dilation)
         if self.subm:
             text += ", subm=True"
         return text
@@ -74,24 +69,9 @@ class _SparsePool(SparseModule):
 
     def forward(self, input: SparseConvTensor) -> SparseConvTensor:
         if torch.compiler.is_exporting():  # geometry as an opaque op: frontends/torch/exportable.py
-            from .exportable import export_pool_forward
             return export_pool_forward(self, input)
-        layer = type(self).__name__
-        check_input(layer, input, ndim=self.ndim)
-        check_same_device(layer, features=input.features, indices=input.indices)
-        record = start_benchmark(self, input, self._kind, self._benchmark_params) if input.benchmark else None
-        data, indice_dict = layer_indice_data(layer, input, self._geometry, self.indice_key, self.algo)
-        if record is not None:
-            record.indices_done()
-        out_features = type(self)._pool_pass(input.features, data)
-        if record is not None:
-            record.done(input.features.shape[0], out_features.shape[0])
-        if hasattr(self, MAX_NUM_VOXELS_DURING_TRAINING):
-            buffer = getattr(self, MAX_NUM_VOXELS_DURING_TRAINING)
-            with torch.no_grad():
-                buffer.clamp_(min=data.num_output)
-        return SparseConvTensor._derived(input, out_features, data.out_indices, data.out_spatial_shape,
-                                         indice_dict, core_indices=data.out_core_indices)
+        return layer_forward(self, input, self._kind, self.indice_key,
+                             lambda data: type(self)._pool_pass(input.features, data))
 
 
 class SparseMaxPool(_SparsePool):
@@ -105,52 +85,61 @@ class SparseAvgPool(_SparsePool):
     _kind = "SparseAvgPool"
 
 
-def _nd_init(ndim: int):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None, algo=None,
-                 record_voxel_count=False, name=None):
-        _SparsePool.__init__(self, ndim, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                             algo=algo, record_voxel_count=record_voxel_count, name=name)
-    return __init__
+def _nd_init(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None, algo=None,
+             record_voxel_count=False, name=None):
+    """spconv's ``SparseMaxPool{n}d`` / ``SparseAvgPool{n}d`` constructor; ``n`` is the class's ``_ndim``."""
+    _SparsePool.__init__(self, self._ndim, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                         algo=algo, record_voxel_count=record_voxel_count, name=name)
 
 
-class SparseMaxPool1d(SparseMaxPool):
+class _SparseMaxPoolNd(SparseMaxPool):
+    _ndim = 3
+    __init__ = _nd_init
+
+
+class _SparseAvgPoolNd(SparseAvgPool):
+    _ndim = 3
+    __init__ = _nd_init
+
+
+class SparseMaxPool1d(_SparseMaxPoolNd):
     """1-D sparse max pool (stride defaults to kernel_size)."""
-    __init__ = _nd_init(1)
+    _ndim = 1
 
 
-class SparseMaxPool2d(SparseMaxPool):
+class SparseMaxPool2d(_SparseMaxPoolNd):
     """2-D sparse max pool."""
-    __init__ = _nd_init(2)
+    _ndim = 2
 
 
-class SparseMaxPool3d(SparseMaxPool):
+class SparseMaxPool3d(_SparseMaxPoolNd):
     """3-D sparse max pool."""
-    __init__ = _nd_init(3)
+    _ndim = 3
 
 
-class SparseMaxPool4d(SparseMaxPool):
+class SparseMaxPool4d(_SparseMaxPoolNd):
     """4-D sparse max pool."""
-    __init__ = _nd_init(4)
+    _ndim = 4
 
 
-class SparseAvgPool1d(SparseAvgPool):
+class SparseAvgPool1d(_SparseAvgPoolNd):
     """1-D sparse average pool (mean over active inputs; stride defaults to kernel_size)."""
-    __init__ = _nd_init(1)
+    _ndim = 1
 
 
-class SparseAvgPool2d(SparseAvgPool):
+class SparseAvgPool2d(_SparseAvgPoolNd):
     """2-D sparse average pool."""
-    __init__ = _nd_init(2)
+    _ndim = 2
 
 
-class SparseAvgPool3d(SparseAvgPool):
+class SparseAvgPool3d(_SparseAvgPoolNd):
     """3-D sparse average pool."""
-    __init__ = _nd_init(3)
+    _ndim = 3
 
 
-class SparseAvgPool4d(SparseAvgPool):
+class SparseAvgPool4d(_SparseAvgPoolNd):
     """4-D sparse average pool (spconv has none)."""
-    __init__ = _nd_init(4)
+    _ndim = 4
 
 
 class _SparseGlobalPool(SparseModule):
