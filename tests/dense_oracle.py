@@ -296,25 +296,24 @@ def evaluate(
         grad_output: ``G`` of the loss ``sum(out[sites] * G)``; gradients are
             computed when given.
     """
+    return _evaluate_rows(lambda *leaves: read_sites(dense_fn(*leaves), out_indices), features, weight, bias,
+                          grad_output)
+
+
+def _evaluate_rows(rows_fn, features, weight, bias, grad_output) -> Oracle:
+    """``rows_fn(features_t[, weight_t][, bias_t])`` on float64 leaves; with ``grad_output``, the gradients of
+    ``sum(rows * grad_output)`` with respect to each leaf."""
     want_grad = grad_output is not None
     feats = to_torch(features, want_grad)
-    args = [feats]
-    w = b = None
-    if weight is not None:
-        w = to_torch(weight, want_grad)
-        args.append(w)
-    if bias is not None:
-        b = to_torch(bias, want_grad)
-        args.append(b)
-    values = read_sites(dense_fn(*args), out_indices)
+    parameters = [None if value is None else to_torch(value, want_grad) for value in (weight, bias)]
+    values = rows_fn(feats, *[leaf for leaf in parameters if leaf is not None])
     result = Oracle(values=values.detach().numpy().copy())
     if want_grad:
         loss = (values * to_torch(grad_output)).sum()
         if loss.requires_grad:
             loss.backward()
         result.grad_features = _grad(feats)
-        result.grad_weight = None if w is None else _grad(w)
-        result.grad_bias = None if b is None else _grad(b)
+        result.grad_weight, result.grad_bias = (None if leaf is None else _grad(leaf) for leaf in parameters)
     return result
 
 
@@ -445,22 +444,7 @@ def naive_avg_pool(features: torch.Tensor, rb: NaiveRulebook) -> torch.Tensor:
 
 def evaluate_sparse(fn, features, weight=None, grad_output=None) -> Oracle:
     """Like `evaluate` for a function that returns sparse rows directly (naive path)."""
-    want_grad = grad_output is not None
-    feats = to_torch(features, want_grad)
-    args = [feats]
-    w = None
-    if weight is not None:
-        w = to_torch(weight, want_grad)
-        args.append(w)
-    values = fn(*args)
-    result = Oracle(values=values.detach().numpy().copy())
-    if want_grad:
-        loss = (values * to_torch(grad_output)).sum()
-        if loss.requires_grad:
-            loss.backward()
-        result.grad_features = _grad(feats)
-        result.grad_weight = None if w is None else _grad(w)
-    return result
+    return _evaluate_rows(fn, features, weight, None, grad_output)
 
 
 # ---------------------------------------------------------------- case sampling
