@@ -1,8 +1,9 @@
-"""What the two segmentation examples share: data, recipe, mIoU and the plot (NumPy only).
+"""What the segmentation examples share: data, recipe, mIoU and the plot (NumPy only).
 
 ``train_segmentation_torch.py`` and ``train_segmentation_jax.py`` train the same
 network on the same data with the same recipe; everything that does not depend
-on the framework lives here, so the two cannot drift apart:
+on the framework lives here, so the two cannot drift apart (``quantize_int8.py``
+reads its data and its mIoU from here too):
 
 - the synthetic 64-beam scans (``sparsecore.scene``: ground (0), car (1), other
   (2: poles and walls)), the voxelization and the per-voxel labels;
@@ -25,10 +26,6 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # write PNGs, no display needed
-import matplotlib.pyplot as plt
 import numpy as np
 
 import sparsecore as sc
@@ -39,6 +36,9 @@ IN_CHANNELS = 4  # voxel means of x, y, z, range
 VOXEL_SIZE = (0.25, 0.25, 0.25)
 RANGE = (-20.0, -20.0, -2.0, 20.0, 20.0, 4.0)  # x, y, z min then max, metres
 SCENE = SceneConfig(azimuth_steps=360, max_range=20.0, placement_radius=15.0, num_cars=6, num_poles=8)
+# the voxel features (means of x, y, z, range) scaled to about [-1, 1]; height above the ground is the main cue
+FEATURE_OFFSET = np.array([0.0, 0.0, -1.7, 0.0], np.float32)
+FEATURE_SCALE = np.array([20, 20, 2, 20], np.float32)
 
 # the training recipe of both examples
 WEIGHT_DECAY = 1e-4
@@ -155,8 +155,7 @@ def voxelize(clouds: list[np.ndarray], labels: list[np.ndarray]) -> Batch:
     """One batch: scaled voxel means, indices, voxel labels (majority vote), point labels and ids."""
     batch = sc.voxelize_batch(clouds, VOXEL_SIZE, RANGE, max_num_points_per_voxel=8, max_num_voxels=100_000)
     means = sc.voxel_means(batch)  # [M, 4]: x, y, z, range
-    # Scale the features to about [-1, 1]; height above the ground is the main cue.
-    features = (means - np.array([0.0, 0.0, -1.7, 0.0], np.float32)) / np.array([20, 20, 2, 20], np.float32)
+    features = (means - FEATURE_OFFSET) / FEATURE_SCALE
     point_ids = np.concatenate(batch.point_voxel_id).astype(np.int64)
     point_labels = np.concatenate(labels).astype(np.int64)
     valid = point_ids >= 0
@@ -166,15 +165,19 @@ def voxelize(clouds: list[np.ndarray], labels: list[np.ndarray]) -> Batch:
                  votes.argmax(axis=1), point_ids, point_labels, int(batch.batch_size), tuple(batch.grid_size))
 
 
+def make_batches(seeds: range, batch_size: int, max_points: int) -> list[Batch]:
+    """The scenes of ``seeds`` (see `make_scenes`), voxelized ``batch_size`` at a time."""
+    clouds, labels = make_scenes(seeds, max_points)
+    return [voxelize(clouds[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, len(clouds), batch_size)]
+
+
 def load_data(args: argparse.Namespace) -> tuple[list[Batch], list[Batch]]:
     """Training and validation batches (validation scenes are seeds 1000+, never trained on)."""
-    train_clouds, train_labels = make_scenes(range(args.seed, args.seed + args.scenes), args.points)
-    val_clouds, val_labels = make_scenes(range(1000 + args.seed, 1000 + args.seed + args.val_scenes), args.points)
-    size = args.batch_size
-    train = [voxelize(train_clouds[i:i + size], train_labels[i:i + size]) for i in range(0, args.scenes, size)]
-    val = [voxelize(val_clouds[i:i + size], val_labels[i:i + size]) for i in range(0, args.val_scenes, size)]
+    train = make_batches(range(args.seed, args.seed + args.scenes), args.batch_size, args.points)
+    val = make_batches(range(1000 + args.seed, 1000 + args.seed + args.val_scenes), args.batch_size, args.points)
+    points = sum(b.point_labels.shape[0] for b in train)
     voxels = sum(b.features.shape[0] for b in train)
-    print(f"{args.scenes} training scenes, {sum(len(c) for c in train_clouds):,} points, {voxels:,} voxels")
+    print(f"{args.scenes} training scenes, {points:,} points, {voxels:,} voxels")
     return train, val
 
 
@@ -212,6 +215,11 @@ def report_epoch(epoch: int, losses: list[float], steps: int, miou: float, ious:
 
 def plot_curves(losses: list[float], mious: list[float], path: Path) -> None:
     """Writes the training loss per step and the validation mIoU per epoch to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # write PNGs, no display needed
+    import matplotlib.pyplot as plt
+
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(losses)
     left.set(xlabel="step", ylabel="training loss", title="loss")
@@ -222,3 +230,14 @@ def plot_curves(losses: list[float], mious: list[float], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def finish(checkpoint: Path, losses: list[float], mious: list[float], out: Path, start: float) -> None:
+    """The end of a training run, once the reloaded checkpoint computed the same outputs: the plot and the
+    final line (``start``: the run's ``time.perf_counter()`` at its beginning)."""
+    import time
+
+    print(f"checkpoint {checkpoint} reloaded: same outputs")
+    plot_curves(losses, mious, out / "training.png")
+    print(f"final val mIoU {mious[-1]:.3f}; plot {out / 'training.png'}; "
+          f"{time.perf_counter() - start:.0f} s in all")

@@ -5,7 +5,9 @@ written the way spconv's INT8 guide calls *fusable*: every conv -> BatchNorm ->
 ReLU is a `SparseSequential`, residual blocks and decoder skips end in
 ``SparseReLU(out + identity)`` on SparseConvTensors (skips are added, not
 concatenated), and the head is a 1x1 `SubMConv3d`. The data are the same
-synthetic 64-beam scans (``sparsecore.scene``: ground, car, other). The script
+synthetic 64-beam scans (``sparsecore.scene``: ground, car, other), read with
+the recipe's constants from ``_segmentation_common.py``; the training step and
+the point mIoU are ``train_segmentation_torch.py``'s. The script
 
 1. trains the float model (AdamW, one-cycle learning rate) and reports its
    validation mIoU over points;
@@ -35,7 +37,6 @@ import argparse
 import copy
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,64 +45,15 @@ import torch.ao.quantization as tq
 import torch.ao.quantization.quantize_fx as qfx
 from torch import nn
 
-import sparsecore as sc
 import sparsecore.torch as spconv
 import sparsecore.torch.quantization as spconvq
 from sparsecore.benchmark.scenes import require_data_file
-from sparsecore.scene import CLASS_NAMES, SceneConfig, lidar_scene
-
-NUM_CLASSES = len(CLASS_NAMES)
-VOXEL_SIZE = (0.25, 0.25, 0.25)
-RANGE = (-20.0, -20.0, -2.0, 20.0, 20.0, 4.0)
-SCENE = SceneConfig(azimuth_steps=360, max_range=20.0, placement_radius=15.0, num_cars=6, num_poles=8)
-FEATURE_OFFSET = np.array([0.0, 0.0, -1.7, 0.0], np.float32)
-FEATURE_SCALE = np.array([20, 20, 2, 20], np.float32)
+from _segmentation_common import (FEATURE_OFFSET, FEATURE_SCALE, NUM_CLASSES, WARMUP_FRACTION, WEIGHT_DECAY, Batch,
+                                  class_weights, make_batches, mean_iou)
+from train_segmentation_torch import as_sparse, point_confusion, train_step
 
 
 # ----------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One voxelized batch: features [M, 4], indices [M, 4], voxel labels [M], point ids / labels [P]."""
-
-    features: np.ndarray
-    indices: np.ndarray
-    voxel_labels: np.ndarray
-    point_ids: np.ndarray
-    point_labels: np.ndarray
-    batch_size: int
-    grid_size: tuple[int, ...]
-
-    def tensor(self) -> spconv.SparseConvTensor:
-        return spconv.SparseConvTensor(torch.from_numpy(self.features), torch.from_numpy(self.indices),
-                                       list(self.grid_size), self.batch_size)
-
-
-def make_batches(seeds: range, batch_size: int, max_points: int) -> list[Batch]:
-    """Ray-cast scenes (one per seed), voxelized in batches of ``batch_size``."""
-    batches = []
-    seeds = list(seeds)
-    for start in range(0, len(seeds), batch_size):
-        clouds, labels = [], []
-        for seed in seeds[start:start + batch_size]:
-            scene = lidar_scene(seed, SCENE)
-            keep = np.arange(scene.num_points)
-            if max_points and scene.num_points > max_points:
-                keep = np.sort(np.random.default_rng(seed).choice(scene.num_points, max_points, replace=False))
-            clouds.append(scene.points[keep])
-            labels.append(scene.labels[keep])
-        voxels = sc.voxelize_batch(clouds, VOXEL_SIZE, RANGE, max_num_points_per_voxel=8, max_num_voxels=100_000)
-        features = (sc.voxel_means(voxels) - FEATURE_OFFSET) / FEATURE_SCALE
-        point_ids = np.concatenate(voxels.point_voxel_id).astype(np.int64)
-        point_labels = np.concatenate(labels).astype(np.int64)
-        valid = point_ids >= 0
-        votes = np.zeros((voxels.num_voxels, NUM_CLASSES), np.int64)
-        np.add.at(votes, (point_ids[valid], point_labels[valid]), 1)
-        batches.append(Batch(np.ascontiguousarray(features, np.float32), np.ascontiguousarray(voxels.indices, np.int32),
-                             votes.argmax(axis=1), point_ids, point_labels, int(voxels.batch_size),
-                             tuple(voxels.grid_size)))
-    return batches
 
 
 def real_scan_tensor(max_voxels: int) -> spconv.SparseConvTensor:
@@ -186,43 +138,24 @@ class FusableUNet(nn.Module):
 # ----------------------------------------------------------------------------- training and evaluation
 
 
-def confusion(labels: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-    codes = labels * NUM_CLASSES + predicted
-    return np.bincount(codes, minlength=NUM_CLASSES ** 2).reshape(NUM_CLASSES, NUM_CLASSES)
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[Batch]) -> float:
     """Validation mIoU over points (each point takes its voxel's class)."""
-    matrix = 0
-    for batch in batches:
-        logits = model(batch.tensor())
-        per_point = spconv.utils.gather_features_by_pc_voxel_id(logits, torch.from_numpy(batch.point_ids))
-        matrix = matrix + confusion(batch.point_labels, per_point.argmax(dim=1).numpy())
-    union = matrix.sum(0) + matrix.sum(1) - np.diag(matrix)
-    return float((np.diag(matrix) / np.maximum(union, 1)).mean())
+    return mean_iou(point_confusion(model, batches))[0]
 
 
 def train(model: nn.Module, batches: list[Batch], epochs: int, lr: float, seed: int, label: str) -> None:
-    counts = np.bincount(np.concatenate([b.voxel_labels for b in batches]), minlength=NUM_CLASSES)
-    weights = np.sqrt(counts.sum() / np.maximum(counts, 1))
-    criterion = nn.CrossEntropyLoss(weight=torch.from_numpy((weights / weights.mean()).astype(np.float32)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    criterion = nn.CrossEntropyLoss(weight=torch.from_numpy(class_weights(batches)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     steps = max(1, epochs * len(batches))
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.3,
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=WARMUP_FRACTION,
                                                     cycle_momentum=False)
     rng = np.random.default_rng(seed)
     model.train()
     for epoch in range(1, epochs + 1):
         losses = []
         for index in rng.permutation(len(batches)):
-            batch = batches[index]
-            loss = criterion(model(batch.tensor()), torch.from_numpy(batch.voxel_labels))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            losses.append(loss.item())
+            losses.append(train_step(model, batches[index], criterion, optimizer, scheduler))
         print(f"{label} epoch {epoch}/{epochs}: loss {np.mean(losses):.3f}", flush=True)
 
 
@@ -237,7 +170,7 @@ def convert(prepared: nn.Module, mapping, backend) -> torch.fx.GraphModule:
 @torch.no_grad()
 def relative_error(model: nn.Module, reference: nn.Module, batches: list[Batch]) -> float:
     """Mean over batches of ||model - reference|| / ||reference|| on the logits."""
-    errors = [float((model(b.tensor()) - reference(b.tensor())).norm() / reference(b.tensor()).norm())
+    errors = [float((model(as_sparse(b)) - reference(as_sparse(b))).norm() / reference(as_sparse(b)).norm())
               for b in batches]
     return float(np.mean(errors))
 
@@ -307,7 +240,7 @@ def main() -> None:
                               prepare_custom_config=prepare_cfg)
     with torch.no_grad():
         for batch in calib_batches:
-            prepared(batch.tensor())
+            prepared(as_sparse(batch))
     ptq_model = convert(prepared, qconfig_mapping, backend_cfg)
     ptq_miou = evaluate(ptq_model, val_batches)
     ptq_error = relative_error(ptq_model, model, val_batches)
@@ -340,7 +273,7 @@ def main() -> None:
     torch.save(qat_int8, path)
     reloaded = torch.load(path, weights_only=False)
     with torch.no_grad():
-        same = torch.equal(reloaded(val_batches[0].tensor()), qat_int8(val_batches[0].tensor()))
+        same = torch.equal(reloaded(as_sparse(val_batches[0])), qat_int8(as_sparse(val_batches[0])))
     if not same:
         raise RuntimeError("the reloaded int8 model computes different logits")
     print(f"saved the int8 model to {path}; reloaded: same logits")

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 import sparsecore.jax as sj
 from _segmentation_common import (BN_EPS, BN_MOMENTUM, WEIGHT_DECAY, class_weights, confusion, epoch_orders,
-                                  initial_weights, learning_rates, load_data, mean_iou, parse_args, plot_curves,
+                                  finish, initial_weights, learning_rates, load_data, mean_iou, parse_args,
                                   report_epoch)
 
 
@@ -241,11 +241,7 @@ def main():
     same = np.array_equal(np.asarray(predict(params, state, x)),
                           np.asarray(predict(reloaded["params"], reloaded["state"], x)))
     assert same, "reloaded model differs"
-    print(f"checkpoint {checkpoint} reloaded: same outputs")
-
-    plot_curves(losses, mious, args.out / "training.png")
-    print(f"final val mIoU {mious[-1]:.3f}; plot {args.out / 'training.png'}; "
-          f"{time.perf_counter() - start:.0f} s in all")
+    finish(checkpoint, losses, mious, args.out, start)
 
 
 if __name__ == "__main__":

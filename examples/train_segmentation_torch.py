@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 import sparsecore.torch as spconv
 from _segmentation_common import (BN_EPS, BN_MOMENTUM, IN_CHANNELS, NUM_CLASSES, WEIGHT_DECAY, class_weights,
-                                  confusion, epoch_orders, initial_weights, learning_rates, load_data, mean_iou,
-                                  parse_args, plot_curves, report_epoch)
+                                  confusion, epoch_orders, finish, initial_weights, learning_rates, load_data,
+                                  mean_iou, parse_args, report_epoch)
 
 
 def as_sparse(batch):
@@ -116,24 +116,40 @@ def load_initial_weights(model, weights):
     return model
 
 
-# ----------------------------------------------------------------------------- evaluation
+# ----------------------------------------------------------------------------- evaluation and training step
 
 
 @torch.no_grad()
-def evaluate(model, batches):
-    """``(mIoU, per-class IoU)`` over all points (BatchNorm on its running statistics).
+def point_confusion(model, batches):
+    """The confusion matrix over all points of ``batches`` (the model in the mode it is in).
 
     Each point gets its voxel's class (``gather_features_by_pc_voxel_id``); points outside
     the grid get zero logits, so they count as class 0 predictions.
     """
-    model.eval()
     matrix = 0
     for batch in batches:
         logits = model(as_sparse(batch))
         per_point = spconv.utils.gather_features_by_pc_voxel_id(logits, torch.from_numpy(batch.point_ids))
         matrix = matrix + confusion(batch.point_labels, per_point.argmax(dim=1).numpy())
+    return matrix
+
+
+def evaluate(model, batches):
+    """``(mIoU, per-class IoU)`` over all points (BatchNorm on its running statistics)."""
+    model.eval()
+    matrix = point_confusion(model, batches)
     model.train()
     return mean_iou(matrix)
+
+
+def train_step(model, batch, criterion, optimizer, scheduler):
+    """One optimizer step on one batch (and one scheduler step); returns the loss."""
+    loss = criterion(model(as_sparse(batch)), torch.from_numpy(batch.voxel_labels))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss.item()
 
 
 # ----------------------------------------------------------------------------- main
@@ -157,14 +173,8 @@ def main():
     for epoch, order in enumerate(epoch_orders(args.seed, args.epochs, len(train)), start=1):
         progress = tqdm(order, desc=f"epoch {epoch}/{args.epochs}", leave=False)
         for index in progress:
-            batch = train[index]
-            loss = criterion(model(as_sparse(batch)), torch.from_numpy(batch.voxel_labels))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            losses.append(loss.item())
-            progress.set_postfix(loss=f"{loss.item():.3f}")
+            losses.append(train_step(model, train[index], criterion, optimizer, scheduler))
+            progress.set_postfix(loss=f"{losses[-1]:.3f}")
         miou, ious = evaluate(model, val)
         mious.append(miou)
         report_epoch(epoch, losses, len(train), miou, ious)
@@ -178,11 +188,7 @@ def main():
     reloaded.eval()
     with torch.no_grad():
         assert torch.equal(model(as_sparse(val[0])), reloaded(as_sparse(val[0]))), "reloaded model differs"
-    print(f"checkpoint {checkpoint} reloaded: same outputs")
-
-    plot_curves(losses, mious, args.out / "training.png")
-    print(f"final val mIoU {mious[-1]:.3f}; plot {args.out / 'training.png'}; "
-          f"{time.perf_counter() - start:.0f} s in all")
+    finish(checkpoint, losses, mious, args.out, start)
 
 
 if __name__ == "__main__":

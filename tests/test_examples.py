@@ -17,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
+def _environment(**variables: str) -> dict[str, str]:
+    """This process's environment with the repository first on the import path (and ``variables``)."""
+    path = os.pathsep.join(part for part in (str(ROOT), os.environ.get("PYTHONPATH", "")) if part)
+    return dict(os.environ, PYTHONPATH=path, **variables)
+
+
 def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="2", MPLBACKEND="Agg", PYTHONPATH=str(ROOT))
+    env = _environment(OMP_NUM_THREADS="2", MPLBACKEND="Agg")
     result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=timeout)
     assert result.returncode == 0, f"{args} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
@@ -65,17 +71,21 @@ def test_spconv_drop_in(tmp_path: Path) -> None:
         assert "1x1 head built with spconv, its state_dict loaded unchanged" in out
 
 
-def test_train_segmentation_torch(tmp_path: Path) -> None:
-    _needs("torch", "matplotlib", "tqdm")
-    out = _run([str(EXAMPLES / "train_segmentation_torch.py"), "--epochs", "1", "--scenes", "2",
+@pytest.mark.parametrize("framework, needs, checkpoint", [
+    ("torch", ("torch",), "checkpoint.pt"),
+    ("jax", ("jax", "optax"), "checkpoint.npz"),
+])
+def test_train_segmentation(framework: str, needs: tuple[str, ...], checkpoint: str, tmp_path: Path) -> None:
+    _needs(*needs, "matplotlib", "tqdm")
+    out = _run([str(EXAMPLES / f"train_segmentation_{framework}.py"), "--epochs", "1", "--scenes", "2",
                 "--val-scenes", "1", "--points", "3000", "--out", str(tmp_path / "run")], tmp_path)
     assert "val mIoU" in out and "same outputs" in out
     assert (tmp_path / "run" / "training.png").stat().st_size > 0
-    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert (tmp_path / "run" / checkpoint).is_file()
 
 
 def test_quantize_int8(tmp_path: Path) -> None:
-    _needs("torch")
+    _needs("torch", "tqdm")  # it imports train_segmentation_torch, which shows a tqdm progress bar
     out = _run([str(EXAMPLES / "quantize_int8.py"), "--epochs", "1", "--qat-epochs", "1", "--scenes", "2",
                 "--calib-scenes", "2", "--val-scenes", "1", "--points", "3000", "--timing-voxels", "5000",
                 "--timing-repeats", "1", "--out", str(tmp_path / "run")], tmp_path, timeout=600)
@@ -89,15 +99,6 @@ def test_demo_jax_frontend(tmp_path: Path) -> None:
     out = _run(["-m", "sparsecore.demo", "--frontend", "jax"], tmp_path)
     assert "check passed" in out and "yes" in out.split("check passed", 1)[1].splitlines()[0], out
     assert "jax" in out.split("device", 1)[1].splitlines()[0], out
-
-
-def test_train_segmentation_jax(tmp_path: Path) -> None:
-    _needs("jax", "optax", "matplotlib", "tqdm")
-    out = _run([str(EXAMPLES / "train_segmentation_jax.py"), "--epochs", "1", "--scenes", "2",
-                "--val-scenes", "1", "--points", "3000", "--out", str(tmp_path / "run")], tmp_path)
-    assert "val mIoU" in out and "same outputs" in out
-    assert (tmp_path / "run" / "training.png").stat().st_size > 0
-    assert (tmp_path / "run" / "checkpoint.npz").is_file()
 
 
 def test_deploy_onnx(tmp_path: Path) -> None:
@@ -127,7 +128,7 @@ def test_gpu_request_without_a_gpu_is_one_clear_message(args: list[str]) -> None
     """Without a usable GPU: no traceback, one message saying so and how to run on the CPU."""
     if _gpu_visible():
         pytest.skip("a CUDA device is visible here")
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
+    env = _environment(OMP_NUM_THREADS="2")
     result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
