@@ -20,8 +20,10 @@ import torch
 import sparsecore as sc
 
 try:
+    from . import conv_cases
     from . import dense_oracle as do
 except ImportError:
+    import conv_cases
     import dense_oracle as do
 
 REGULAR = do.sample_cases("regular", 96, base_seed=1000)
@@ -89,14 +91,7 @@ def _dense_fn(case: do.ConvCase, indices, spatial_shape, transposed=False, outpu
     return fn
 
 
-def _expected_sites(case: do.ConvCase, indices):
-    if case.kind == "subm":
-        return indices
-    if case.kind == "regular":
-        return do.regular_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
-                                case.padding, case.dilation)
-    return do.transposed_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
-                               case.padding, case.dilation, case.output_padding)
+_expected_sites = conv_cases.expected_sites
 
 
 def _check_forward(case: do.ConvCase):

@@ -22,14 +22,13 @@ torch = pytest.importorskip("torch")
 spconv = pytest.importorskip("sparsecore.torch")
 
 try:
+    from . import conv_cases
     from . import dense_oracle as do
 except ImportError:
+    import conv_cases
     import dense_oracle as do
 
-REGULAR = do.sample_cases("regular", 24, base_seed=61000)
-SUBM = do.sample_cases("subm", 15, base_seed=62000)
-TRANSPOSED = do.sample_cases("transposed", 15, base_seed=63000)
-INVERSE = do.sample_cases("regular", 12, base_seed=64000)
+CASES = conv_cases.sample_case_sets(regular=24, subm=15, transposed=15, inverse=12, base_seed=61000)
 CASES_4D = (do.sample_cases("regular", 3, ndims=(4,), base_seed=65000, max_kernel=3, max_dilation=2)
             + do.sample_cases("subm", 2, ndims=(4,), base_seed=65100, max_kernel=3, max_dilation=2)
             + do.sample_cases("transposed", 2, ndims=(4,), base_seed=65200, max_kernel=3, max_dilation=2))
@@ -80,16 +79,6 @@ def _dense_fn(case, indices, transposed):
     return fn
 
 
-def _expected_sites(case, indices):
-    if case.kind == "subm":
-        return indices
-    if case.kind == "regular":
-        return do.regular_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
-                                case.padding, case.dilation)
-    return do.transposed_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
-                               case.padding, case.dilation, case.output_padding)
-
-
 def _run(layer, x, grad_out):
     out = layer(x)
     (out.features * torch.from_numpy(grad_out)).sum().backward()
@@ -100,7 +89,7 @@ def _check_against_dense(case: do.ConvCase):
     features, indices, weight = case.inputs()
     rng = do.make_rng(case.seed, 17)
     bias = rng.standard_normal(case.out_channels)
-    sites = _expected_sites(case, indices)
+    sites = conv_cases.expected_sites(case, indices)
     grad_out = do.random_features(rng, sites.shape[0], case.out_channels)
     oracle = do.evaluate(_dense_fn(case, indices, case.kind == "transposed"), features, sites, weight, bias,
                          grad_output=grad_out)
@@ -119,22 +108,22 @@ def _check_against_dense(case: do.ConvCase):
     do.assert_close(layer.bias.grad.numpy(), oracle.grad_bias, "grad bias")
 
 
-@pytest.mark.parametrize("case", REGULAR, ids=str)
+@pytest.mark.parametrize("case", CASES.regular, ids=str)
 def test_regular_conv_layer(case):
     _check_against_dense(case)
 
 
-@pytest.mark.parametrize("case", SUBM, ids=str)
+@pytest.mark.parametrize("case", CASES.subm, ids=str)
 def test_subm_conv_layer(case):
     _check_against_dense(case)
 
 
-@pytest.mark.parametrize("case", TRANSPOSED, ids=str)
+@pytest.mark.parametrize("case", CASES.transposed, ids=str)
 def test_transposed_conv_layer(case):
     _check_against_dense(case)
 
 
-@pytest.mark.parametrize("case", INVERSE, ids=str)
+@pytest.mark.parametrize("case", CASES.inverse, ids=str)
 def test_inverse_conv_layer(case):
     """SparseConv (indice_key) then SparseInverseConv: back on the input sites, in their order."""
     features, indices, weight = case.inputs()

@@ -15,7 +15,7 @@ from sparsecore.torch import _convert  # noqa: E402
 
 
 def test_core_view_shares_memory():
-    t = torch.randn(5, 3, dtype=torch.float64)
+    t = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(99001))
     view = _convert.core_view(t, "t")
     assert isinstance(view, np.ndarray)
     assert view.__array_interface__["data"][0] == t.data_ptr()
@@ -24,7 +24,7 @@ def test_core_view_shares_memory():
 
 
 def test_core_view_detaches_and_makes_contiguous():
-    t = torch.randn(4, 6, requires_grad=True)
+    t = torch.randn(4, 6, generator=torch.Generator().manual_seed(99002), requires_grad=True)
     assert _convert.core_view(t, "t").__array_interface__["data"][0] == t.data_ptr()
     strided = t.detach()[:, ::2]
     view = _convert.core_view(strided, "strided")
@@ -44,7 +44,8 @@ def test_layer_outputs_view_the_core_rulebook():
     rng = np.random.default_rng(0)
     flat = rng.choice(6 * 6 * 6, 40, replace=False)
     indices = np.column_stack([np.zeros(40, np.int32), *np.unravel_index(flat, (6, 6, 6))]).astype(np.int32)
-    x = spconv.SparseConvTensor(torch.randn(40, 2), torch.from_numpy(indices), [6, 6, 6], 1)
+    features = torch.randn(40, 2, generator=torch.Generator().manual_seed(99003))
+    x = spconv.SparseConvTensor(features, torch.from_numpy(indices), [6, 6, 6], 1)
     y = spconv.SparseConv3d(2, 2, 3, 2, 1, indice_key="d")(x)
     data = y.find_indice_pair("d")
     assert data.pair_input.data_ptr() == data.rulebook.pair_input.__array_interface__["data"][0]
@@ -61,6 +62,7 @@ def test_cpu_path_never_imports_cupy():
         import sys
         import torch
         import sparsecore.torch as spconv
+        torch.manual_seed(99004)
         indices = torch.tensor([[0, 1, 1, 1], [0, 2, 2, 2], [1, 0, 3, 1]], dtype=torch.int32)
         x = spconv.SparseConvTensor(torch.randn(3, 2, requires_grad=True), indices, [4, 4, 4], 2)
         model = spconv.SparseSequential(spconv.SubMConv3d(2, 3, 3, indice_key="s"),
