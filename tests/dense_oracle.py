@@ -221,25 +221,22 @@ def dense_max_pool(x_filled, kernel_size, stride, padding, dilation) -> torch.Te
 
 def dense_window_sum(x, kernel_size, stride, padding, dilation) -> torch.Tensor:
     """Per-channel sum over each (dilated) window: a depthwise conv with a ones kernel."""
-    ndim = x.dim() - 2
-    channels = x.shape[1]
-    ones = torch.ones((channels, 1, *as_tuple(kernel_size, ndim)), dtype=DTYPE)
-    return _CONV[ndim](
-        x, ones, None, stride=as_tuple(stride, ndim), padding=as_tuple(padding, ndim),
-        dilation=as_tuple(dilation, ndim), groups=channels,
-    )
+    return _depthwise_ones(_CONV, x, kernel_size, stride=stride, padding=padding, dilation=dilation)
 
 
 def dense_window_sum_transpose(x, kernel_size, stride, padding, dilation, output_padding=0):
     """Per-channel scatter of a transposed conv with a ones kernel."""
+    return _depthwise_ones(_CONV_T, x, kernel_size, stride=stride, padding=padding, dilation=dilation,
+                           output_padding=output_padding)
+
+
+def _depthwise_ones(functions, x, kernel_size, **per_axis) -> torch.Tensor:
+    """``functions[ndim]`` (torch's conv or transposed conv) of ``x`` with a depthwise ones kernel."""
     ndim = x.dim() - 2
     channels = x.shape[1]
     ones = torch.ones((channels, 1, *as_tuple(kernel_size, ndim)), dtype=DTYPE)
-    return _CONV_T[ndim](
-        x, ones, None, stride=as_tuple(stride, ndim), padding=as_tuple(padding, ndim),
-        output_padding=as_tuple(output_padding, ndim), groups=channels,
-        dilation=as_tuple(dilation, ndim),
-    )
+    return functions[ndim](x, ones, None, groups=channels,
+                           **{name: as_tuple(value, ndim) for name, value in per_axis.items()})
 
 
 def subm_padding(kernel_size, dilation, ndim) -> tuple[int, ...]:
