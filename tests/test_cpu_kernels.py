@@ -84,16 +84,22 @@ def test_accumulate_rows_against_pair_loop(specialised, dtype, monkeypatch):
     np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_fused_rule():
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 16, 16, 1)
+def test_fused_rule_follows_the_measurements():
+    # ungrouped: the forward runs fused above 32 x 32 up to 64 x 64; the backward never
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 16, 16, 1)
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 32, 32, 1)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 48, 48, 1)
     assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 1)
     assert not conv.fused_on_cpu(NUMPY_BACKEND, 128, 128, 1)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 256, 256, 4)  # 64 x 64 per group
-    assert not conv.fused_on_cpu(object(), 16, 16, 1)  # only the NumPy backend has fused kernels
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 16, 16, 1, "backward")  # narrow backward: BLAS
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 32, 32, 1, "backward")
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 1, "backward")
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 128, 128, 1, "backward")
+    for channels in (16, 32, 64):
+        assert not conv.fused_on_cpu(NUMPY_BACKEND, channels, channels, 1, "backward")
+    # grouped: the forward up to 64 x 64 per group, the backward up to 8 x 8 per group
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 64)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 256, 256, 4)
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 256, 256, 2)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 8, "backward")
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 4, "backward")
+    assert not conv.fused_on_cpu(object(), 64, 64, 1)  # only the NumPy backend has fused kernels
 
 
 def _layer_case(seed: int, kind: str, channels_in: int, channels_out: int, groups: int):
@@ -120,25 +126,30 @@ def _layer_case(seed: int, kind: str, channels_in: int, channels_out: int, group
 @pytest.mark.parametrize("kind, channels_in, channels_out, groups",
                          [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4)])
 def test_both_cpu_dataflows_match_the_dense_oracle(fused, kind, channels_in, channels_out, groups, monkeypatch):
-    monkeypatch.setattr(conv, "FUSED_MAX_MATRIX", 10**9 if fused else -1)
-    monkeypatch.setattr(conv, "FUSED_BACKWARD_MIN_MATRIX", -1)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, groups) is fused
-    assert conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, groups, "backward") is fused
+    calls = []
+
+    def choose(*arguments, **keywords):
+        calls.append(arguments)
+        return fused
+
+    monkeypatch.setattr(conv, "fused_on_cpu", choose)  # the conv passes ask this name: both stages forced
     features, weight, rulebook, grad_output, oracle = _layer_case(1403, kind, channels_in, channels_out, groups)
     out = sc.conv_forward(features, weight, rulebook, groups=groups)
     do.assert_close(out, oracle.values, "conv_forward")
     grad_features, grad_weight = sc.conv_backward(grad_output, features, weight, rulebook, groups=groups)
     do.assert_close(grad_features, oracle.grad_features, "grad_features")
     do.assert_close(grad_weight, oracle.grad_weight, "grad_weight")
+    assert len(calls) == 2  # the forward and the backward each asked once
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_fused_low_precision_storage(dtype):
-    features, weight, rulebook, _, _ = _layer_case(1404, "subm", 8, 8, 1)
-    out = sc.conv_forward(features.astype(dtype), weight.astype(dtype), rulebook)
+    features, weight, rulebook, _, _ = _layer_case(1404, "subm", 8, 8, 2)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 8, 8, 2)
+    out = sc.conv_forward(features.astype(dtype), weight.astype(dtype), rulebook, groups=2)
     assert out.dtype == dtype
     reference = sc.conv_forward(features.astype(dtype).astype(np.float64), weight.astype(dtype).astype(np.float64),
-                                rulebook)
+                                rulebook, groups=2)
     np.testing.assert_allclose(out.astype(np.float64), reference, rtol=2e-3 if dtype == np.float16 else 1e-5,
                                atol=2e-2 if dtype == np.float16 else 1e-5)
 
@@ -148,10 +159,10 @@ def test_fused_empty_input():
     indices = np.zeros((0, 4), dtype=np.int32)
     rulebook = sc.build_rulebook(indices, (4, 4, 4), 1, geometry)
     features = np.zeros((0, 8), dtype=np.float32)
-    weight = np.random.default_rng(1405).standard_normal((8, 3, 3, 3, 8)).astype(np.float32)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 8, 8, 1)
-    assert sc.conv_forward(features, weight, rulebook).shape == (0, 8)
-    grad_features, grad_weight = sc.conv_backward(np.zeros((0, 8), np.float32), features, weight, rulebook)
+    weight = np.random.default_rng(1405).standard_normal((8, 3, 3, 3, 2)).astype(np.float32)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 8, 8, 4) and conv.fused_on_cpu(NUMPY_BACKEND, 8, 8, 4, "backward")
+    assert sc.conv_forward(features, weight, rulebook, groups=4).shape == (0, 8)
+    grad_features, grad_weight = sc.conv_backward(np.zeros((0, 8), np.float32), features, weight, rulebook, groups=4)
     assert grad_features.shape == (0, 8) and grad_weight.shape == weight.shape
     assert not grad_weight.any()
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import sparsecore as sc
-from sparsecore import conv
+from sparsecore import _conv_products, conv
 from sparsecore.backends import _cublas_gemm as gemm_module
 from sparsecore.backends._cublas_gemm import CublasGemm, operand_layout, tf32_from_environment
 
@@ -182,7 +182,7 @@ def test_weight_views_of_the_conv_are_read_in_place():
     rng = rng_for(33)
     out_channels, volume, in_channels = 6, 27, 4
     weight = rng.uniform(-2, 2, (out_channels, 3, 3, 3, in_channels)).astype(np.float32)
-    matrices = conv._offset_matrices(weight, 1, np.float32)[:, 0]  # [K, in, out], a strided view of the weight
+    matrices = _conv_products.offset_matrices(weight, 1, np.float32)[:, 0]  # [K, in, out], a strided view
     transposed = matrices.transpose(0, 2, 1)  # [K, out, in], the backward's
     rows = rng.uniform(-2, 2, (volume, 5, in_channels)).astype(np.float32)
     grads = rng.uniform(-2, 2, (volume, 5, out_channels)).astype(np.float32)

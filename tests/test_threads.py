@@ -35,21 +35,23 @@ SCRIPT = textwrap.dedent(
     _cpu_kernels.SERIAL_MAX_WORK = 0  # these small layers too run on every thread
 
     rng = np.random.default_rng(20261202)
-    shape, batch, channels = (12, 40, 40), 2, 48  # 48: fused forward and backward
+    shape, batch, channels = (12, 40, 40), 2, 48  # 48: fused forward, per-offset backward
     cells = rng.choice(batch * int(np.prod(shape)), 3000, replace=False)
     indices = np.stack(np.unravel_index(cells, (batch,) + shape), 1).astype(np.int32)
     features = rng.standard_normal((len(indices), channels)).astype(np.float32)
     out = {"indices": indices.tolist(), "features": features.tolist()}
     wide = rng.standard_normal((len(indices), 80)).astype(np.float32)
     out["wide_features"] = wide.tolist()
-    for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2), ("wide", "subm", 1)):
+    for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2), ("wide", "subm", 1),
+                               ("grouped", "subm", 1)):
         source = wide if name == "wide" else features  # 80 channels: the per-offset BLAS dataflow
-        weight = rng.standard_normal((source.shape[1], 3, 3, 3, source.shape[1])).astype(np.float32)
+        groups = 8 if name == "grouped" else 1  # 6 x 6 per group: fused forward and backward
+        weight = rng.standard_normal((source.shape[1], 3, 3, 3, source.shape[1] // groups)).astype(np.float32)
         geometry = sc.ConvGeometry.create(3, 3, stride=stride, padding=1, kind=kind)
         rulebook = sc.build_rulebook(indices, shape, batch, geometry)
-        y = sc.conv_forward(source, weight, rulebook)
+        y = sc.conv_forward(source, weight, rulebook, groups=groups)
         grad = rng.standard_normal(y.shape).astype(np.float32)
-        grad_features, grad_weight = sc.conv_backward(grad, source, weight, rulebook)
+        grad_features, grad_weight = sc.conv_backward(grad, source, weight, rulebook, groups=groups)
         out[name] = {
             "weight": weight.tolist(), "grad": grad.tolist(),
             "sites": rulebook.output_indices.tolist(), "y": y.tolist(),
@@ -86,8 +88,9 @@ def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
     weight = torch.tensor(run[name]["weight"], dtype=torch.float64, requires_grad=True)
     dense = torch.zeros((batch,) + shape + (features.shape[1],), dtype=torch.float64)
     dense = dense.index_put(tuple(indices.T), features).permute(0, 4, 1, 2, 3)
+    groups = features.shape[1] // weight.shape[-1]
     result = torch.nn.functional.conv3d(dense, weight.permute(0, 4, 1, 2, 3), stride=stride,
-                                        padding=padding)
+                                        padding=padding, groups=groups)
     sites = torch.tensor(run[name]["sites"], dtype=torch.long)
     picked = result.permute(0, 2, 3, 4, 1)[tuple(sites.T)]
     (picked * torch.tensor(run[name]["grad"], dtype=torch.float64)).sum().backward()
@@ -98,7 +101,7 @@ def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
 def test_conv_correct_at_thread_count(threads: int) -> None:
     run = _run(threads)
     assert run["threads"] == threads
-    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1)):
+    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1)):
         expected_y, expected_grad_features, expected_grad_weight = _dense_oracle(run, name, stride, 1)
         np.testing.assert_allclose(run[name]["y"], expected_y, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(run[name]["grad_features"], expected_grad_features, rtol=1e-4, atol=1e-3)
@@ -108,7 +111,7 @@ def test_conv_correct_at_thread_count(threads: int) -> None:
 def test_bitwise_identical_at_1_2_and_4_threads() -> None:
     runs = {threads: _run(threads) for threads in (1, 2, 4)}
     assert [run["threads"] for run in runs.values()] == [1, 2, 4]
-    for name in ("subm", "regular", "wide"):
+    for name in ("subm", "regular", "wide", "grouped"):
         for field in ("y", "grad_features", "grad_weight"):
             reference = np.asarray(runs[1][name][field], dtype=np.float32)
             for threads in (2, 4):

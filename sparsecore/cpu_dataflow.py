@@ -1,0 +1,199 @@
+"""The CPU side of the convolution feature passes: which dataflow runs a layer, on how many threads.
+
+Two dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
+
+- per offset: gather the offset's input rows, one BLAS GEMM, scatter-add the
+  products (the dataflow every backend runs);
+- fused: a compiled output-stationary loop over a neighbour table
+  (`sparsecore.backends._cpu_kernels`), each destination row summing its
+  offsets in a fixed order, with no intermediate arrays.
+
+`fused_on_cpu` chooses per layer and per stage from the per-group weight
+matrix and the groups alone, never from the thread count, so results stay
+bitwise identical at every thread count. The thresholds come from interleaved
+A/B runs of both dataflows on the real scan (125,562 voxels, SubMConv3d k3,
+788,888 pairs) at one thread, forward / backward in ms (fused vs per offset):
+
+=================  ===================  ===================
+layer              forward              backward
+=================  ===================  ===================
+4 -> 4             61 vs 20             69 vs 31
+16 -> 16           54 vs 28             81 vs 49
+32 -> 32           201 vs 61            259 vs 121
+48 -> 48           155 vs 221           342 vs 348
+64 -> 64           174 vs 183           391 vs 351
+64 -> 64 s2        111 vs 96            195 vs 190
+64, 64 groups      102 vs 460           500 vs 742
+64, 16 groups      121 vs 275           356 vs 486
+64, 8 groups       139 vs 270           402 vs 419
+64, 4 groups       213 vs 214           419 vs 369
+128, 2 groups      378 vs 620           1142 vs 1028
+=================  ===================  ===================
+
+Ungrouped layers are bound by the gathers and scatters, which NumPy and BLAS
+do well up to 32 channels; grouped layers run one small batched GEMM per
+offset on the per-offset dataflow, which the fused loop beats. On the CPU,
+BLAS runs on one thread inside a pass and the per-offset products run side by
+side on `sparsecore.threads`' thread count, summed in offset order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from typing import Any, Callable, Sequence
+
+from . import threads
+from ._conv_products import grouped_outer
+from .backends import ArrayBackend, NumpyBackend
+from .backends import _cpu_kernels
+from .rulebook import PairMap, Rulebook
+
+__all__ = [
+    "FUSED_MAX_MATRIX",
+    "FUSED_FORWARD_MIN_MATRIX",
+    "FUSED_GROUPED_BACKWARD_MAX_MATRIX",
+    "fused_on_cpu",
+    "cpu_blas_threads",
+    "pass_workers",
+    "map_in_order",
+    "waves",
+    "fused_forward",
+    "fused_backward",
+]
+
+FUSED_MAX_MATRIX = 64 * 64
+"""Largest per-group weight matrix (``in_per_group * out_per_group``) run by the fused CPU kernels;
+larger ones run per-offset BLAS GEMMs."""
+
+FUSED_FORWARD_MIN_MATRIX = 32 * 32
+"""An ungrouped layer's forward runs fused only above this matrix (up to `FUSED_MAX_MATRIX`):
+at and below it the per-offset gathers, GEMMs and scatters were 2-3x faster (16 -> 16: 28 ms
+against 54 ms on the real scan, one thread)."""
+
+FUSED_GROUPED_BACKWARD_MAX_MATRIX = 8 * 8
+"""A grouped layer's backward runs fused up to this per-group matrix; an ungrouped layer's backward
+never does (the per-offset backward was as fast or faster at every width measured)."""
+
+
+def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int,
+                 stage: str = "forward") -> bool:
+    """Whether a layer's pass runs the fused CPU dataflow (`sparsecore.backends._cpu_kernels`) rather than BLAS.
+
+    Forward: grouped layers up to `FUSED_MAX_MATRIX` per group, ungrouped ones above
+    `FUSED_FORWARD_MIN_MATRIX` and up to `FUSED_MAX_MATRIX`. Backward: grouped
+    layers up to `FUSED_GROUPED_BACKWARD_MAX_MATRIX` per group. The choice depends on
+    sizes only, never on the thread count, so results stay bitwise identical at every
+    thread count (the measurements are in this module's docstring).
+
+    Args:
+        backend: the layer's backend (only the NumPy backend has fused kernels).
+        in_channels: input channels.
+        out_channels: output channels.
+        groups: channel groups.
+        stage: ``"forward"`` or ``"backward"``.
+
+    Returns:
+        True for the fused dataflow.
+    """
+    if not isinstance(backend, NumpyBackend):
+        return False
+    matrix = (in_channels // groups) * (out_channels // groups)
+    if matrix > FUSED_MAX_MATRIX:
+        return False
+    if stage == "backward":
+        return groups > 1 and matrix <= FUSED_GROUPED_BACKWARD_MAX_MATRIX
+    return groups > 1 or matrix > FUSED_FORWARD_MIN_MATRIX
+
+
+def cpu_blas_threads(backend: ArrayBackend) -> contextlib.AbstractContextManager[Any]:
+    """On the NumPy backend, BLAS on one thread inside the pass; the pass itself runs offsets in parallel.
+
+    OpenBLAS's results for one product differ in the last bits between processes
+    started with different thread counts; one BLAS thread per product, with the
+    products of several offsets computed side by side (`map_in_order`), keeps
+    every CPU pass bitwise identical at every thread count.
+    """
+    if isinstance(backend, NumpyBackend):
+        return threads.blas_threads(1)
+    return contextlib.nullcontext()
+
+
+def pass_workers(backend: ArrayBackend, rulebook: Rulebook | PairMap, in_channels: int, out_channels: int) -> int:
+    """How many offsets a pass computes side by side: `sparsecore.threads`' count on the CPU, else 1.
+
+    Layers below `_cpu_kernels.SERIAL_MAX_WORK` (pairs times channels) run on the calling thread:
+    starting workers costs more than they save there.
+    """
+    if not isinstance(backend, NumpyBackend):
+        return 1
+    if rulebook.num_pairs * (in_channels + out_channels) < _cpu_kernels.SERIAL_MAX_WORK:
+        return 1
+    return threads.get_num_threads()
+
+
+def map_in_order(workers: int, function: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``[function(item) for item in items]``, on ``workers`` threads when more than one (results in order)."""
+    if workers <= 1 or len(items) <= 1:
+        return [function(item) for item in items]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        return list(pool.map(function, items))
+
+
+def waves(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    """``items`` cut into consecutive groups of ``size`` (at least 1)."""
+    size = max(1, size)
+    return [items[start:start + size] for start in range(0, len(items), size)]
+
+
+def fused_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
+    """``out += conv(source)``, output-stationary over the rulebook's neighbour table.
+
+    Args:
+        source: ``[N_in, g * a]`` C-contiguous float32/float64.
+        matrices: ``[K, g, a, b]`` C-contiguous, ``source``'s dtype.
+        rulebook: the layer's rulebook.
+        out: ``[N_out, g * b]`` C-contiguous, holding the initial values (zeros or the bias).
+    """
+    table = _cpu_kernels.neighbour_table(rulebook.pair_output, rulebook.pair_input, tuple(rulebook.offset_starts),
+                                         rulebook.num_output)
+    _cpu_kernels.accumulate_rows(source, table, matrices, out, rulebook.num_pairs)
+
+
+def fused_backward(backend: ArrayBackend, source: Any, grad: Any, matrices: Any,
+                   rulebook: Rulebook | PairMap) -> tuple[Any, Any]:
+    """d-features input-stationary over the transposed map (fused); d-weights one BLAS GEMM per offset.
+
+    Per-offset ``gathered_source^T @ gathered_grad`` on BLAS beat a compiled
+    blocked outer-product kernel 2-4x at 16 and 64 channels.
+
+    Args:
+        backend: the NumPy backend.
+        source: ``[N_in, g * a]`` the forward's features, C-contiguous.
+        grad: ``[N_out, g * b]`` the output gradient, C-contiguous.
+        matrices: ``[K, g, a, b]`` C-contiguous.
+        rulebook: the layer's rulebook.
+
+    Returns:
+        ``(grad_features [N_in, g * a], grad_matrices [K, g, a, b])`` in ``source``'s dtype.
+    """
+    xp = backend.xp
+    starts = tuple(rulebook.offset_starts)
+    table = _cpu_kernels.neighbour_table(rulebook.pair_input, rulebook.pair_output, starts, rulebook.num_input)
+    grad_features = xp.zeros(source.shape, dtype=source.dtype)
+    transposed = xp.ascontiguousarray(matrices.transpose(0, 1, 3, 2))
+    _cpu_kernels.accumulate_rows(grad, table, transposed, grad_features, rulebook.num_pairs)
+    groups = matrices.shape[1]
+    grad_matrices = xp.zeros(matrices.shape, dtype=source.dtype)
+
+    def outer(offset: int) -> Any:
+        start, stop = starts[offset], starts[offset + 1]
+        gathered_source = backend.gather_rows(source, rulebook.pair_input[start:stop])
+        gathered_grad = backend.gather_rows(grad, rulebook.pair_output[start:stop])
+        return grouped_outer(backend, gathered_source, gathered_grad, groups)
+
+    offsets = [offset for offset in range(len(starts) - 1) if starts[offset + 1] > starts[offset]]
+    workers = pass_workers(backend, rulebook, source.shape[1], grad.shape[1])
+    for offset, product in zip(offsets, map_in_order(workers, outer, offsets)):
+        grad_matrices[offset] = product
+    return grad_features, grad_matrices
