@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import _voxel_math
-from .interop import INT32_MAX, array_module, check_same_device, to_core_array
+from .voxels import BatchedVoxels, Voxels, gather_voxel_features, voxel_means
+from .interop import INT32_MAX, INT64_MAX, array_module, check_same_device, to_core_array
 
 __all__ = [
     "VoxelGrid",
@@ -175,64 +176,13 @@ class VoxelGrid:
     def check_key_capacity(self, batch_size: int = 1) -> None:
         """Raises ValueError when ``batch_size * prod(grid_size)`` keys overflow int64."""
         cells = _voxel_math.cell_count(self.grid_size)
-        if batch_size * cells > _voxel_math.INT64_MAX:
+        if batch_size * cells > INT64_MAX:
             raise ValueError(
                 f"voxel keys overflow int64: batch_size {batch_size} x grid_size {self.grid_size} "
                 f"(zyx) = {batch_size * cells} cells > 2^63 - 1 (voxel_size {self.voxel_size}, "
                 f"coordinate_range {self.coordinate_range}). Use a larger voxel_size, a smaller "
                 "coordinate_range, or fewer clouds per call."
             )
-
-
-@dataclass(frozen=True, eq=False)
-class Voxels:
-    """Result of :func:`voxelize` (``M`` voxels, ``P`` input points, ``D`` axes, ``F`` features).
-
-    Attributes:
-        voxels: ``[M, max_num_points_per_voxel, F]`` the points' dtype; stored points
-            in input order, then zero padding (or the voxel mean with ``empty_mean``).
-        indices: ``[M, D]`` int32 voxel coordinates, zyx, no batch column.
-        num_points_per_voxel: ``[M]`` int32, stored points (``<= max_num_points_per_voxel``).
-        point_voxel_id: ``[P]`` int64 voxel row of each point, ``-1`` when dropped.
-        grid_size: cells per axis, zyx.
-    """
-
-    voxels: Any
-    indices: Any
-    num_points_per_voxel: Any
-    point_voxel_id: Any
-    grid_size: tuple[int, ...]
-
-    @property
-    def num_voxels(self) -> int:
-        """``M``."""
-        return int(self.indices.shape[0])
-
-
-@dataclass(frozen=True, eq=False)
-class BatchedVoxels:
-    """Result of :func:`voxelize_batch`: rows of all clouds, cloud after cloud.
-
-    Attributes:
-        voxels: ``[M, max_num_points_per_voxel, F]``, as in :class:`Voxels`.
-        indices: ``[M, 1 + D]`` int32, the cloud's index in column 0, then zyx.
-        num_points_per_voxel: ``[M]`` int32.
-        point_voxel_id: one ``[P_b]`` int64 array per cloud: rows into this batch, ``-1`` dropped.
-        batch_size: number of clouds ``B``.
-        grid_size: cells per axis, zyx.
-    """
-
-    voxels: Any
-    indices: Any
-    num_points_per_voxel: Any
-    point_voxel_id: tuple[Any, ...]
-    batch_size: int
-    grid_size: tuple[int, ...]
-
-    @property
-    def num_voxels(self) -> int:
-        """``M``, over all clouds."""
-        return int(self.indices.shape[0])
 
 
 def _check_count(value: Any, name: str, meaning: str) -> int:
@@ -353,63 +303,3 @@ def voxelize_batch(point_clouds: Sequence[Any], voxel_size: Sequence[float],
         bounds.append(bounds[-1] + size)
     ids = tuple(result.point_voxel_id[bounds[b] : bounds[b + 1]] for b in range(batch_size))
     return BatchedVoxels(result.voxels, indices, result.num_points_per_voxel, ids, batch_size, grid.grid_size)
-
-
-def voxel_means(voxels: Voxels | BatchedVoxels) -> Any:
-    """Mean of the stored points of each voxel.
-
-    Args:
-        voxels: a :class:`Voxels` or :class:`BatchedVoxels` (zero- or mean-padded).
-
-    Returns:
-        ``[M, F]`` array of the voxels' dtype. Points beyond ``max_num_points_per_voxel``
-        were not stored and do not count.
-    """
-    if not isinstance(voxels, (Voxels, BatchedVoxels)):
-        raise TypeError(
-            f"voxels must be the Voxels or BatchedVoxels returned by voxelize / voxelize_batch, "
-            f"got {type(voxels).__name__}."
-        )
-    xp = array_module(voxels.voxels)
-    return _voxel_math.masked_means(xp, voxels.voxels, voxels.num_points_per_voxel)
-
-
-def gather_voxel_features(voxel_features: Any, point_voxel_id: Any, invalid_value: float = 0) -> Any:
-    """Hands per-voxel results back to the points (spconv ``gather_features_by_pc_voxel_id``).
-
-    Args:
-        voxel_features: ``[M, C]`` (or ``[M, ...]``) one row per voxel.
-        point_voxel_id: ``[P]`` integer voxel row of each point, ``-1`` for dropped points
-            (``Voxels.point_voxel_id``; for a batch, one of ``BatchedVoxels.point_voxel_id``
-            or their concatenation).
-        invalid_value: value of the rows of dropped points.
-
-    Returns:
-        ``[P, C]`` array of ``voxel_features``' dtype: row ``p`` is ``voxel_features[id[p]]``.
-
-    Raises:
-        ValueError, TypeError: for ids that are not 1-D integers in ``[-1, M)``.
-    """
-    features = to_core_array(voxel_features, "voxel_features")
-    ids = to_core_array(point_voxel_id, "point_voxel_id")
-    check_same_device(voxel_features=features, point_voxel_id=ids)
-    if features.ndim < 1:
-        raise ValueError("voxel_features must have a leading voxel axis [M, C], got a scalar.")
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise TypeError(
-            f"point_voxel_id must be a 1-D integer array [P] (as voxelize returns), got shape "
-            f"{tuple(ids.shape)} dtype {ids.dtype}."
-        )
-    xp = array_module(features)
-    num_voxels = int(features.shape[0])
-    if ids.shape[0] > 0:
-        low, high = int(ids.min()), int(ids.max())
-        if low < -1 or high >= num_voxels:
-            raise ValueError(
-                f"point_voxel_id must lie in [-1, {num_voxels}) for voxel_features with {num_voxels} "
-                f"rows, got values in [{low}, {high}]. Pass the ids from the same voxelize call."
-            )
-    out = xp.full((int(ids.shape[0]),) + tuple(features.shape[1:]), invalid_value, dtype=features.dtype)
-    valid = xp.flatnonzero(ids >= 0)
-    out[valid] = features[ids[valid]]
-    return out
