@@ -118,16 +118,22 @@ def _model(kind: type, seed: int) -> nn.Module:
     return _randomize_batch_norms(kind(), seed)
 
 
+def _model_input_and_output(kind: type, seed: int):
+    """A seeded model of ``kind``, an input (seed + 1) and the eval model's output on it (the oracle)."""
+    model = _model(kind, seed)
+    x, features, indices = _input(seed + 1)
+    with torch.no_grad():
+        expected = model(x).numpy()
+    return model, x, features, indices, expected
+
+
 def _node_ops(model) -> list[str]:
     return [node.op_type for node in model.graph.node]
 
 
 @pytest.mark.parametrize("kind", [SecondStyle, Residual])
 def test_float32_round_trip_equals_the_torch_model(kind: type, tmp_path: Path) -> None:
-    model = _model(kind, 1)
-    x, features, indices = _input(2)
-    with torch.no_grad():
-        expected = model(x).numpy()
+    model, x, features, indices, expected = _model_input_and_output(kind, 1)
     exported = spconv.export_onnx(model, x, tmp_path / "model.onnx", precision="fp32", strict=False)
     onnx.checker.check_model(onnx.load(tmp_path / "model.onnx"))
     assert "BatchNormalization" not in _node_ops(exported)
@@ -138,10 +144,7 @@ def test_float32_round_trip_equals_the_torch_model(kind: type, tmp_path: Path) -
 
 @pytest.mark.parametrize("kind", [SecondStyle, Residual])
 def test_fp16_round_trip_is_within_fp16_tolerance(kind: type, tmp_path: Path) -> None:
-    model = _model(kind, 3)
-    x, features, indices = _input(4)
-    with torch.no_grad():
-        expected = model(x).numpy()
+    model, x, features, indices, expected = _model_input_and_output(kind, 3)
     spconv.export_onnx(model, x, tmp_path / "model.onnx", strict=kind is SecondStyle)
     scale = np.abs(expected).max()
     for dtype in ("float32", "float16"):
@@ -343,8 +346,8 @@ def test_training_mode_empty_input_and_int8_are_refused(tmp_path: Path) -> None:
     empty = spconv.SparseConvTensor(torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.int32), [9, 12, 10], 1)
     with pytest.raises(spconv.ExportError, match="no active sites"):
         spconv.export_onnx(model, empty, path)
-    with pytest.raises(spconv.ExportError, match="int8.*not written yet"):
-        spconv.export_onnx(model, x, path, precision="int8")
+    with pytest.raises(spconv.ExportError, match="precision='int8' exports a model converted by the INT8"):
+        spconv.export_onnx(model, x, path, precision="int8")  # a float model (tests/test_onnx_int8.py: converted)
     with pytest.raises(spconv.ExportError, match="fp32.*strict=False"):
         spconv.export_onnx(model, x, path, precision="fp32")
     with pytest.raises(ValueError, match="precision must be one of"):
