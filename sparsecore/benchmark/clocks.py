@@ -2,9 +2,9 @@
 
 A clock hands out marks (a ``time.perf_counter`` reading, or a CUDA event
 recorded on the current stream) and turns two marks into milliseconds once
-the device has caught up. Three clocks share that shape: `HostClock` (NumPy),
-`CupyEventClock` (sparsecore on CuPy arrays) and `TorchEventClock` (spconv on
-torch CUDA tensors). `StageRecorder` sums marked intervals per label, and
+the device has caught up. Two clocks share that shape: `HostClock` (NumPy)
+and `EventClock`, made for CuPy (`CupyEventClock`, sparsecore on CuPy arrays)
+or for torch (`TorchEventClock`, spconv on torch CUDA tensors). `StageRecorder` sums marked intervals per label, and
 `InstrumentedBackend` wraps an array backend so that its gather, matrix
 product and scatter primitives are recorded as stages: that is how the
 benchmark splits a convolution into gather, GEMM and scatter time without
@@ -29,6 +29,7 @@ from sparsecore.benchmark.timing import median_seconds_with_setup
 __all__ = [
     "Clock",
     "HostClock",
+    "EventClock",
     "CupyEventClock",
     "TorchEventClock",
     "measure_median_ms",
@@ -66,47 +67,41 @@ class HostClock:
 
 
 @dataclass(frozen=True)
-class CupyEventClock:
-    """CUDA events recorded on CuPy's current stream.
+class EventClock:
+    """CUDA events recorded on a library's current stream; `CupyEventClock` and `TorchEventClock` make one.
 
     Attributes:
-        cupy: the ``cupy`` module.
+        new_event: makes an (unrecorded) timing event.
+        wait: waits for the library's current stream (or device).
+        event_ms: milliseconds between two recorded events, once they have completed.
     """
 
-    cupy: Any
+    new_event: Callable[[], Any]
+    wait: Callable[[], None]
+    event_ms: Callable[[Any, Any], float]
 
     def mark(self) -> Any:
-        event = self.cupy.cuda.Event()
+        event = self.new_event()
         event.record()
         return event
 
     def synchronize(self) -> None:
-        self.cupy.cuda.get_current_stream().synchronize()
+        self.wait()
 
     def elapsed_ms(self, start: Any, stop: Any) -> float:
-        return float(self.cupy.cuda.get_elapsed_time(start, stop))
+        return float(self.event_ms(start, stop))
 
 
-@dataclass(frozen=True)
-class TorchEventClock:
-    """CUDA events recorded on torch's current stream (for spconv).
+def CupyEventClock(cupy: Any) -> EventClock:  # noqa: N802 (named as the clock it makes)
+    """CUDA events on CuPy's current stream (sparsecore on CuPy arrays); ``cupy``: the module."""
+    return EventClock(cupy.cuda.Event, lambda: cupy.cuda.get_current_stream().synchronize(),
+                      cupy.cuda.get_elapsed_time)
 
-    Attributes:
-        torch: the ``torch`` module.
-    """
 
-    torch: Any
-
-    def mark(self) -> Any:
-        event = self.torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def synchronize(self) -> None:
-        self.torch.cuda.synchronize()
-
-    def elapsed_ms(self, start: Any, stop: Any) -> float:
-        return float(start.elapsed_time(stop))
+def TorchEventClock(torch: Any) -> EventClock:  # noqa: N802 (named as the clock it makes)
+    """CUDA events on torch's current stream (spconv on torch CUDA tensors); ``torch``: the module."""
+    return EventClock(lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize,
+                      lambda start, stop: start.elapsed_time(stop))
 
 
 def measure_median_ms(clock: Clock, function: Callable[[Any], Any], setup: Callable[[], Any],
