@@ -123,8 +123,29 @@ def _model_input_and_output(kind: type, seed: int):
     model = _model(kind, seed)
     x, features, indices = _input(seed + 1)
     with torch.no_grad():
-        expected = model(x).numpy()
+        expected = model(x)
     return model, x, features, indices, expected
+
+
+def _exported_program(kind: type, seed: int):
+    """``torch.export`` of a seeded model with dynamic sites, checked on its example input against the eager
+    model; returns the model, the program and the names of the ops the program calls."""
+    from sparsecore.torch.exportable import sites_dynamic_shapes
+
+    model, x, _, _, expected = _model_input_and_output(kind, seed)
+    program = torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),))
+    torch.testing.assert_close(program.module()(x), expected, rtol=1e-5, atol=1e-5)
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    return model, program, targets
+
+
+def _check_saved_program_on_other_sites(model: nn.Module, program, path: Path, seed: int, num: int) -> None:
+    """Saves and reloads the program and checks it on other sites, another count (not tied to the example)."""
+    torch.export.save(program, path)
+    other, _, _ = _input(seed, num=num)
+    with torch.no_grad():
+        expected = model(other)
+    torch.testing.assert_close(torch.export.load(path).module()(other), expected, rtol=1e-5, atol=1e-5)
 
 
 def _node_ops(model) -> list[str]:
@@ -134,6 +155,7 @@ def _node_ops(model) -> list[str]:
 @pytest.mark.parametrize("kind", [SecondStyle, Residual])
 def test_float32_round_trip_equals_the_torch_model(kind: type, tmp_path: Path) -> None:
     model, x, features, indices, expected = _model_input_and_output(kind, 1)
+    expected = expected.numpy()
     exported = spconv.export_onnx(model, x, tmp_path / "model.onnx", precision="fp32", strict=False)
     onnx.checker.check_model(onnx.load(tmp_path / "model.onnx"))
     assert "BatchNormalization" not in _node_ops(exported)
@@ -145,6 +167,7 @@ def test_float32_round_trip_equals_the_torch_model(kind: type, tmp_path: Path) -
 @pytest.mark.parametrize("kind", [SecondStyle, Residual])
 def test_fp16_round_trip_is_within_fp16_tolerance(kind: type, tmp_path: Path) -> None:
     model, x, features, indices, expected = _model_input_and_output(kind, 3)
+    expected = expected.numpy()
     spconv.export_onnx(model, x, tmp_path / "model.onnx", strict=kind is SecondStyle)
     scale = np.abs(expected).max()
     for dtype in ("float32", "float16"):
@@ -389,24 +412,11 @@ def test_sparse_conv_tensor_is_a_pytree_node() -> None:
 # res2 (shared with `fused`), head (a SubM 1x1 ignores its key), transposed; the inverse conv reuses `down`'s
 @pytest.mark.parametrize("kind, builds, convs", [(SecondStyle, 4, 5), (Residual, 6, 10)])
 def test_torch_export_round_trip(kind: type, builds: int, convs: int, tmp_path: Path) -> None:
-    from sparsecore.torch.exportable import sites_dynamic_shapes
-
-    model = _model(kind, 19)
-    x, _, _ = _input(20)
-    with torch.no_grad():
-        expected = model(x)
-    program = torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),))
-    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    model, program, targets = _exported_program(kind, 19)
     # geometry and feature passes are the two sparsecore ops; shared indice_keys build once
     assert targets.count("sparsecore.export_rulebook.default") == builds
     assert targets.count("sparsecore.export_conv.default") == convs
-    torch.testing.assert_close(program.module()(x), expected, rtol=1e-5, atol=1e-5)
-    torch.export.save(program, tmp_path / "model.pt2")
-    loaded = torch.export.load(tmp_path / "model.pt2")
-    other, _, _ = _input(21, num=180)  # other sites, another count: the program is not tied to the example
-    with torch.no_grad():
-        expected_other = model(other)
-    torch.testing.assert_close(loaded.module()(other), expected_other, rtol=1e-5, atol=1e-5)
+    _check_saved_program_on_other_sites(model, program, tmp_path / "model.pt2", 21, num=180)
 
 
 class Pooled(nn.Module):
@@ -426,17 +436,10 @@ class Pooled(nn.Module):
 
 
 def test_torch_export_round_trip_with_pooling(tmp_path: Path) -> None:
-    from sparsecore.torch.exportable import sites_dynamic_shapes
-
-    model = _model(Pooled, 24)
-    x, _, _ = _input(25)
-    with torch.no_grad():
-        expected = model(x)
-    program = torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),))
-    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    model, program, targets = _exported_program(Pooled, 24)
     assert targets.count("sparsecore.export_pool.default") == 2
     assert targets.count("sparsecore.export_rulebook.default") == 4  # s1, pool1, s2, avg (the inverse reuses)
-    torch.testing.assert_close(program.module()(x), expected, rtol=1e-5, atol=1e-5)
+    _check_saved_program_on_other_sites(model, program, tmp_path / "pooled.pt2", 26, num=150)
     torch.export.save(program, tmp_path / "pooled.pt2")
     other, _, _ = _input(26, num=150)
     with torch.no_grad():
