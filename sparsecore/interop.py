@@ -49,6 +49,7 @@ __all__ = [
     "check_dense_size",
     "check_indices_in_range",
     "check_integer_array",
+    "check_rank",
     "check_same_device",
     "check_unique_sites",
     "device_of",
@@ -118,6 +119,19 @@ def as_batch_size(batch_size: Any, name: str = "batch_size") -> int:
             "pass int(indices[:, 0].max()) + 1 or the number of samples in the batch"
         )
     return int(batch_size)
+
+
+def check_rank(array: Any, ndim: int, name: str, layout: str) -> None:
+    """Raises a ``ValueError`` naming ``name`` unless ``array`` (of any library) has ``ndim`` axes.
+
+    Args:
+        array: anything with ``ndim`` and ``shape`` (a torch tensor, a core array).
+        ndim: the expected number of axes.
+        name: the argument's name.
+        layout: the expected layout, for the message (e.g. ``"[N, C]"``).
+    """
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(array.shape)}")
 
 
 def check_integer_array(array: Any, name: str, ndim: int = 1) -> Any:

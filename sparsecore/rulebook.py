@@ -34,9 +34,6 @@ __all__ = [
 ]
 
 
-_INT32_MAX = INT32_MAX
-
-
 @dataclass(frozen=True, eq=False)
 class PairMap:
     """The part of a rulebook the feature passes read: pairs, counts and sizes.
@@ -137,7 +134,7 @@ class PairMap:
 
 @dataclass(frozen=True, eq=False)
 class Rulebook:
-    """Per-offset (input row, output row) pairs of one layer, with its output sites.
+    """A layer's `PairMap` with the sites and grids it maps between: the one rulebook form.
 
     A pair ``(i, o)`` of offset ``k`` means ``output[o] += features[i] @ W_k``
     where ``W_k = weight[:, k, :].T`` with the weight's kernel axes flattened
@@ -151,12 +148,10 @@ class Rulebook:
         batch_size: number of batch elements.
         input_indices: int32 ``[N_in, 1 + D]``, the sites it was built from.
         output_indices: int32 ``[N_out, 1 + D]``, the output sites.
-        pair_input: int32 ``[P]`` input rows, grouped by kernel offset.
-        pair_output: int32 ``[P]`` output rows, grouped by kernel offset.
-        offset_starts: ``K + 1`` ints; offset ``k`` owns pairs
-            ``[offset_starts[k], offset_starts[k + 1])``.
-        identity_offset: an offset whose pairs are ``i -> i`` for every row
-            (the centre of a submanifold kernel), or ``-1``.
+        pair_map: the pairs, grouped by kernel offset (what the feature passes
+            read); ``pair_input``, ``pair_output``, ``offset_starts``,
+            ``identity_offset``, ``num_pairs``, ``kernel_volume``,
+            ``offset_counts`` and ``pairs(k)`` read it.
     """
 
     geometry: ConvGeometry
@@ -165,30 +160,47 @@ class Rulebook:
     batch_size: int
     input_indices: Any
     output_indices: Any
-    pair_input: Any
-    pair_output: Any
-    offset_starts: tuple[int, ...]
-    identity_offset: int = -1
+    pair_map: PairMap
+
+    @property
+    def pair_input(self) -> Any:
+        """int32 ``[P]`` input rows, grouped by kernel offset."""
+        return self.pair_map.pair_input
+
+    @property
+    def pair_output(self) -> Any:
+        """int32 ``[P]`` output rows, grouped by kernel offset."""
+        return self.pair_map.pair_output
+
+    @property
+    def offset_starts(self) -> tuple[int, ...]:
+        """``K + 1`` ints; offset ``k`` owns pairs ``[offset_starts[k], offset_starts[k + 1])``."""
+        return self.pair_map.offset_starts
+
+    @property
+    def identity_offset(self) -> int:
+        """An offset whose pairs are ``i -> i`` for every row (a submanifold kernel's centre), or -1."""
+        return self.pair_map.identity_offset
 
     @property
     def num_input(self) -> int:
         """Number of input sites."""
-        return int(self.input_indices.shape[0])
+        return self.pair_map.num_input
 
     @property
     def num_output(self) -> int:
         """Number of output sites."""
-        return int(self.output_indices.shape[0])
+        return self.pair_map.num_output
 
     @property
     def num_pairs(self) -> int:
         """Total number of (input, output) pairs over all offsets."""
-        return self.offset_starts[-1]
+        return self.pair_map.num_pairs
 
     @property
     def kernel_volume(self) -> int:
         """Number of kernel offsets."""
-        return len(self.offset_starts) - 1
+        return self.pair_map.kernel_volume
 
     @property
     def kernel_size(self) -> tuple[int, ...]:
@@ -196,20 +208,23 @@ class Rulebook:
         return self.geometry.kernel_size
 
     @property
-    def pair_map(self) -> PairMap:
-        """The feature-pass view of this rulebook (no copies)."""
-        return PairMap(self.pair_input, self.pair_output, self.offset_starts, self.num_input,
-                       self.num_output, self.kernel_size, self.identity_offset, trusted=True)
-
-    @property
     def offset_counts(self) -> tuple[int, ...]:
         """Pairs per kernel offset."""
-        return tuple(b - a for a, b in zip(self.offset_starts[:-1], self.offset_starts[1:]))
+        starts = self.pair_map.offset_starts
+        return tuple(b - a for a, b in zip(starts[:-1], starts[1:]))
 
     def pairs(self, offset: int) -> tuple[Any, Any]:
         """``(input_rows, output_rows)`` int32 arrays of one kernel offset."""
-        start, stop = self.offset_starts[offset], self.offset_starts[offset + 1]
-        return self.pair_input[start:stop], self.pair_output[start:stop]
+        return self.pair_map.pairs(offset)
+
+
+def _made_rulebook(geometry: ConvGeometry, input_shape: tuple[int, ...], output_shape: tuple[int, ...],
+                   batch: int, input_indices: Any, output_indices: Any, pair_input: Any, pair_output: Any,
+                   starts: tuple[int, ...], identity_offset: int = -1) -> Rulebook:
+    """A `Rulebook` the library built (its pairs trusted: no range check, no host synchronisation)."""
+    pair_map = PairMap(pair_input, pair_output, starts, int(input_indices.shape[0]), int(output_indices.shape[0]),
+                       geometry.kernel_size, identity_offset, trusted=True)
+    return Rulebook(geometry, input_shape, output_shape, batch, input_indices, output_indices, pair_map)
 
 
 def _raise_duplicate(indices: Any, rows: tuple[int, int], name: str) -> None:
@@ -282,19 +297,19 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
     identity = xp.arange(indices.shape[0], dtype=xp.int32)
     pieces[centre] = (identity, identity)
     pair_input, pair_output, starts = _concatenate_pairs(xp, pieces)  # type: ignore[arg-type]
-    return Rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
-                    starts, identity_offset=centre)
+    return _made_rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
+                          starts, identity_offset=centre)
 
 
 def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
              backend: ArrayBackend, assume_unique: bool) -> Rulebook:
     xp = backend.xp
     out_shape = geometry.output_spatial_shape(shape)
-    if max(out_shape) > _INT32_MAX:
+    if max(out_shape) > INT32_MAX:
         raise ValueError(
             f"the output spatial shape {out_shape} of this {geometry.describe()} on input "
             f"spatial shape {shape} has coordinates beyond the int32 range of indices "
-            f"({_INT32_MAX}); use a smaller grid or a coarser voxel size"
+            f"({INT32_MAX}); use a smaller grid or a coarser voxel size"
         )
     check_packable(out_shape, batch)
     if not assume_unique and indices.shape[0] > 1:
@@ -305,8 +320,8 @@ def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeo
     pair_input, candidate_keys, starts = backend.conv_candidate_pairs(indices, geometry, out_shape)
     output_keys, inverse = backend.unique_inverse(candidate_keys)
     output_indices = unpack_keys(output_keys, out_shape)
-    return Rulebook(geometry, shape, out_shape, batch, indices, output_indices,
-                    pair_input, inverse.astype(xp.int32), starts)
+    return _made_rulebook(geometry, shape, out_shape, batch, indices, output_indices,
+                          pair_input, inverse.astype(xp.int32), starts)
 
 
 def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
@@ -380,6 +395,6 @@ def inverse_rulebook(rulebook: Rulebook) -> Rulebook:
             "inverse conv with a SparseConv / SparseMaxPool layer's indice_key"
         )
     geometry = dataclasses.replace(rulebook.geometry, kind="inverse")
-    return Rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape,
-                    rulebook.batch_size, rulebook.output_indices, rulebook.input_indices,
-                    rulebook.pair_output, rulebook.pair_input, rulebook.offset_starts)
+    return _made_rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape,
+                          rulebook.batch_size, rulebook.output_indices, rulebook.input_indices,
+                          rulebook.pair_output, rulebook.pair_input, rulebook.offset_starts)

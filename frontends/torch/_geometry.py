@@ -1,19 +1,16 @@
-"""A layer's rulebook, with spconv's ``indice_key`` rules, built by the core.
+"""A layer's rulebook for sparsecore.torch: a thin adapter over the core's one geometry path.
 
-This is the geometry half of every conv / pool layer: it runs eagerly, outside
-``torch.compile`` graphs (`layer_indice_data` is ``torch.compiler.disable``\\ d,
-so a compiled model has a graph break before each layer that builds or looks
-up a rulebook; the feature passes after it are captured). The rules, as in
-spconv 2.x:
-
-- a submanifold layer (conv or pool) whose ``indice_key`` is already in the
-  input's ``indice_dict`` reuses that rulebook, after the core checks it fits
-  (same geometry, spatial shape and sites);
-- any other layer whose key already exists is an error (spconv asserts);
-- an inverse conv reverses the rulebook of the regular conv / pool saved
-  under its key, after checking its input is that layer's output;
-- a new rulebook is built by `sparsecore.build_rulebook` and, with a key,
-  saved in a *copy* of the input's dict handed to the output.
+`layer_indice_data` hands the input's sites and caches to
+`sparsecore.layer_geometry.find_layer_rulebook`, which holds every rule (reuse
+by sites and geometry, spconv's ``indice_key`` rules, inverse convs, misfit
+errors naming both geometries), and wraps what it returns: an `IndiceData`
+view of the rulebook, and the output's ``indice_dict``, a copy of the input's
+with this layer's key added (spconv's copy-on-write: ``replace_feature`` and
+``shadow_copy`` share the dict, each layer hands its output a new one, so a
+model run twice on one input starts afresh and branches do not see each
+other's keys). It runs eagerly, outside ``torch.compile`` graphs
+(``torch.compiler.disable``: a compiled model has a graph break before each
+layer that looks up a rulebook; the feature passes after it are captured).
 """
 
 from __future__ import annotations
@@ -23,9 +20,11 @@ from typing import Any, Optional
 import torch
 
 import sparsecore as sc
+from sparsecore.layer_geometry import GeometryCache, InputSites, find_layer_rulebook, sites_identity
 
-from ._convert import core_context, to_torch
-from .tensor import IndiceData, SparseConvTensor
+from ._convert import core_context
+from .indice_data import IndiceData, IndiceDict, canonical_cache
+from .tensor import SparseConvTensor
 
 __all__ = ["layer_indice_data", "check_input"]
 
@@ -55,13 +54,13 @@ def check_input(layer: str, x: Any, in_channels: Optional[int] = None, ndim: Opt
         )
 
 
-def _from_rulebook(x: SparseConvTensor, rulebook: sc.Rulebook, core_indices: Any, algo: Any) -> IndiceData:
-    if rulebook.output_indices is core_indices:
-        out_indices = x.indices
-    else:
-        out_indices = to_torch(rulebook.output_indices)
-    return IndiceData(rulebook, x.indices, out_indices, to_torch(rulebook.pair_input),
-                      to_torch(rulebook.pair_output), algo, rulebook.output_indices)
+def _input_cache(x: SparseConvTensor, indice_key: Optional[str]) -> GeometryCache:
+    """The core cache of ``x``: its ``indice_dict``'s keys and canonical entries."""
+    saved = x.indice_dict.get(indice_key) if indice_key is not None else None
+    if saved is not None and not isinstance(saved, IndiceData):
+        raise TypeError(f"indice_dict[{indice_key!r}] is a {type(saved).__name__}, not a sparsecore IndiceData")
+    aliases = {key: data.rulebook for key, data in x.indice_dict.items() if isinstance(data, IndiceData)}
+    return GeometryCache.from_aliases(aliases, canonical_cache(x.indice_dict))
 
 
 @torch.compiler.disable
@@ -71,59 +70,35 @@ def layer_indice_data(layer: str, x: SparseConvTensor, geometry: sc.ConvGeometry
 
     Args:
         layer: the layer's name, for messages.
-        x: the input tensor.
+        x: the input tensor (checked by `check_input`).
         geometry: the layer's geometry (kind ``"inverse"`` for an inverse conv).
         indice_key: the layer's key, or None.
         algo: recorded on a new `IndiceData` (spconv compatibility; unused).
 
     Returns:
-        ``(data, indice_dict)``.
+        ``(data, indice_dict)``: the rulebook's view (its pair tensors made) and
+        the dict to hand to the output.
 
     Raises:
         ValueError: an inverse conv without a matching key, a non-submanifold layer
             whose key exists, or a saved rulebook that does not fit.
+        TypeError: an ``indice_dict`` entry under the key that is not an `IndiceData`.
     """
-    saved = x.indice_dict.get(indice_key) if indice_key is not None else None
     core_indices = x.core_indices()
-    spatial_shape = tuple(x.spatial_shape)
+    sites = InputSites(sites_identity(core_indices), core_indices, tuple(x.spatial_shape), x.batch_size,
+                       checked=x._trusted)
     with core_context(x.indices.device):
-        if geometry.kind == "inverse":
-            if saved is None:
-                known = sorted(str(key) for key in x.indice_dict)
-                raise ValueError(
-                    f"{layer} needs the indice_key of the SparseConv / SparseMaxPool layer it inverts: "
-                    f"got indice_key={indice_key!r}, and the input's indice_dict holds "
-                    f"{known if known else 'no rulebooks'}. Give the paired layer the same indice_key and "
-                    "feed this layer a tensor derived from that layer's output."
-                )
-            if not isinstance(saved, IndiceData):
-                raise TypeError(f"indice_dict[{indice_key!r}] is a {type(saved).__name__}, not a sparsecore IndiceData")
-            if saved.is_subm:
-                raise ValueError(
-                    f"{layer}: indice_key {indice_key!r} belongs to a submanifold layer; an inverse conv "
-                    "can only invert a regular (strided) SparseConv or SparseMaxPool / SparseAvgPool"
-                )
-            sc.check_inverse_fits(saved.rulebook, geometry.kernel_size, core_indices, spatial_shape, indice_key)
-            return saved.inverse(), dict(x.indice_dict)
-        if saved is not None:
-            if not isinstance(saved, IndiceData):
-                raise TypeError(f"indice_dict[{indice_key!r}] is a {type(saved).__name__}, not a sparsecore IndiceData")
-            if geometry.kind != "subm":
-                raise ValueError(
-                    f"{layer}: indice_key {indice_key!r} already exists in this sparse tensor; only "
-                    "submanifold layers may share an indice_key (to reuse its rulebook). Give this "
-                    "layer its own indice_key."
-                )
-            sc.check_rulebook_fits(saved.rulebook, geometry, core_indices, spatial_shape, indice_key)
-            if saved.indices is not x.indices:
-                saved = IndiceData(saved.rulebook, x.indices, x.indices, saved.pair_input,
-                                   saved.pair_output, saved.algo, core_indices)
-            return saved, dict(x.indice_dict)
-        rulebook = sc.build_rulebook(core_indices, spatial_shape, x.batch_size, geometry,
-                                     assume_unique=x._trusted)
-        x._trusted = True  # the builder checked the sites (range and duplicates)
-        data = _from_rulebook(x, rulebook, core_indices, algo)
-        indice_dict = dict(x.indice_dict)
-        if indice_key is not None:
-            indice_dict[indice_key] = data
-        return data, indice_dict
+        found = find_layer_rulebook(_input_cache(x, indice_key), sites, geometry, indice_key, layer=layer)
+        saved = x.indice_dict.get(indice_key) if indice_key is not None else None
+        if isinstance(saved, IndiceData) and saved.rulebook is found.rulebook and saved.indices is x.indices:
+            data = saved
+        elif geometry.kind == "inverse":  # back onto the paired layer's input sites
+            data = IndiceData(found.rulebook, x.indices, saved.indices, algo)
+        else:
+            data = IndiceData(found.rulebook, x.indices, x.indices if geometry.kind == "subm" else None, algo)
+        # the torch views, made here, eagerly, outside compiled graphs
+        _ = (data.pair_input, data.pair_output, data.out_indices)
+    indice_dict = IndiceDict(x.indice_dict, found.cache)
+    if indice_key is not None and geometry.kind != "inverse" and indice_key not in indice_dict:
+        indice_dict[indice_key] = data
+    return data, indice_dict

@@ -1,11 +1,13 @@
-"""`SparseConvTensor` (spconv's sparse tensor type) and `IndiceData` (a layer's saved rulebook).
+"""`SparseConvTensor`, spconv's sparse tensor type (`IndiceData`, a layer's saved rulebook, is re-exported).
 
 The tensor holds torch ``features [N, C]`` and ``indices [N, 1 + D]`` (int32,
 batch first), the ``spatial_shape`` and ``batch_size``, and ``indice_dict``:
-rulebooks saved by layers with an ``indice_key``, as `IndiceData` wrapping a
-core `sparsecore.Rulebook`. As in spconv, ``replace_feature`` and
-``shadow_copy`` share the dict, while each layer hands its output a copy with
-its own key added, so running a model twice on one input starts afresh.
+rulebooks saved by layers with an ``indice_key``, as `IndiceData` views of a
+core `sparsecore.Rulebook` (module `indice_data`). As in spconv,
+``replace_feature`` and ``shadow_copy`` share the dict, while each layer hands
+its output a copy with its own key added, so running a model twice on one
+input starts afresh (the core's sharing rule, `sparsecore.layer_geometry`).
+The argument checks are in `tensor_checks`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-import sparsecore as sc
-from sparsecore.interop import (as_batch_size, as_spatial_shape, check_dense_size, check_indices_in_range,
-                               check_unique_sites, memory_limit)
+from sparsecore.interop import as_batch_size
 
 from ._convert import as_int32_indices, core_context, core_view
 from .fx import ProxyableSparseMeta
+from .indice_data import IndiceData
+from .tensor_checks import (as_shape_list, check_selection, check_sites, dense_zeros, feature_functions,
+                            validate)
 
 __all__ = ["SparseConvTensor", "IndiceData", "expand_nd"]
 
@@ -41,72 +44,6 @@ def expand_nd(ndim: int, value: Union[int, Sequence[int], np.ndarray], name: str
     if len(values) != ndim:
         raise ValueError(f"{name} must have {ndim} entries (one per spatial axis), got {value!r}")
     return values
-
-
-class IndiceData:
-    """A layer's rulebook, as saved under an ``indice_key`` (spconv's ``IndiceData``).
-
-    Attributes (spconv names): ``indices`` (the layer's input sites),
-    ``out_indices``, ``spatial_shape`` / ``out_spatial_shape`` (lists),
-    ``is_subm``, ``ksize``, ``stride``, ``padding``, ``dilation``, ``algo``.
-    sparsecore's own: ``rulebook`` (the core `sparsecore.Rulebook`),
-    ``pair_input`` / ``pair_output`` (int32 torch views of its pairs),
-    ``offset_starts``, ``num_input``, ``num_output``, ``kernel_size``,
-    ``identity_offset``. spconv's ``indice_pairs`` (its ``[2, K, N]`` Native
-    layout) does not exist; ``indice_pair_num`` (pairs per offset) does.
-    """
-
-    def __init__(self, rulebook: sc.Rulebook, indices: torch.Tensor, out_indices: torch.Tensor,
-                 pair_input: torch.Tensor, pair_output: torch.Tensor, algo: Any = None,
-                 out_core_indices: Any = None) -> None:
-        self.rulebook = rulebook
-        self.indices = indices
-        self.out_indices = out_indices
-        # the core array ``out_indices`` views, when known (saves a comparison when it is reused)
-        self.out_core_indices = out_core_indices
-        self.pair_input = pair_input
-        self.pair_output = pair_output
-        self.algo = algo
-        geometry = rulebook.geometry
-        self.offset_starts = list(rulebook.offset_starts)
-        self.num_input = rulebook.num_input
-        self.num_output = rulebook.num_output
-        self.kernel_size = list(geometry.kernel_size)
-        self.identity_offset = int(rulebook.identity_offset)
-        self.spatial_shape = list(rulebook.input_spatial_shape)
-        self.out_spatial_shape = list(rulebook.output_spatial_shape)
-        self.is_subm = geometry.kind == "subm"
-        self.ksize = list(geometry.kernel_size)
-        self.stride = list(geometry.stride)
-        self.padding = list(geometry.padding)
-        self.dilation = list(geometry.dilation)
-
-    @property
-    def indice_pair_num(self) -> torch.Tensor:
-        """Pairs per kernel offset, int32 ``[K]``."""
-        return torch.tensor(self.rulebook.offset_counts, dtype=torch.int32)
-
-    def inverse(self) -> "IndiceData":
-        """The rulebook of the inverse conv that undoes this (regular) layer."""
-        return IndiceData(sc.inverse_rulebook(self.rulebook), self.out_indices, self.indices,
-                          self.pair_output, self.pair_input, self.algo, self.rulebook.input_indices)
-
-    def __repr__(self) -> str:
-        return (f"IndiceData({self.rulebook.geometry.describe()}, {self.num_input} -> {self.num_output} "
-                f"sites, {self.rulebook.num_pairs} pairs)")
-
-
-def _as_shape_list(spatial_shape: Any) -> list[int]:
-    return list(as_spatial_shape(spatial_shape))
-
-
-@torch.compiler.disable
-def _check_sites(indices: torch.Tensor, spatial_shape: list[int], batch_size: int) -> None:
-    """The sites rule (see `sparsecore.interop`): in range and unique, checked once per tensor."""
-    with core_context(indices.device):
-        sites = core_view(indices, "indices")
-        check_indices_in_range(sites, spatial_shape, batch_size)
-        check_unique_sites(sites, spatial_shape, batch_size)
 
 
 class SparseConvTensor(metaclass=ProxyableSparseMeta):
@@ -140,10 +77,10 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
                  indice_dict: Optional[dict] = None, benchmark: bool = False,
                  permanent_thrust_allocator: bool = False, enable_timer: bool = False,
                  force_algo: Any = None) -> None:
-        shape = _as_shape_list(spatial_shape)
+        shape = as_shape_list(spatial_shape)
         indices = as_int32_indices(indices)  # int64 & co. converted once when the values fit int32
-        _validate(features, indices, shape, batch_size)
-        _check_sites(indices, shape, int(batch_size))
+        validate(features, indices, shape, batch_size)
+        check_sites(indices, shape, int(batch_size))
         self._init(features, indices, shape, int(batch_size), grid, voxel_num, indice_dict, benchmark,
                    trusted=True)
         self.force_algo = force_algo
@@ -213,8 +150,8 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
             ValueError / TypeError: as the constructor does.
         """
         if not self._trusted:
-            _validate(self._features, self._indices, self._spatial_shape, self._batch_size)
-            _check_sites(self._indices, self._spatial_shape, self._batch_size)
+            validate(self._features, self._indices, self._spatial_shape, self._batch_size)
+            check_sites(self._indices, self._spatial_shape, self._batch_size)
             self._trusted = True
         return self
 
@@ -241,7 +178,7 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
 
     @spatial_shape.setter
     def spatial_shape(self, value: Sequence[int]) -> None:
-        self._spatial_shape = _as_shape_list(value)
+        self._spatial_shape = as_shape_list(value)
         self._trusted = False
 
     @property
@@ -311,7 +248,7 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
             ValueError / TypeError: a mask of another length than the rows, row indices
                 outside ``[-N, N)``, or neither a bool nor an integer tensor.
         """
-        _check_selection(valid_indices, self.indices.shape[0])
+        check_selection(valid_indices, self.indices.shape[0])
         picked = self.indices[valid_indices]
         features = self._features[valid_indices]
         is_mask = isinstance(valid_indices, torch.Tensor) and valid_indices.dtype == torch.bool
@@ -350,7 +287,7 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         """
         self._ensure_valid()
         channels = self._features.shape[1]
-        out = _dense_zeros(self._features, self.batch_size, self.spatial_shape)
+        out = dense_zeros(self._features, self.batch_size, self.spatial_shape)
         index = self.indices.to(self._features.device).long()
         out = out.index_put(tuple(index.unbind(1)), self._features)
         if not channels_first:
@@ -423,7 +360,7 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         As in `SparseSequential`, a tensor without active sites is returned unchanged.
         """
         kwargs = {} if kwargs is None else kwargs
-        if not args or not isinstance(args[0], SparseConvTensor) or func not in _feature_functions():
+        if not args or not isinstance(args[0], SparseConvTensor) or func not in feature_functions():
             return NotImplemented
         source = args[0]
         if source.indices.shape[0] == 0:
@@ -439,83 +376,3 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
                 f"batch_size={self.batch_size}]")
 
 
-def _feature_functions() -> frozenset:
-    """The torch functions that act on each feature row alone (applied to a SparseConvTensor's features)."""
-    functional = torch.nn.functional
-    return frozenset((
-        functional.relu, functional.relu_, torch.relu, torch.relu_, functional.relu6, functional.leaky_relu,
-        functional.elu, functional.gelu, functional.silu, functional.hardtanh, functional.sigmoid, torch.sigmoid,
-        torch.tanh, functional.batch_norm, functional.linear, functional.dropout, functional.layer_norm,
-    ))
-
-
-def _check_selection(valid_indices: Any, rows: int) -> None:
-    if not isinstance(valid_indices, torch.Tensor) or valid_indices.is_floating_point() or valid_indices.is_complex():
-        kind = valid_indices.dtype if isinstance(valid_indices, torch.Tensor) else type(valid_indices).__name__
-        raise TypeError(f"select_by_index: valid_indices must be a bool mask or an integer tensor of rows, got {kind}")
-    if valid_indices.dtype == torch.bool:
-        if tuple(valid_indices.shape) != (rows,):
-            raise ValueError(f"select_by_index: a bool valid_indices must have one entry per site ({rows}), "
-                             f"got shape {tuple(valid_indices.shape)}")
-    elif valid_indices.numel() and not torch.compiler.is_compiling():
-        low, high = int(valid_indices.min()), int(valid_indices.max())
-        if low < -rows or high >= rows:
-            raise ValueError(f"select_by_index: valid_indices holds row {low if low < -rows else high}, outside "
-                             f"[-{rows}, {rows}) for this tensor's {rows} sites")
-
-
-def _dense_zeros(features: torch.Tensor, batch_size: int, spatial_shape: list[int]) -> torch.Tensor:
-    """Zeros ``[B, *spatial, C]`` like ``features``, sized before allocating."""
-    channels = features.shape[1]
-    if features.device.type == "cuda":
-        limit = torch.cuda.mem_get_info(features.device)[1]
-    else:
-        limit = memory_limit(np)
-    size = check_dense_size(batch_size, spatial_shape, channels, features.element_size(), limit)
-    try:
-        return features.new_zeros((batch_size, *spatial_shape, channels))
-    except (RuntimeError, MemoryError) as error:
-        raise ValueError(
-            f"dense(): cannot allocate the grid of batch_size {batch_size} x spatial_shape {spatial_shape} x "
-            f"{channels} channels ({size / 2**30:.3g} GiB): {error}. Densify a cropped region or a coarser "
-            "grid, or stay sparse"
-        ) from None
-
-
-def _validate(features: Any, indices: Any, spatial_shape: list[int], batch_size: Any) -> None:
-    if not isinstance(features, torch.Tensor) or not isinstance(indices, torch.Tensor):
-        raise TypeError(
-            f"features and indices must be torch.Tensors, got {type(features).__name__} and "
-            f"{type(indices).__name__}"
-        )
-    if features.ndim != 2:
-        raise ValueError(f"features must be 2-D [N, C], got shape {tuple(features.shape)}")
-    if features.is_complex():
-        raise TypeError(f"features must be real (a float or quantized dtype), got {features.dtype}")
-    if indices.ndim != 2:
-        raise ValueError(f"indices must be 2-D [N, ndim + 1] (batch index first), got shape {tuple(indices.shape)}")
-    if indices.dtype != torch.int32:
-        raise TypeError(
-            f"indices must be an integer tensor (int32 as spconv stores them; int64 and other integer "
-            f"dtypes are converted once when their values fit int32), got {indices.dtype}; floor "
-            "coordinates and convert with indices.int()"
-        )
-    ndim = indices.shape[1] - 1
-    if len(spatial_shape) != ndim or not 1 <= ndim <= 4:
-        raise ValueError(
-            f"indices must be [N, ndim + 1] with one column per spatial axis of spatial_shape "
-            f"{spatial_shape} ({len(spatial_shape)} axes) plus the batch column, got shape "
-            f"{tuple(indices.shape)}"
-        )
-    as_spatial_shape(spatial_shape)
-    as_batch_size(batch_size)
-    if features.shape[0] != indices.shape[0]:
-        raise ValueError(
-            f"features has {features.shape[0]} rows but indices has {indices.shape[0]}; they must "
-            "have one row per active site"
-        )
-    if features.device != indices.device:
-        raise ValueError(
-            f"features is on {features.device} but indices is on {indices.device}; put both on "
-            "one device (indices.to(features.device))"
-        )

@@ -1,0 +1,189 @@
+"""`IndiceData` (a layer's rulebook under spconv's names) and `IndiceDict` (a tensor's ``indice_dict``).
+
+`IndiceData` is a view over one core `sparsecore.Rulebook`: spconv's attribute
+names (``indices``, ``out_indices``, ``spatial_shape``, ``out_spatial_shape``,
+``is_subm``, ``ksize``, ``stride``, ``padding``, ``dilation``, ``algo``,
+``indice_pair_num``, ``voxel_num``) and the ones the custom ops read
+(``pair_input``, ``pair_output``, ``offset_starts``, ``num_input``,
+``num_output``, ``kernel_size``, ``identity_offset``) are read from the
+rulebook; its arrays become torch tensors zero-copy (DLPack) when first read,
+and that tensor is kept (at most one torch view of each array).
+
+`IndiceDict` is the ``dict`` a SparseConvTensor holds as ``indice_dict``: keys
+to `IndiceData`, as in spconv, plus the canonical part of the core's
+`sparsecore.layer_geometry.GeometryCache` (rulebooks found by the identity of
+their input sites and their geometry, with no key) as ``geometry_cache``. A
+plain ``dict`` (given by a user, or ``indice_dict.copy()``) works too: it just
+carries no canonical entries.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, Optional
+
+import torch
+
+import sparsecore as sc
+from sparsecore.layer_geometry import GeometryCache
+
+from ._convert import to_torch
+
+__all__ = ["IndiceData", "IndiceDict", "canonical_cache"]
+
+
+class IndiceData:
+    """A layer's rulebook, as saved under an ``indice_key`` (spconv's ``IndiceData``): a view over `rulebook`.
+
+    Args:
+        rulebook: the core `sparsecore.Rulebook`.
+        indices: the torch tensor of the layer's input sites, when the caller has it
+            (else made from ``rulebook.input_indices`` when first read).
+        out_indices: the torch tensor of its output sites, likewise.
+        algo: recorded (spconv compatibility; unused).
+
+    Attributes (spconv names): ``indices``, ``out_indices`` (int32 ``[N, 1 + D]``
+    torch tensors), ``spatial_shape`` / ``out_spatial_shape`` (lists), ``is_subm``,
+    ``ksize``, ``stride``, ``padding``, ``dilation`` (lists), ``algo``,
+    ``indice_pair_num`` (int32 ``[K]`` pairs per offset), ``voxel_num`` (None).
+    sparsecore's own: ``rulebook``, ``pair_input`` / ``pair_output`` (int32 ``[P]``
+    torch views of its pairs), ``offset_starts``, ``num_input``, ``num_output``,
+    ``kernel_size``, ``identity_offset``, ``out_core_indices`` (the core array of
+    the output sites). spconv's ``indice_pairs`` (its ``[2, K, N]`` Native layout)
+    does not exist.
+    """
+
+    def __init__(self, rulebook: sc.Rulebook, indices: Optional[torch.Tensor] = None,
+                 out_indices: Optional[torch.Tensor] = None, algo: Any = None) -> None:
+        self.rulebook = rulebook
+        if indices is not None:
+            self.__dict__["indices"] = indices  # the cached_property's slot
+        if out_indices is not None:
+            self.__dict__["out_indices"] = out_indices
+        self.algo = algo
+        self.voxel_num = None
+
+    # ------------------------------------------------------------ torch views, made once
+
+    @cached_property
+    def indices(self) -> torch.Tensor:
+        """The layer's input sites, int32 ``[N_in, 1 + D]``."""
+        return to_torch(self.rulebook.input_indices)
+
+    @cached_property
+    def out_indices(self) -> torch.Tensor:
+        """The layer's output sites, int32 ``[N_out, 1 + D]`` (the input's tensor for a subm layer)."""
+        if self.rulebook.output_indices is self.rulebook.input_indices:
+            return self.indices
+        return to_torch(self.rulebook.output_indices)
+
+    @cached_property
+    def pair_input(self) -> torch.Tensor:
+        """Input rows of the pairs, int32 ``[P]``, grouped by kernel offset."""
+        return to_torch(self.rulebook.pair_input)
+
+    @cached_property
+    def pair_output(self) -> torch.Tensor:
+        """Output rows of the pairs, int32 ``[P]``, grouped by kernel offset."""
+        return to_torch(self.rulebook.pair_output)
+
+    @property
+    def indice_pair_num(self) -> torch.Tensor:
+        """Pairs per kernel offset, int32 ``[K]``."""
+        return torch.tensor(self.rulebook.offset_counts, dtype=torch.int32)
+
+    # ------------------------------------------------------------ read from the rulebook
+
+    @property
+    def out_core_indices(self) -> Any:
+        """The core (NumPy / CuPy) array of the output sites (the identity of the output's sites)."""
+        return self.rulebook.output_indices
+
+    @property
+    def offset_starts(self) -> list[int]:
+        """``K + 1`` ints delimiting each kernel offset's pairs."""
+        return list(self.rulebook.offset_starts)
+
+    @property
+    def num_input(self) -> int:
+        """Number of input sites."""
+        return self.rulebook.num_input
+
+    @property
+    def num_output(self) -> int:
+        """Number of output sites."""
+        return self.rulebook.num_output
+
+    @property
+    def kernel_size(self) -> list[int]:
+        """Per-axis kernel size."""
+        return list(self.rulebook.geometry.kernel_size)
+
+    ksize = kernel_size
+
+    @property
+    def identity_offset(self) -> int:
+        """An offset whose pairs are ``i -> i`` for every site (subm centre), or -1."""
+        return int(self.rulebook.identity_offset)
+
+    @property
+    def spatial_shape(self) -> list[int]:
+        """The input grid."""
+        return list(self.rulebook.input_spatial_shape)
+
+    @property
+    def out_spatial_shape(self) -> list[int]:
+        """The output grid."""
+        return list(self.rulebook.output_spatial_shape)
+
+    @property
+    def is_subm(self) -> bool:
+        """True for a submanifold layer."""
+        return self.rulebook.geometry.kind == "subm"
+
+    @property
+    def stride(self) -> list[int]:
+        """Per-axis stride."""
+        return list(self.rulebook.geometry.stride)
+
+    @property
+    def padding(self) -> list[int]:
+        """Per-axis padding."""
+        return list(self.rulebook.geometry.padding)
+
+    @property
+    def dilation(self) -> list[int]:
+        """Per-axis dilation."""
+        return list(self.rulebook.geometry.dilation)
+
+    def inverse(self) -> "IndiceData":
+        """The rulebook of the inverse conv that undoes this (regular) layer."""
+        return IndiceData(sc.inverse_rulebook(self.rulebook), self.out_indices, self.indices, self.algo)
+
+    def __repr__(self) -> str:
+        return (f"IndiceData({self.rulebook.geometry.describe()}, {self.num_input} -> {self.num_output} "
+                f"sites, {self.rulebook.num_pairs} pairs)")
+
+
+class IndiceDict(dict):
+    """A SparseConvTensor's ``indice_dict``: ``indice_key`` -> `IndiceData`, plus ``geometry_cache``.
+
+    ``geometry_cache`` holds the canonical entries of the core cache (rulebooks
+    by input sites and geometry, see `sparsecore.layer_geometry`) the layers
+    before this tensor built; it is handed on copy-on-write like the keys.
+    Compares, copies and pickles as the plain dict of its keys.
+    """
+
+    def __init__(self, entries: Any = (), geometry_cache: Optional[GeometryCache] = None) -> None:
+        super().__init__(entries)
+        self.geometry_cache = GeometryCache() if geometry_cache is None else geometry_cache
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # canonical entries name sites by object identity, which a pickle cannot keep
+        return (dict, (dict(self),))
+
+
+def canonical_cache(indice_dict: Any) -> GeometryCache:
+    """The canonical part of ``indice_dict``'s core cache (empty for a plain dict)."""
+    cache = getattr(indice_dict, "geometry_cache", None)
+    return cache if isinstance(cache, GeometryCache) else GeometryCache()
