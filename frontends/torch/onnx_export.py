@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
 from torch import nn
 
 from ._export_trace import BatchNormRecord, ConvRecord, ExportError, OpRecord, Trace, record
+from ._onnx_int8 import plan_int8
+from ._onnx_steps import PlannedConv as _Conv
+from ._onnx_steps import PlannedStep as _Step
 from .exportable import effective_weight, layer_rulebook_key
 
 __all__ = ["export_onnx", "ExportError", "PRECISIONS", "DEFAULT_OUTPUT_BOUND", "CUSTOM_DOMAIN"]
@@ -37,34 +39,6 @@ PRECISIONS = ("fp16", "fp32", "int8")
 DEFAULT_OUTPUT_BOUND = 200000  # NVIDIA's exporter's default capacity of output sites
 CUSTOM_DOMAIN = "spconv"
 _ACTIVATION_NAMES = {None: "None", "relu": "ReLU", "sigmoid": "Sigmoid", "leaky_relu": "LeakyReLU"}
-
-
-@dataclass(frozen=True)
-class _Conv:
-    """A conv to write: its record, (folded) float64 parameters, activation and output value."""
-
-    record: ConvRecord
-    weight: np.ndarray
-    bias: np.ndarray
-    activation: Optional[str]
-    output: str
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One graph node in planning: a `_Conv` or an `OpRecord` (add, relu, dense, reshape, transpose)."""
-
-    item: Union[_Conv, OpRecord]
-
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        if isinstance(self.item, _Conv):
-            return (self.item.record.input,)
-        return self.item.inputs
-
-    @property
-    def output(self) -> str:
-        return self.item.output
 
 
 def _consumers(trace: Trace) -> dict[str, int]:
@@ -173,14 +147,15 @@ def _check_strict(steps: list[_Step], precision: str) -> None:
 
 
 def _initializer(helper: Any, name: str, value: np.ndarray, precision: str) -> Any:
-    dtype, code = (np.float16, helper.TensorProto.FLOAT16) if precision == "fp16" else (np.float32,
-                                                                                        helper.TensorProto.FLOAT)
+    """FLOAT16 ``raw_data`` (fp16 and int8 files: libspconv quantizes int8 weights from FP16), FLOAT for fp32."""
+    dtype, code = (np.float32, helper.TensorProto.FLOAT) if precision == "fp32" else (np.float16,
+                                                                                      helper.TensorProto.FLOAT16)
     array = np.ascontiguousarray(value.astype(dtype))
     return helper.make_tensor(name, code, list(array.shape), array.tobytes(), raw=True)
 
 
 def _conv_node(helper: Any, conv: _Conv, index: int, names: dict[str, str], precision: str,
-               initializers: list) -> Any:
+               initializers: list, extra: dict[str, Any]) -> Any:
     entry, module = conv.record, conv.record.module
     weight_name, bias_name = f"spconv{index}.weight", f"spconv{index}.bias"
     initializers += [_initializer(helper, weight_name, conv.weight, precision),
@@ -198,21 +173,23 @@ def _conv_node(helper: Any, conv: _Conv, index: int, names: dict[str, str], prec
     )
     if conv.activation == "leaky_relu":
         attributes["act_alpha"] = float(module.act_alpha)
+    attributes.update(extra)
     return helper.make_node("SparseConvolution", [names[entry.input], weight_name, bias_name],
                             [names[conv.output]], f"conv{index}", doc_string=entry.module_name,
                             domain=CUSTOM_DOMAIN, **attributes)
 
 
-def _op_node(helper: Any, op: OpRecord, index: int, names: dict[str, str]) -> Any:
+def _op_node(helper: Any, op: OpRecord, index: int, names: dict[str, str], extra: dict[str, Any]) -> Any:
     inputs, outputs = [names[value] for value in op.inputs], [names[op.output]]
-    if op.kind == "add":
-        return helper.make_node("Add", inputs, outputs, f"add{index}", doc_string=op.module_name)
+    if op.kind == "add":  # with int8 attributes in the custom domain: ONNX's Add has none
+        return helper.make_node("Add", inputs, outputs, f"add{index}", doc_string=op.module_name,
+                                domain=CUSTOM_DOMAIN if extra else "", **extra)
     if op.kind == "relu":
         return helper.make_node("Relu", inputs, outputs, f"relu{index}", doc_string=op.module_name)
     if op.kind == "dense":
         return helper.make_node("ScatterDense", inputs, outputs, f"scatter{index}", doc_string=op.module_name,
                                 domain=CUSTOM_DOMAIN, input_spatial_shape=list(op.attrs), format="zyx",
-                                output_shape=list(op.output_shape), output_layout="NCHW")
+                                output_shape=list(op.output_shape), output_layout="NCHW", **extra)
     op_type = "Reshape" if op.kind == "reshape" else "Transpose"
     return helper.make_node(op_type, inputs, outputs, f"{op.kind}{index}", doc_string=op.module_name,
                             domain=CUSTOM_DOMAIN, dims=list(op.attrs))
@@ -230,10 +207,11 @@ def _build_model(trace: Trace, steps: list[_Step], precision: str) -> Any:
         index = counters.get(kind, 0)
         counters[kind] = index + 1
         if isinstance(step.item, _Conv):
-            nodes.append(_conv_node(helper, step.item, index, names, precision, initializers))
+            nodes.append(_conv_node(helper, step.item, index, names, precision, initializers,
+                                    dict(step.attributes)))
         else:
-            nodes.append(_op_node(helper, step.item, index, names))
-    element = helper.TensorProto.FLOAT16 if precision == "fp16" else helper.TensorProto.FLOAT
+            nodes.append(_op_node(helper, step.item, index, names, dict(step.attributes)))
+    element = helper.TensorProto.FLOAT if precision == "fp32" else helper.TensorProto.FLOAT16
     graph = helper.make_graph(
         nodes, "scn", [helper.make_tensor_value_info("0", element, list(trace.input_shape))],
         [helper.make_tensor_value_info(names[trace.output], element, list(trace.output_shape))], initializers)
@@ -268,20 +246,17 @@ def export_onnx(model: nn.Module, example_input: Any, path: Union[str, os.PathLi
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "int8":
-        raise ExportError(
-            "precision='int8' is not written yet: libspconv's int8 nodes need each layer's input and per-channel "
-            "weight dynamic ranges, which sparsecore.torch.quantization.tensorrt_parameters gives for a converted "
-            "model, but this exporter does not map them onto its nodes yet. Export with precision='fp16'"
-        )
     try:
         import onnx
     except ImportError:
         raise ImportError("export_onnx writes ONNX with the 'onnx' package: pip install 'sparsecore[onnx]'") from None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    trace = record(model, example_input)
-    steps = _plan(trace)
+    if precision == "int8":
+        trace, steps = plan_int8(model, example_input)
+    else:
+        trace = record(model, example_input)
+        steps = _plan(trace)
     if strict:
         _check_strict(steps, precision)
     built = _build_model(trace, steps, precision)

@@ -10,7 +10,9 @@ The file is the format NVIDIA's libspconv reads (``SparseConvolution``,
 `sparsecore.torch.export_onnx` or NVIDIA's exporter. Inputs are NumPy (CPU) or
 CuPy (GPU) arrays; each layer runs through the core's public functions
 (``sparsecore.functional.sparse_conv``, rulebooks shared by ``rulebook`` name).
-Reading the file needs the ``onnx`` package (``pip install
+int8 files (``export_onnx(..., precision="int8")`` or NVIDIA's int8
+export) run their int8 nodes through `sparsecore.int8` with the file's
+dynamic ranges (`sparsecore.runtime.quantized`). Reading the file needs the ``onnx`` package (``pip install
 'sparsecore[onnx]'``); torch and jax are never imported.
 """
 
@@ -32,6 +34,7 @@ from .nodes import (
     TransposeNode,
 )
 from .graph import parse_model, read_model
+from .quantized import Int8Value
 from .session import DTYPES, RuntimeOutput, Session
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "ConvNode",
     "Graph",
     "GraphError",
+    "Int8Value",
     "ReluNode",
     "ReshapeNode",
     "RuntimeOutput",
@@ -58,11 +62,13 @@ def load(path: Union[str, Path], *, dtype: str = "float32") -> Session:
 
     Args:
         path: the ``.onnx`` file.
-        dtype: ``"float32"`` (default; FP16 weights widened) or ``"float16"``.
+        dtype: ``"float32"`` (default; FP16 weights widened) or ``"float16"``: the float nodes'
+            dtype (int8 nodes compute in int8 with int32 sums whatever it is).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        GraphError: a corrupt or foreign file, or a node the runtime cannot run (named).
+        GraphError: a corrupt or foreign file, or a node the runtime cannot run (named), including
+            int8 nodes without usable dynamic ranges.
         ImportError: the ``onnx`` package is missing.
     """
     return Session(parse_model(read_model(path)), dtype=dtype)

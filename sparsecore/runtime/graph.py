@@ -109,9 +109,22 @@ class _Reader:
 
     def reals(self, key: str) -> tuple[float, ...]:
         value = self.attributes.get(key, [])
-        if not isinstance(value, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) for v in value):
             raise self.fail(f"the attribute {key!r} must be a list of floats, got {value!r}")
-        return tuple(float(v) for v in value)
+        values = tuple(float(v) for v in value)
+        if not all(np.isfinite(v) and v >= 0 for v in values):
+            raise self.fail(f"the attribute {key!r} holds dynamic ranges (absolute maxima), which must be finite "
+                            f"and >= 0, got {list(values)}")
+        return values
+
+    def range(self, key: str) -> float:
+        """A dynamic range (absolute maximum, 0 when absent): finite and >= 0."""
+        value = self.real(key, 0.0)
+        if not np.isfinite(value) or value < 0:
+            raise self.fail(f"the attribute {key!r} is a dynamic range (absolute maximum), which must be finite "
+                            f"and >= 0, got {value!r}")
+        return value
 
 
 def _initializer_array(tensor: Any, where: str) -> np.ndarray:
@@ -178,7 +191,7 @@ def _conv_node(where: str, node: Any, reader: _Reader, initializers: dict[str, n
         activation_alpha=reader.real("act_alpha", 0.0),
         precision=reader.text("precision", "fp16", PRECISIONS),
         output_precision=reader.text("output_precision", "fp16", PRECISIONS),
-        input_dynamic_range=reader.real("input_dynamic_range", 0.0),
+        input_dynamic_range=reader.range("input_dynamic_range"),
         weight_dynamic_ranges=reader.reals("weight_dynamic_ranges"),
     )
 
@@ -194,14 +207,19 @@ def _make_node(where: str, node: Any, initializers: dict[str, np.ndarray]) -> No
         return _conv_node(where, node, reader, initializers)
     if node.op_type in ("Add", "QuantAdd"):
         _single_io(node, reader, 2)
-        return AddNode(node.name, (node.input[0], node.input[1]), node.output[0])
+        return AddNode(node.name, (node.input[0], node.input[1]), node.output[0],
+                       precision=reader.text("precision", "fp16", PRECISIONS),
+                       output_precision=reader.text("output_precision", "fp16", PRECISIONS),
+                       input_dynamic_ranges=(reader.range("input0_dynamic_range"),
+                                             reader.range("input1_dynamic_range")))
     _single_io(node, reader)
     if node.op_type == "Relu":
         return ReluNode(node.name, node.input[0], node.output[0])
     if node.op_type == "ScatterDense":
         reader.text("format", "zyx", ("zyx",))
         reader.text("output_layout", "NCHW", ("NCHW",))
-        return ScatterDenseNode(node.name, node.input[0], node.output[0], reader.integers("output_shape", default=()))
+        return ScatterDenseNode(node.name, node.input[0], node.output[0], reader.integers("output_shape", default=()),
+                                input_dynamic_range=reader.range("input_dynamic_range"))
     dims = reader.integers("dims")
     if node.op_type == "Reshape":
         if sum(1 for d in dims if d == -1) > 1 or any(d < -1 or d == 0 for d in dims):

@@ -102,11 +102,19 @@ class ConvNode(_OneInputNode):
 
 @dataclass(frozen=True)
 class AddNode:
-    """``Add`` / ``QuantAdd``: the sum of two sparse values on the same sites (or two dense arrays)."""
+    """``Add`` / ``QuantAdd``: the sum of two sparse values on the same sites (or two dense arrays).
+
+    ``precision`` / ``output_precision`` (``"fp16"`` or ``"int8"``) and
+    ``input_dynamic_ranges`` (the file's ``input0_dynamic_range`` and
+    ``input1_dynamic_range``, 0 when absent) are libspconv's int8 attributes.
+    """
 
     name: str
     inputs: tuple[str, str]
     output: str
+    precision: str = "fp16"
+    output_precision: str = "fp16"
+    input_dynamic_ranges: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -116,9 +124,13 @@ class ReluNode(_OneInputNode):
 
 @dataclass(frozen=True)
 class ScatterDenseNode(_OneInputNode):
-    """``ScatterDense``: a sparse value to a dense ``[B, C, *spatial]`` array (spconv's ``.dense()``)."""
+    """``ScatterDense``: a sparse value to a dense ``[B, C, *spatial]`` array (spconv's ``.dense()``).
+
+    ``input_dynamic_range``: the int8 input's range (absolute maximum), 0 when absent.
+    """
 
     traced_output_shape: tuple[int, ...]
+    input_dynamic_range: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Runs a parsed libspconv graph on NumPy (CPU) or CuPy (GPU) arrays through the core's public API.
 
+int8 nodes (``precision`` / ``output_precision`` ``"int8"``) run the core's
+int8 passes with libspconv's reading of the dynamic ranges (see
+`sparsecore.runtime.quantized`); float nodes run in the session's dtype.
 Each run starts a fresh rulebook cache: layers naming the same ``rulebook``
 (spconv's ``indice_key``) share one geometry, built once per run, exactly as
 the torch model's ``indice_dict`` does; an inverse conv reverses the rulebook
@@ -18,6 +21,7 @@ from .._dispatch import array_module, device_of, to_core_array
 from ..functional import sparse_conv
 from ..tensor import SparseTensor
 from .nodes import AddNode, ConvNode, Graph, GraphError, ReluNode, ReshapeNode, ScatterDenseNode, TransposeNode
+from .quantized import Int8Value, computes_int8, int8_add, int8_conv, int8_parameters, tensor_scales
 
 __all__ = ["Session", "RuntimeOutput", "DTYPES"]
 
@@ -70,30 +74,40 @@ class Session:
     def __init__(self, graph: Graph, dtype: str = "float32") -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        if any(isinstance(node, ConvNode) and "int8" in (node.precision, node.output_precision)
-               for node in graph.nodes):
-            layers = [node.name for node in graph.nodes if isinstance(node, ConvNode) and node.precision == "int8"]
-            raise GraphError(
-                f"nodes {layers} are int8 (precision='int8'); sparsecore.runtime runs float32 and float16 "
-                "graphs only. Export the model with precision='fp16' for the runtime (libspconv runs the "
-                "int8 file)"
-            )
         self.graph = graph
+        # libspconv's tensor_name -> scale of the values read as int8 (checked here, before any run)
+        self._scales = tensor_scales(graph)
         self.dtype = np.dtype(dtype)
         # weights converted to this session's dtype, per device: (node name, device) -> (weight, bias)
         self._weights: dict[tuple[str, str], tuple[Any, Any]] = {}
 
-    def _parameters(self, node: ConvNode, like: Any) -> tuple[Any, Any]:
+    def _parameters(self, node: ConvNode, like: Any) -> Any:
         device = device_of(like)
         key = (node.name, device)
         cached = self._weights.get(key)
         if cached is None:
             xp = array_module(like)
-            cached = (xp.asarray(node.weight.astype(self.dtype)), xp.asarray(node.bias.astype(self.dtype)))
+            if computes_int8(node):
+                cached = int8_parameters(node, xp)
+            else:
+                cached = (xp.asarray(node.weight.astype(self.dtype)), xp.asarray(node.bias.astype(self.dtype)))
             self._weights[key] = cached
         return cached
 
-    def _conv(self, node: ConvNode, x: SparseTensor) -> SparseTensor:
+    def _float(self, value: Any) -> Any:
+        """A value for a float node: an int8 value dequantized; sparse features in the session's dtype."""
+        if isinstance(value, Int8Value):
+            value = value.dequantized()
+        if isinstance(value, SparseTensor) and value.core_features.dtype != self.dtype:
+            value = value.replace(value.core_features.astype(self.dtype))
+        return value
+
+    def _conv(self, node: ConvNode, x: Any) -> Any:
+        if computes_int8(node):
+            like = x.values if isinstance(x, Int8Value) else x.core_features
+            out = int8_conv(node, x, self._scales, self._parameters(node, like), array_module(like))
+            return out if isinstance(out, Int8Value) else self._float(out)
+        x = self._float(x)
         if x.num_channels != node.in_channels:
             raise GraphError(f"node {node.name!r} (SparseConvolution) expects {node.in_channels} input channels, "
                              f"its input {node.input!r} has {x.num_channels}")
@@ -123,6 +137,12 @@ class Session:
         if first.shape != second.shape:
             raise GraphError(f"node {node.name!r} (Add) adds arrays of shapes {first.shape} and {second.shape}")
         return first + second
+
+    def _add_node(self, node: AddNode, first: Any, second: Any) -> Any:
+        if computes_int8(node):
+            out = int8_add(node, first, second, self._scales, self._add)
+            return out if isinstance(out, Int8Value) else self._float(out)
+        return self._add(node, self._float(first), self._float(second))
 
     @staticmethod
     def _dense_op(node: Union[ReshapeNode, TransposeNode], array: Any) -> Any:
@@ -170,19 +190,21 @@ class Session:
             if isinstance(node, ConvNode):
                 result = self._conv(node, values[node.input])
             elif isinstance(node, AddNode):
-                result = self._add(node, values[node.inputs[0]], values[node.inputs[1]])
+                result = self._add_node(node, values[node.inputs[0]], values[node.inputs[1]])
             elif isinstance(node, ReluNode):
                 value = values[node.input]
-                if isinstance(value, SparseTensor):
+                if isinstance(value, Int8Value):  # max(q, 0) keeps the scale
+                    result = Int8Value(value.sites, array_module(value.values).maximum(value.values, 0), value.scale)
+                elif isinstance(value, SparseTensor):
                     result = value.replace(array_module(value.features).maximum(value.features, 0))
                 else:
                     result = array_module(value).maximum(value, value.dtype.type(0))
             elif isinstance(node, ScatterDenseNode):
-                result = values[node.input].dense(channels_first=True)
+                result = self._float(values[node.input]).dense(channels_first=True)
             else:
                 result = self._dense_op(node, values[node.input])
             values[node.output] = result
-        output = values[self.graph.output]
+        output = self._float(values[self.graph.output])
         if isinstance(output, SparseTensor):
             return RuntimeOutput(None, output)
         return RuntimeOutput(output, None)
@@ -194,7 +216,8 @@ class Session:
             if isinstance(node, ConvNode):
                 details = (f"{node.kind} {node.in_channels}->{node.out_channels} k{list(node.kernel_size)} "
                            f"s{list(node.stride)} p{list(node.padding)} rulebook={node.rulebook!r} "
-                           f"act={node.activation}")
+                           f"act={node.activation}" + (f" {node.precision}->{node.output_precision}"
+                                                       if computes_int8(node) else ""))
                 op, source = "SparseConvolution", node.input
             elif isinstance(node, AddNode):
                 details, op, source = "", "Add", " + ".join(node.inputs)
