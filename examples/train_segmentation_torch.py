@@ -89,14 +89,15 @@ class MinkUNet(nn.Module):
         self.up1 = conv_bn_relu(spconv.SparseInverseConv3d(c2, c1, 3, bias=False, indice_key="down1"), c1)
         self.dec1 = conv_bn_relu(spconv.SubMConv3d(2 * c1, c1, 3, padding=1, bias=False, indice_key="s1"), c1)
         self.head = nn.Linear(c1, num_classes)
+        self.join = spconv.JoinTable()  # skip concatenation: the channels of tensors on the same sites
 
     def forward(self, x):
         skip1 = self.enc1(self.stem(x))
         skip2 = self.enc2(self.down1(skip1))
         y = self.up2(self.enc3(self.down2(skip2)))
-        y = self.dec2(y.replace_feature(torch.cat([y.features, skip2.features], dim=1)))
+        y = self.dec2(self.join([y, skip2]))
         y = self.up1(y)
-        y = self.dec1(y.replace_feature(torch.cat([y.features, skip1.features], dim=1)))
+        y = self.dec1(self.join([y, skip1]))
         return self.head(y.features)  # [num_voxels, num_classes]
 
 

@@ -94,7 +94,6 @@ def build_unet(in_channels: int, num_classes: int = 3) -> "torch.nn.Module":
     Returns:
         A ``torch.nn.Module`` mapping a ``SparseConvTensor`` to ``[N, num_classes]`` logits.
     """
-    import torch
     from torch import nn
 
     import sparsecore.torch as spconv
@@ -128,15 +127,16 @@ def build_unet(in_channels: int, num_classes: int = 3) -> "torch.nn.Module":
             self.up1 = up(32, 16, "down1")
             self.dec1 = block(32, 16, "subm1")
             self.head = nn.Linear(16, num_classes)
+            self.join = spconv.JoinTable()  # skip concatenation: the channels of tensors on the same sites
 
         def forward(self, x):
             skip1 = self.enc1(self.stem(x))
             skip2 = self.enc2(self.down1(skip1))
             y = self.up2(self.bottom(self.down2(skip2)))
-            # Inverse convs restore the paired layer's input sites in order: concatenate features.
-            y = self.dec2(y.replace_feature(torch.cat([y.features, skip2.features], dim=1)))
+            # Inverse convs restore the paired layer's input sites in order: join the skip's channels.
+            y = self.dec2(self.join([y, skip2]))
             y = self.up1(y)
-            y = self.dec1(y.replace_feature(torch.cat([y.features, skip1.features], dim=1)))
+            y = self.dec1(self.join([y, skip1]))
             return self.head(y.features)
 
     return UNet()
