@@ -32,7 +32,7 @@ from torch.nn import init
 import sparsecore as sc
 
 from .exportable import export_forward
-from .layer import SparseModule, geometry_repr, layer_forward
+from .layer import FixedNdim, SparseModule, geometry_repr, layer_forward
 from .ops import autocast_inputs, sparse_conv_features
 from .spconv_compat import (
     MAX_NUM_VOXELS_DURING_TRAINING,
@@ -103,17 +103,12 @@ class SparseConvolution(SparseModule):
         # submanifold or stride 1; such a layer reads its weight as view(in, out)
         self.conv1x1 = kernel_volume == 1 and (subm or math.prod(self.stride) == 1)
         self.groups = groups
-        self.subm = subm
-        self.transposed = transposed
-        self.inverse = inverse
+        self.subm, self.transposed, self.inverse = subm, transposed, inverse
         self.indice_key = indice_key
         self.record_voxel_count = record_voxel_count
-        self.algo = algo
-        self.fp32_accum = fp32_accum
-        self.large_kernel_fast_algo = large_kernel_fast_algo
-        self.act_type = act_type
-        self.act_alpha = act_alpha
-        self.act_beta = act_beta
+        # recorded as spconv records them; sparsecore chooses its own dataflow
+        self.algo, self.fp32_accum, self.large_kernel_fast_algo = algo, fp32_accum, large_kernel_fast_algo
+        self.act_type, self.act_alpha, self.act_beta = act_type, act_alpha, act_beta
         self._activation = activation_name(act_type)
         if inverse and indice_key is None:
             raise ValueError("an inverse conv needs the indice_key of the SparseConv / SparseMaxPool it inverts")
@@ -207,8 +202,7 @@ class SparseConvolution(SparseModule):
                 "out_channels": self.out_channels}
 
 
-class _SparseConvNd(SparseConvolution):
-    _ndim = 3
+class _SparseConvNd(FixedNdim, SparseConvolution):
     _transposed = False
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
@@ -220,9 +214,7 @@ class _SparseConvNd(SparseConvolution):
                          large_kernel_fast_algo=large_kernel_fast_algo, name=name)
 
 
-class _SubMConvNd(SparseConvolution):
-    _ndim = 3
-
+class _SubMConvNd(FixedNdim, SparseConvolution):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, indice_key=None, algo=None, fp32_accum=None, large_kernel_fast_algo=False,
                  name=None):
@@ -231,9 +223,7 @@ class _SubMConvNd(SparseConvolution):
                          large_kernel_fast_algo=large_kernel_fast_algo, name=name)
 
 
-class _SparseInverseConvNd(SparseConvolution):
-    _ndim = 3
-
+class _SparseInverseConvNd(FixedNdim, SparseConvolution):
     def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
                  fp32_accum=None, large_kernel_fast_algo=False, name=None):
         super().__init__(self._ndim, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
@@ -245,81 +235,65 @@ class _SparseConvTransposeNd(_SparseConvNd):
     _transposed = True
 
 
-class SparseConv1d(_SparseConvNd):
+class SparseConv1d(_SparseConvNd, ndim=1):
     """1-D regular sparse conv: the dense conv evaluated at the sites any input reaches."""
-    _ndim = 1
 
 
-class SparseConv2d(_SparseConvNd):
+class SparseConv2d(_SparseConvNd, ndim=2):
     """2-D regular sparse conv."""
-    _ndim = 2
 
 
-class SparseConv3d(_SparseConvNd):
+class SparseConv3d(_SparseConvNd, ndim=3):
     """3-D regular sparse conv."""
-    _ndim = 3
 
 
-class SparseConv4d(_SparseConvNd):
+class SparseConv4d(_SparseConvNd, ndim=4):
     """4-D regular sparse conv."""
-    _ndim = 4
 
 
-class SubMConv1d(_SubMConvNd):
+class SubMConv1d(_SubMConvNd, ndim=1):
     """1-D submanifold sparse conv: output sites = input sites."""
-    _ndim = 1
 
 
-class SubMConv2d(_SubMConvNd):
+class SubMConv2d(_SubMConvNd, ndim=2):
     """2-D submanifold sparse conv."""
-    _ndim = 2
 
 
-class SubMConv3d(_SubMConvNd):
+class SubMConv3d(_SubMConvNd, ndim=3):
     """3-D submanifold sparse conv."""
-    _ndim = 3
 
 
-class SubMConv4d(_SubMConvNd):
+class SubMConv4d(_SubMConvNd, ndim=4):
     """4-D submanifold sparse conv."""
-    _ndim = 4
 
 
-class SparseConvTranspose1d(_SparseConvTransposeNd):
+class SparseConvTranspose1d(_SparseConvTransposeNd, ndim=1):
     """1-D transposed sparse conv (``torch.nn.ConvTranspose1d`` at the reached sites)."""
-    _ndim = 1
 
 
-class SparseConvTranspose2d(_SparseConvTransposeNd):
+class SparseConvTranspose2d(_SparseConvTransposeNd, ndim=2):
     """2-D transposed sparse conv."""
-    _ndim = 2
 
 
-class SparseConvTranspose3d(_SparseConvTransposeNd):
+class SparseConvTranspose3d(_SparseConvTransposeNd, ndim=3):
     """3-D transposed sparse conv."""
-    _ndim = 3
 
 
-class SparseConvTranspose4d(_SparseConvTransposeNd):
+class SparseConvTranspose4d(_SparseConvTransposeNd, ndim=4):
     """4-D transposed sparse conv."""
-    _ndim = 4
 
 
-class SparseInverseConv1d(_SparseInverseConvNd):
+class SparseInverseConv1d(_SparseInverseConvNd, ndim=1):
     """1-D inverse conv: back onto the input sites of the layer saved under ``indice_key``."""
-    _ndim = 1
 
 
-class SparseInverseConv2d(_SparseInverseConvNd):
+class SparseInverseConv2d(_SparseInverseConvNd, ndim=2):
     """2-D inverse conv."""
-    _ndim = 2
 
 
-class SparseInverseConv3d(_SparseInverseConvNd):
+class SparseInverseConv3d(_SparseInverseConvNd, ndim=3):
     """3-D inverse conv."""
-    _ndim = 3
 
 
-class SparseInverseConv4d(_SparseInverseConvNd):
+class SparseInverseConv4d(_SparseInverseConvNd, ndim=4):
     """4-D inverse conv."""
-    _ndim = 4

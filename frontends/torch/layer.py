@@ -21,7 +21,7 @@ from .fx import FxLeafModule
 from .spconv_compat import MAX_NUM_VOXELS_DURING_TRAINING
 from .tensor import IndiceData, SparseConvTensor
 
-__all__ = ["SparseModule", "start_benchmark", "layer_forward", "geometry_repr"]
+__all__ = ["SparseModule", "FixedNdim", "start_benchmark", "layer_forward", "geometry_repr"]
 
 
 class SparseModule(FxLeafModule, nn.Module):
@@ -34,6 +34,20 @@ class SparseModule(FxLeafModule, nn.Module):
         super().__init__()
         self.name = name
         self._sparse_unique_name = ""
+
+
+class FixedNdim:
+    """Lets a public layer class fix its spatial axes in its header: ``class SubMConv3d(_SubMConvNd, ndim=3)``.
+
+    The ``...Nd`` base classes take spconv's per-class argument lists and pass ``cls._ndim`` on.
+    """
+
+    _ndim = 3
+
+    def __init_subclass__(cls, ndim: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if ndim is not None:
+            cls._ndim = ndim
 
 
 # --------------------------------------------------------------------------- benchmark records
