@@ -36,21 +36,24 @@ from torch import nn  # noqa: E402
 import sparsecore.int8 as core_int8  # noqa: E402
 import sparsecore.runtime as runtime  # noqa: E402
 import sparsecore.torch as spconv  # noqa: E402
-from tests.test_torch_quantization import ThreeLayers, _convert, _prepare, _randomize_bn, _tensor  # noqa: E402
+from tests.test_torch_quantization import (  # noqa: E402
+    SmallNet,
+    ThreeLayers,
+    _convert,
+    _prepare,
+    _randomize_bn,
+    _tensor,
+)
 from tests.torch_networks import FusableResidualBlock  # noqa: E402
 
 
-class ResidualNet(nn.Module):
-    """stem (subm-bn-relu), spconv's fusable residual block, strided conv-bn-relu, 1x1 head, ``.dense()``."""
+class ResidualNet(SmallNet):
+    """The quantization tests' network without its max pool (the format has no pooling node), ending on ``.dense()``:
+    stem (subm-bn-relu), spconv's fusable residual block, strided conv-bn-relu, 1x1 head."""
 
-    def __init__(self, channels: int = 8) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.stem = spconv.SparseSequential(spconv.SubMConv3d(4, channels, 3, bias=False, indice_key="stem"),
-                                            nn.BatchNorm1d(channels), nn.ReLU())
-        self.block = FusableResidualBlock(channels, spconv.SubMConv3d, indice_key="res")
-        self.down = spconv.SparseSequential(spconv.SparseConv3d(channels, 12, 3, 2, 1, bias=False),
-                                            spconv.SparseBatchNorm(12), spconv.SparseReLU())
-        self.head = spconv.SubMConv3d(12, 5, 1)
+        del self.pool
 
     def forward(self, x):
         return self.head(self.down(self.block(self.stem(x)))).dense()
