@@ -23,7 +23,8 @@ FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT), MPLBACKEND="Agg", JAX_PLATFORMS="cpu",
+    path = os.pathsep.join(part for part in (str(ROOT), os.environ.get("PYTHONPATH", "")) if part)
+    return dict(os.environ, PYTHONPATH=path, MPLBACKEND="Agg", JAX_PLATFORMS="cpu",
                 OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
