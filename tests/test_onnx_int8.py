@@ -27,24 +27,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
-onnx = pytest.importorskip("onnx")
-torch = pytest.importorskip("torch")
+import sparsecore.int8 as core_int8
+import sparsecore.runtime as runtime
+import sparsecore.torch as spconv
+from tests.test_torch_quantization import SmallNet, ThreeLayers, _convert, _prepare, _randomize_bn, _tensor
+from tests.torch_networks import FusableResidualBlock
 
-from torch import nn  # noqa: E402
-
-import sparsecore.int8 as core_int8  # noqa: E402
-import sparsecore.runtime as runtime  # noqa: E402
-import sparsecore.torch as spconv  # noqa: E402
-from tests.test_torch_quantization import (  # noqa: E402
-    SmallNet,
-    ThreeLayers,
-    _convert,
-    _prepare,
-    _randomize_bn,
-    _tensor,
-)
-from tests.torch_networks import FusableResidualBlock  # noqa: E402
+onnx = pytest.importorskip("onnx")  # the 'onnx' extra
 
 
 class ResidualNet(SmallNet):

@@ -46,6 +46,7 @@ import torch.fx
 from torch import nn
 
 from ._export_trace import ConvRecord, ExportError, OpRecord, Trace
+from ._int8_ranges import check_fp16_weight, dynamic_range, dynamic_ranges
 from ._onnx_steps import PlannedConv, PlannedStep
 from .conv import SparseConvolution
 from .exportable import effective_weight
@@ -55,33 +56,20 @@ from .quantization import intrinsic as fused
 from .quantization.quantized import conv as quantized
 from .tensor import SparseConvTensor
 
-__all__ = ["plan_int8", "dynamic_range", "dynamic_ranges"]
+__all__ = ["plan_int8"]
 
 _FLOAT, _INT8, _QUANTIZED, _DEQUANTIZED, _DENSE = "float", "int8", "quantized", "dequantized", "dense"
 _RELUS = (nn.ReLU, SparseReLU)
 
 
-def dynamic_ranges(scales: Any) -> np.ndarray:
-    """float32 ranges ``r`` with ``float32(r) / 127 == float32(scale)`` in float32 where a float32 ``r`` does
-    (the one nearest to ``127 * scale``), else the float32 nearest to ``127 * scale``."""
-    targets = np.asarray(scales, dtype=np.float64).astype(np.float32).reshape(-1)
-    ranges = (127.0 * targets.astype(np.float64)).astype(np.float32)
-    for index, (target, start) in enumerate(zip(targets, ranges)):
-        candidates = [start]
-        up = down = start
-        for _ in range(4):
-            up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(0))
-            candidates += [up, down]
-        for candidate in candidates:
-            if candidate / np.float32(127) == target:
-                ranges[index] = candidate
-                break
-    return ranges
+@dataclass
+class _Pending:
+    """A planned node whose ``output_precision`` waits for its readers: set from ``int8_output``'s readers."""
 
-
-def dynamic_range(scale: float) -> float:
-    """`dynamic_ranges` of one scale, as a Python float."""
-    return float(dynamic_ranges([scale])[0])
+    item: Any
+    where: str
+    attributes: dict
+    int8_output: Optional[str]
 
 
 @dataclass(frozen=True)
@@ -99,7 +87,7 @@ class _Planner(torch.fx.Interpreter):
     def __init__(self, model: torch.fx.GraphModule) -> None:
         super().__init__(model)
         self.views: dict[torch.fx.Node, _View] = {}
-        self.steps: list[dict[str, Any]] = []  # {"item", "attributes", "int8_output": tensor or None}
+        self.steps: list[_Pending] = []
         self.tensor_scale: dict[str, float] = {}  # int8 tensors: the scale their producer writes
         self.int8_readers: dict[str, list[str]] = {}
         self.float_readers: dict[str, list[str]] = {}
@@ -141,7 +129,8 @@ class _Planner(torch.fx.Interpreter):
         return view.tensor
 
     def add_step(self, item: Any, attributes: Optional[dict] = None, int8_output: Optional[str] = None) -> None:
-        self.steps.append({"item": item, "attributes": dict(attributes or {}), "int8_output": int8_output})
+        where = item.module_name if isinstance(item, OpRecord) else f"module {item.record.module_name!r}"
+        self.steps.append(_Pending(item, where, dict(attributes or {}), int8_output))
 
     # fx -----------------------------------------------------------------------------------
     def run_node(self, node: torch.fx.Node) -> Any:
@@ -274,7 +263,7 @@ class _Planner(torch.fx.Interpreter):
         ranges = dynamic_ranges(weight_scales)
         weight = (module.weight_int8.detach().cpu().numpy().astype(np.float64)
                   * weight_scales.astype(np.float64).reshape((-1,) + (1,) * (module.weight_int8.dim() - 1)))
-        _check_fp16_weight(where, weight, ranges, module.weight_int8.detach().cpu().numpy())
+        check_fp16_weight(where, weight, ranges, module.weight_int8.detach().cpu().numpy())
         bias = (np.zeros(module.out_channels) if module.bias_float is None
                 else module.bias_float.detach().double().cpu().numpy())
         output_scale = float(module.scale)
@@ -313,7 +302,7 @@ class _Planner(torch.fx.Interpreter):
         if relu:
             last = self.new_tensor()
             self.add_step(OpRecord("relu", where, (output,), last, (), shape))
-            self.steps[-2]["int8_output"] = last  # the Relu's readers decide the add's output type
+            self.steps[-2].int8_output = last  # the Relu's readers decide the add's output type
         self.tensor_scale[last] = output_scale
         return _View(last, _INT8, output_scale)
 
@@ -327,21 +316,6 @@ def _conv_record(name: str, module: Any, source: str, output: str, x: SparseConv
                  result: SparseConvTensor) -> ConvRecord:
     return ConvRecord(name, module, source, output, None, tuple(x.features.shape), tuple(result.features.shape),
                       tuple(x.spatial_shape), tuple(result.spatial_shape))
-
-
-def _check_fp16_weight(where: str, weight: np.ndarray, ranges: np.ndarray, weight_int8: np.ndarray) -> None:
-    """Refuses a weight whose FP16 values would not quantize back (with ``range / 127``) to the int8 weight."""
-    scales = (ranges / np.float32(127)).astype(np.float32).reshape((-1,) + (1,) * (weight.ndim - 1))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        back = np.clip(np.rint(weight.astype(np.float16).astype(np.float32) / scales), -128, 127)
-    wrong = back != weight_int8
-    if wrong.any():
-        channel = int(np.argwhere(wrong)[0][0])
-        raise ExportError(
-            f"{where}: the FP16 weights (libspconv's only initializer type) cannot hold output channel {channel}'s "
-            f"int8 weights exactly (its scale {float(scales.reshape(-1)[channel]):.3g} is too small for FP16 "
-            "subnormals); the file would not run the converted model. Rescale the layer (e.g. a larger weight "
-            "norm before conversion) or exclude it from quantization")
 
 
 def plan_int8(model: nn.Module, example_input: Any) -> tuple[Trace, list[PlannedStep]]:
@@ -377,16 +351,16 @@ def plan_int8(model: nn.Module, example_input: Any) -> tuple[Trace, list[Planned
                 "that quantize it differently")
     steps = []
     for step in planner.steps:
-        attributes, tensor = step["attributes"], step["int8_output"]
-        if tensor is not None:
-            int8, floats = planner.int8_readers.get(tensor, []), planner.float_readers.get(tensor, [])
+        if step.int8_output is not None:
+            int8 = planner.int8_readers.get(step.int8_output, [])
+            floats = planner.float_readers.get(step.int8_output, [])
             if int8 and floats:
                 raise ExportError(
-                    f"the int8 output of {step['item'].module_name if isinstance(step['item'], OpRecord) else step['item'].record.module_name} "
-                    f"is read by int8 layers ({int8[0]}) and float layers ({floats[0]}); libspconv's format gives a "
-                    "tensor one precision. Quantize the float reader too, or exclude the producer from quantization")
-            attributes["output_precision"] = "int8" if int8 else "fp16"
-        steps.append(PlannedStep(step["item"], tuple(sorted(attributes.items()))))
+                    f"the int8 output of {step.where} is read by int8 layers ({int8[0]}) and float layers "
+                    f"({floats[0]}); libspconv's format gives a tensor one precision. Quantize the float reader "
+                    "too, or exclude the producer from quantization")
+            step.attributes["output_precision"] = "int8" if int8 else "fp16"
+        steps.append(PlannedStep(step.item, tuple(sorted(step.attributes.items()))))
     output = planner.graph_output
     trace = Trace("v0", planner.input_shape, (), output.tensor, output.form == _DENSE, planner.graph_output_shape)
     return trace, steps
