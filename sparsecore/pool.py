@@ -13,7 +13,7 @@ from typing import Any
 
 from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
-from ._chunks import check_padded_pairs, pair_chunks
+from ._chunks import check_padded_pairs
 from .backends import ArrayBackend, backend_for
 from .rulebook import PairMap, Rulebook
 
@@ -32,14 +32,6 @@ __all__ = [
 def _sum_dtype(xp: Any, dtype: Any) -> Any:
     """Pools sum float16 in float32 (no GEMM to speed up, so no reason to round more)."""
     return xp.float32 if dtype == xp.float16 else dtype
-
-
-def _gather_scatter(backend: ArrayBackend, target: Any, source: Any, gather_from: Any, scatter_to: Any,
-                    offset_starts: tuple[int, ...]) -> None:
-    """``target[scatter_to[p]] += source[gather_from[p]]`` over every pair, a chunk of offsets at a time."""
-    for chunk in pair_chunks(offset_starts, max(int(source.shape[1]), 1), backend.chunk_elements):
-        gathered = backend.gather_rows(source, gather_from[chunk.start:chunk.stop])
-        backend.scatter_add_pairs(target, scatter_to[chunk.start:chunk.stop], gathered, chunk.local_starts)
 
 
 def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
@@ -120,31 +112,19 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *, rulebook
     return _scatter_by_argmax(grad_output, argmax, num_input, backend)
 
 
-def _window_counts(backend: ArrayBackend, rulebook: Rulebook | PairMap, dtype: Any) -> Any:
-    """Active inputs in each output's window, at least 1: ``[N_out, 1]`` in ``dtype``.
-
-    A scatter-add of ones over the pairs (`ArrayBackend.scatter_add_pairs`),
-    sized by the rulebook, so it stays on the device with no host read
-    (``bincount`` would read the largest row back to size its result). A pair
-    padded on either side (row -1, see `PairMap`) counts for nothing.
-    """
-    xp = backend.xp
-    count_dtype = xp.float64 if dtype == xp.float64 else xp.float32  # exact counts for 16-bit storage too
-    counts = xp.zeros((rulebook.num_output, 1), dtype=count_dtype)
-    ones = (rulebook.pair_input >= 0).astype(count_dtype).reshape(-1, 1)
-    for chunk in pair_chunks(tuple(rulebook.offset_starts), 1, backend.chunk_elements):
-        backend.scatter_add_pairs(counts, rulebook.pair_output[chunk.start:chunk.stop], ones[chunk.start:chunk.stop],
-                                  chunk.local_starts)
-    return xp.maximum(counts, 1).astype(dtype, copy=False)
-
-
 def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
                      backend: ArrayBackend | None = None) -> Any:
-    """Mean over each output's active inputs.
+    """Mean over each output's active inputs (`ArrayBackend.avg_pool_pairs`).
+
+    Sums in float32 for 16-bit storage (float64 for float64), in kernel-offset
+    order, then divides by the window's count of active inputs; an output
+    without inputs is 0. On the GPU one ``sc_avg_pool_forward`` launch reads
+    the input rows in place (no gathered copy).
 
     Args:
         features: ``[N_in, C]``.
         rulebook: a pooling rulebook.
+        backend: the primitives to run on; by default the backend of ``features``.
 
     Returns:
         ``[N_out, C]`` in the features' dtype.
@@ -153,36 +133,31 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     check_same_device(features=features, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
     check_padded_pairs(rulebook, backend)
-    xp = backend.xp
-    dtype = _sum_dtype(xp, features.dtype)
-    source = xp.ascontiguousarray(features, dtype=dtype)
-    out = xp.zeros((rulebook.num_output, features.shape[1]), dtype=dtype)
-    _gather_scatter(backend, out, source, rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts))
-    out /= _window_counts(backend, rulebook, dtype)
-    return out.astype(features.dtype, copy=False)
+    source = backend.xp.ascontiguousarray(features)
+    return backend.avg_pool_pairs(source, rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts),
+                                  rulebook.num_output)
 
 
 def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
                       backend: ArrayBackend | None = None) -> Any:
-    """Gradient of `avg_pool_forward`.
+    """Gradient of `avg_pool_forward` (`ArrayBackend.avg_pool_backward_pairs`).
 
     Args:
         grad_output: ``[N_out, C]``.
         rulebook: the forward's rulebook.
+        backend: the primitives to run on; by default the backend of ``grad_output``.
 
     Returns:
         ``[N_in, C]``.
     """
     grad_output = as_features(grad_output, rulebook.num_output, name="grad_output",
                               rows_meaning="output site of the rulebook")
+    check_same_device(grad_output=grad_output, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(grad_output)
     check_padded_pairs(rulebook, backend)
-    xp = backend.xp
-    dtype = _sum_dtype(xp, grad_output.dtype)
-    scaled = xp.ascontiguousarray(grad_output, dtype=dtype) / _window_counts(backend, rulebook, dtype)
-    grad = xp.zeros((rulebook.num_input, grad_output.shape[1]), dtype=dtype)
-    _gather_scatter(backend, grad, scaled, rulebook.pair_output, rulebook.pair_input, tuple(rulebook.offset_starts))
-    return grad.astype(grad_output.dtype, copy=False)
+    source = backend.xp.ascontiguousarray(grad_output)
+    return backend.avg_pool_backward_pairs(source, rulebook.pair_input, rulebook.pair_output,
+                                           tuple(rulebook.offset_starts), rulebook.num_input)
 
 
 def _batch_rows(indices: Any, batch_size: int, num_rows: int) -> tuple[Any, list[Any]]:

@@ -452,30 +452,6 @@ def test_submanifold_rulebook_composes(backend):
         np.testing.assert_array_equal(backend.get(input_rows)[starts[k]:starts[k + 1]], expected_in)
 
 
-# ----------------------------------------------------------------- voxelize.cu
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("num_points", [0, 1, 130])
-def test_voxel_keys(backend, dtype, num_points):
-    rng = _rng(11, num_points, np.dtype(dtype).itemsize)
-    points = np.column_stack([
-        rng.integers(-1, 4, size=num_points),  # batch column, some out of [0, 3)
-        rng.uniform(-1.0, 11.0, size=(num_points, 3)),  # x y z, some out of range
-        rng.normal(size=num_points),  # a feature
-    ]).astype(dtype)
-    if num_points > 3:
-        points[1, 2] = np.nan
-        points[2, 1:4] = [0.0, 2.5, 9.999]  # on cell edges
-    arguments = dict(point_columns=[3, 2, 1], voxel_size=[0.5, 0.25, 0.4], range_min=[0.0, 0.0, -0.5],
-                     grid_shape=[20, 40, 24], batch_column=0, batch_size=3)
-    keys = backend.get(backend.launch.voxel_keys(backend.put(points), **arguments))
-    np.testing.assert_array_equal(keys, twins.voxel_keys(points, **arguments))
-    no_batch = dict(arguments, batch_column=-1, batch_size=1)
-    keys = backend.get(backend.launch.voxel_keys(backend.put(points), **no_batch))
-    np.testing.assert_array_equal(keys, twins.voxel_keys(points, **no_batch))
-
-
 # ------------------------------------------------------------------ harness
 
 

@@ -106,7 +106,7 @@ def test_name_expression_lookup() -> None:
     )
     assert kernel_registry.name_expression("sc_hash_insert", np.int32) == "sc_hash_insert<int>"
     assert kernel_registry.name_expression("sc_compact_count") == "sc_compact_count"
-    assert kernel_registry.file_of_kernel("sc_voxel_keys") == "voxelize.cu"
+    assert kernel_registry.file_of_kernel("sc_int8_max_pool") == "int8.cu"
     with pytest.raises(KeyError):
         kernel_registry.name_expression("sc_gather_rows", np.int32)
     with pytest.raises(TypeError):

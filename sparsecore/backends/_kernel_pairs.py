@@ -1,4 +1,4 @@
-"""The kernel backend's pair primitives: compaction, conv candidates, pair scatters, max pooling.
+"""The kernel backend's pair primitives: compaction, conv candidates, pair scatters, max and average pooling.
 
 Functions of a `KernelDevice` (a kernel backend's ``xp`` and launch settings),
 kept apart from the hashing and row primitives of `kernel_backend` so each
@@ -18,7 +18,8 @@ import numpy as np
 from ._launch import INT32_MAX, KernelDevice, check_float, check_integer_vector, check_row_count, check_scatter, vector_width
 from ._sorting import group_starts
 
-__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_rows", "scatter_add_pairs", "max_pool_pairs", "max_pool_backward_pairs"]
+__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_rows", "scatter_add_pairs", "max_pool_pairs", "max_pool_backward_pairs",
+           "avg_pool_pairs", "avg_pool_backward_pairs"]
 
 # Entries of a compaction tile per thread: a tile is this many times the block.
 _TILE_ENTRIES_PER_THREAD = 8
@@ -205,4 +206,68 @@ def max_pool_backward_pairs(device: KernelDevice, grad_output: Any, argmax: Any,
     device.run("sc_max_pool_backward", (dtype_name,), num_input * channels,
                (xp.ascontiguousarray(grad_output), xp.ascontiguousarray(argmax, dtype=xp.int32), grouped_output,
                 input_starts, np.int64(num_input), np.int64(channels), grad))
+    return grad
+
+
+def _window_starts(xp: Any, pair_input: Any, pair_output: Any, num_output: int) -> tuple[Any, Any]:
+    """The pairs grouped by output, those without an input (padding) left out: ``(order, starts)``.
+
+    ``starts[o + 1] - starts[o]`` is output ``o``'s count of active inputs, the divisor
+    ``sc_avg_pool_forward`` and ``sc_avg_pool_backward`` use.
+    """
+    keys = xp.where(pair_input >= 0, pair_output, -1)
+    return group_starts(xp, keys, num_output)
+
+
+def _check_pool_pairs(features: Any, pair_input: Any, pair_output: Any, rows: int, function: str) -> str:
+    dtype_name = check_float(features, "features", function)
+    check_integer_vector(pair_input, "pair_input", function)
+    check_integer_vector(pair_output, "pair_output", function, int(pair_input.shape[0]))
+    check_row_count(rows, "the result", function)
+    return dtype_name
+
+
+def avg_pool_pairs(device: KernelDevice, features: Any, pair_input: Any, pair_output: Any,
+                   num_output: int) -> Any:
+    """Mean over each output's active inputs with ``sc_avg_pool_forward`` (see `ArrayBackend.avg_pool_pairs`).
+
+    A stable ``xp.argsort`` groups the pairs by output in pair (kernel-offset)
+    order; one thread per output element sums its group in the accumulator
+    type and divides by the group's size. No gathered copy of the rows, no
+    atomics, no host synchronisation.
+    """
+    xp = device.xp
+    dtype_name = _check_pool_pairs(features, pair_input, pair_output, int(num_output), "avg_pool_pairs")
+    num_output, channels = int(num_output), int(features.shape[1])
+    out = xp.zeros((num_output, channels), dtype=features.dtype)
+    if pair_input.shape[0] == 0:
+        return out
+    order, output_starts = _window_starts(xp, pair_input, pair_output, num_output)
+    grouped_input = xp.ascontiguousarray(xp.take(pair_input, order), dtype=xp.int32)
+    device.run("sc_avg_pool_forward", (dtype_name,), num_output * channels,
+               (xp.ascontiguousarray(features), grouped_input, output_starts, np.int64(num_output),
+                np.int64(channels), out))
+    return out
+
+
+def avg_pool_backward_pairs(device: KernelDevice, grad_output: Any, pair_input: Any, pair_output: Any,
+                            num_input: int) -> Any:
+    """Average-pool gradient by input with ``sc_avg_pool_backward`` (see `ArrayBackend.avg_pool_backward_pairs`).
+
+    The pairs grouped by input (a stable ``xp.argsort``; padding falls before
+    the first group) give each input's outputs in pair order; the forward's
+    grouping by output gives each output's divisor.
+    """
+    xp = device.xp
+    dtype_name = _check_pool_pairs(grad_output, pair_input, pair_output, int(num_input), "avg_pool_backward_pairs")
+    num_input, num_output, channels = int(num_input), int(grad_output.shape[0]), int(grad_output.shape[1])
+    grad = xp.zeros((num_input, channels), dtype=grad_output.dtype)
+    if pair_input.shape[0] == 0:
+        return grad
+    _, output_starts = _window_starts(xp, pair_input, pair_output, num_output)
+    order, input_starts = group_starts(xp, xp.where(pair_output >= 0, pair_input, -1), num_input)
+    grouped_output = xp.ascontiguousarray(xp.take(pair_output, order), dtype=xp.int32)
+    device.run("sc_avg_pool_backward", (dtype_name,), num_input * channels,
+               (xp.ascontiguousarray(grad_output), grouped_output, input_starts, output_starts,
+                np.int64(num_input), np.int64(channels), grad))
     return grad

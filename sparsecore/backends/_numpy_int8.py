@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import _int8_cpu_kernels
+from ._pair_runs import offset_runs
 
 __all__ = ["Int8Epilogue", "apply_epilogue", "requantize", "conv_pairs", "max_pool_pairs", "EXACT_FLOAT32_LIMIT"]
 
@@ -228,11 +229,7 @@ def max_pool_pairs(features: np.ndarray, pair_input: np.ndarray, pair_output: np
     channels = features.shape[1]
     out = np.zeros((num_output, channels), dtype=np.int8)
     seen = np.zeros(num_output, dtype=bool)
-    for start, stop in zip(run_starts[:-1], run_starts[1:]):
-        if stop == start:
-            continue
-        input_rows = pair_input[start:stop].astype(np.intp)
-        output_rows = pair_output[start:stop].astype(np.intp)
+    for input_rows, output_rows in offset_runs(pair_input, pair_output, run_starts):
         values = np.take(features, input_rows, axis=0)
         current = np.take(out, output_rows, axis=0)
         first = ~np.take(seen, output_rows)

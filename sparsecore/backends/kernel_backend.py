@@ -277,6 +277,16 @@ class KernelBackend:
         """Max-pool gradient by input rows with ``sc_max_pool_backward`` (``run_starts`` unused)."""
         return _kernel_pairs.max_pool_backward_pairs(self.device, grad_output, argmax, pair_input, pair_output, num_input)
 
+    def avg_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
+                       num_output: int) -> Any:
+        """Per-output means with ``sc_avg_pool_forward`` (``run_starts`` unused)."""
+        return _kernel_pairs.avg_pool_pairs(self.device, features, pair_input, pair_output, num_output)
+
+    def avg_pool_backward_pairs(self, grad_output: Any, pair_input: Any, pair_output: Any,
+                                run_starts: tuple[int, ...], num_input: int) -> Any:
+        """Average-pool gradient by input rows with ``sc_avg_pool_backward`` (``run_starts`` unused)."""
+        return _kernel_pairs.avg_pool_backward_pairs(self.device, grad_output, pair_input, pair_output, num_input)
+
     def int8_conv_pairs(self, features: Any, weight: Any, pair_input: Any, pair_output: Any,
                         run_starts: tuple[int, ...], num_output: int, identity_offset: int, groups: int,
                         epilogue: Any) -> Any:

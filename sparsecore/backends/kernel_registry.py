@@ -51,8 +51,6 @@ FLOAT_TYPES: tuple[tuple[str, str], ...] = (
 )
 # Value types of hash tables: int32 (row indices) and int64 (general values).
 HASH_VALUE_TYPES: tuple[str, ...] = ("int", "long long")
-# Point coordinate types of voxelization.
-POINT_TYPES: tuple[str, ...] = ("float", "double")
 
 # NumPy dtype names (``numpy.dtype(x).name``; ml_dtypes' bfloat16 included) to C++ types.
 _CUDA_TYPE_OF_DTYPE: tuple[tuple[str, str], ...] = (
@@ -149,7 +147,6 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_transposed_conv_candidates"),
         ),
     ),
-    KernelFile("voxelize.cu", (_per_type("sc_voxel_keys", POINT_TYPES),)),
     KernelFile("int8.cu", (_per_type("sc_int8_conv", ("signed char", "float")), KernelSpec("sc_int8_max_pool"))),
 )
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _numpy_int8
+from ._pair_runs import offset_runs
 from ._sorting import unique_inverse
 
 __all__ = ["NumpyBackend", "SortedTable"]
@@ -169,11 +170,7 @@ class NumpyBackend:
         channels = features.shape[1]
         out = np.zeros((num_output, channels), dtype=features.dtype)
         argmax = np.full((num_output, channels), -1, dtype=np.int32)
-        for start, stop in zip(run_starts[:-1], run_starts[1:]):
-            if stop == start:
-                continue
-            input_rows = pair_input[start:stop].astype(np.intp)
-            output_rows = pair_output[start:stop].astype(np.intp)
+        for input_rows, output_rows in offset_runs(pair_input, pair_output, run_starts):
             values = np.take(features, input_rows, axis=0)
             current = np.take(out, output_rows, axis=0)
             current_arg = np.take(argmax, output_rows, axis=0)
@@ -188,14 +185,28 @@ class NumpyBackend:
                                 pair_output: np.ndarray, run_starts: tuple[int, ...], num_input: int) -> np.ndarray:
         wide = self.compute_dtype(grad_output.dtype)  # float32 for float16, as the kernel's accumulator
         grad = np.zeros((num_input, grad_output.shape[1]), dtype=wide)
-        for start, stop in zip(run_starts[:-1], run_starts[1:]):
-            if stop == start:
-                continue
-            input_rows = pair_input[start:stop].astype(np.intp)
-            output_rows = pair_output[start:stop].astype(np.intp)
+        for input_rows, output_rows in offset_runs(pair_input, pair_output, run_starts):
             chosen = np.take(argmax, output_rows, axis=0) == input_rows[:, None]
             contribution = np.where(chosen, np.take(grad_output, output_rows, axis=0).astype(wide), wide.type(0))
             self.scatter_add_rows(grad, input_rows, contribution)
+        return grad.astype(grad_output.dtype, copy=False)
+
+    def avg_pool_pairs(self, features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
+                       run_starts: tuple[int, ...], num_output: int) -> np.ndarray:
+        wide = _sum_dtype(features.dtype)
+        out = np.zeros((num_output, features.shape[1]), dtype=wide)
+        for input_rows, output_rows in offset_runs(pair_input, pair_output, run_starts):
+            self.scatter_add_rows(out, output_rows, np.take(features, input_rows, axis=0).astype(wide, copy=False))
+        out /= _window_counts(pair_output, num_output, wide)
+        return out.astype(features.dtype, copy=False)
+
+    def avg_pool_backward_pairs(self, grad_output: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
+                                run_starts: tuple[int, ...], num_input: int) -> np.ndarray:
+        wide = _sum_dtype(grad_output.dtype)
+        scaled = grad_output.astype(wide) / _window_counts(pair_output, grad_output.shape[0], wide)
+        grad = np.zeros((num_input, grad_output.shape[1]), dtype=wide)
+        for input_rows, output_rows in offset_runs(pair_input, pair_output, run_starts):
+            self.scatter_add_rows(grad, input_rows, np.take(scaled, output_rows, axis=0))
         return grad.astype(grad_output.dtype, copy=False)
 
     def int8_conv_pairs(self, features: np.ndarray, weight: np.ndarray, pair_input: np.ndarray,
@@ -213,6 +224,17 @@ class NumpyBackend:
 
     def matmul(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
         return np.matmul(left, right)
+
+
+def _sum_dtype(dtype: Any) -> np.dtype:
+    """The pools' accumulator: float64 for float64, else float32 (as the kernels' ``Accumulator``)."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _window_counts(pair_output: np.ndarray, num_output: int, dtype: np.dtype) -> np.ndarray:
+    """``[num_output, 1]``: the pairs (active inputs) of each output, at least 1, in ``dtype``."""
+    counts = np.bincount(pair_output.astype(np.intp, copy=False), minlength=num_output)[:num_output]
+    return np.maximum(counts, 1).astype(dtype).reshape(-1, 1)
 
 
 def _axis_candidate(coordinate: np.ndarray, geometry: Any, axis: int, k: int,

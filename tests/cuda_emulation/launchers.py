@@ -274,21 +274,3 @@ class Launcher:
                      [indices, np.int64(n), np.int32(ndim), kernel_positions, np.int32(num_offsets),
                       axis_params, out])
         return out
-
-    # ---- voxelize.cu ----
-
-    def voxel_keys(self, points: Any, point_columns: Sequence[int], voxel_size: Sequence[float],
-                   range_min: Sequence[float], grid_shape: Sequence[int], batch_column: int = -1,
-                   batch_size: int = 1) -> Any:
-        """Packed voxel key per point (-1 when outside the range or batch)."""
-        xp = self.xp
-        points = xp.ascontiguousarray(points)
-        num_points, num_features = points.shape
-        ndim = len(grid_shape)
-        out = xp.empty(num_points, dtype=xp.int64)
-        self._launch("sc_voxel_keys", [points.dtype], num_points,
-                     [points, np.int64(num_points), np.int32(num_features), np.int32(ndim),
-                      self._small(point_columns, np.int32), self._small(voxel_size, points.dtype),
-                      self._small(range_min, points.dtype), self._small(grid_shape, np.int32),
-                      np.int32(batch_column), np.int64(batch_size), out])
-        return out

@@ -31,7 +31,6 @@ __all__ = [
     "avg_pool_backward",
     "compact",
     "conv_candidates",
-    "voxel_keys",
 ]
 
 # Test dtype name -> (storage dtype, accumulator dtype, C++ element type).
@@ -208,20 +207,3 @@ def conv_candidates(indices, kernel_positions, stride, padding, dilation, output
         keys = keys * output_shape[axis] + out[..., axis]
     keys[~valid.all(axis=2) | (indices[None, :, 0] < 0)] = -1
     return keys
-
-
-def voxel_keys(points, point_columns, voxel_size, range_min, grid_shape, batch_column, batch_size):
-    dtype = points.dtype
-    cells = np.floor((points[:, list(point_columns)] - np.asarray(range_min, dtype)) / np.asarray(voxel_size, dtype))
-    with np.errstate(invalid="ignore"):
-        valid = np.all((cells >= 0) & (cells < np.asarray(grid_shape, dtype)), axis=1)
-    keys = np.zeros(points.shape[0], dtype=np.int64)
-    if batch_column >= 0:
-        batch = points[:, batch_column]
-        with np.errstate(invalid="ignore"):
-            valid &= (batch >= 0) & (batch < batch_size)
-        keys = np.where(valid, batch, 0).astype(np.int64)
-    safe_cells = np.where(valid[:, None], cells, 0).astype(np.int64)
-    for axis, extent in enumerate(grid_shape):
-        keys = keys * extent + safe_cells[:, axis]
-    return np.where(valid, keys, -1)
