@@ -37,6 +37,7 @@ __all__ = ["Output", "Backward", "OpSpec", "declare_ops", "NAMESPACE"]
 #: The ``torch.library`` namespace of every sparsecore op (``torch.ops.sparsecore``).
 NAMESPACE = "sparsecore"
 
+_SCHEMA = re.compile(r"^\s*\((.*)\)\s*->\s*\S.*$", re.DOTALL)
 _ARGUMENT = re.compile(r"^\s*([A-Za-z_][\w\[\]?]*)\s+([A-Za-z_]\w*)\s*$")
 
 
@@ -106,7 +107,10 @@ class OpSpec:
 
 
 def _parse_arguments(schema: str) -> list[tuple[str, str]]:
-    inside = schema[schema.index("(") + 1:schema.rindex(")", 0, schema.index("->"))]
+    match = _SCHEMA.match(schema)
+    if match is None:
+        raise ValueError(f"op schema {schema!r} must read '(Type name, ...) -> Type' or '-> (Type, ...)'")
+    inside = match.group(1)
     arguments = []
     for piece in filter(str.strip, inside.split(",")):
         match = _ARGUMENT.match(piece)
@@ -181,8 +185,12 @@ def _register_autograd(op: Any, spec: OpSpec, names: tuple[str, ...]) -> None:
     op.register_autograd(gradient, setup_context=setup_context)
 
 
-def declare_ops(specs: Sequence[OpSpec]) -> dict[str, Any]:
-    """Registers every entry as ``torch.ops.sparsecore.<name>``; returns the op objects by name.
+def declare_ops(specs: Sequence[OpSpec], namespace: str = NAMESPACE) -> dict[str, Any]:
+    """Registers every entry as ``torch.ops.<namespace>.<name>``; returns the op objects by name.
+
+    Args:
+        specs: the table.
+        namespace: the ``torch.library`` namespace (`NAMESPACE` for the library's ops).
 
     Raises:
         ValueError: a backward saving a name that is neither an argument nor an output.
@@ -196,7 +204,7 @@ def declare_ops(specs: Sequence[OpSpec]) -> dict[str, Any]:
             if unknown:
                 raise ValueError(f"op {spec.name}: the backward saves {unknown}, which are neither arguments "
                                  f"{list(names)} nor outputs {[o.name for o in spec.outputs]}")
-        op = torch.library.custom_op(f"{NAMESPACE}::{spec.name}", _kernel(spec, names), mutates_args=(),
+        op = torch.library.custom_op(f"{namespace}::{spec.name}", _kernel(spec, names), mutates_args=(),
                                      schema=spec.schema)
         op.register_fake(_fake(spec, names))
         if spec.backward is not None:
