@@ -3,7 +3,7 @@
 `IndiceData` is a view over one core `sparsecore.Rulebook`: spconv's attribute
 names (``indices``, ``out_indices``, ``spatial_shape``, ``out_spatial_shape``,
 ``is_subm``, ``ksize``, ``stride``, ``padding``, ``dilation``, ``algo``,
-``indice_pair_num``, ``voxel_num``) and the ones the custom ops read
+``indice_pairs``, ``indice_pair_num``, ``voxel_num``) and the ones the custom ops read
 (``pair_input``, ``pair_output``, ``offset_starts``, ``num_input``,
 ``num_output``, ``kernel_size``, ``identity_offset``) are read from the
 rulebook; its arrays become torch tensors zero-copy (DLPack) when first read,
@@ -49,8 +49,8 @@ class IndiceData:
     sparsecore's own: ``rulebook``, ``pair_input`` / ``pair_output`` (int32 ``[P]``
     torch views of its pairs), ``offset_starts``, ``num_input``, ``num_output``,
     ``kernel_size``, ``identity_offset``, ``out_core_indices`` (the core array of
-    the output sites). spconv's ``indice_pairs`` (its ``[2, K, N]`` Native layout)
-    does not exist.
+    the output sites). spconv's ``indice_pairs`` (its ``[2, K, N_in]`` Native
+    layout, -1 = no pair) is made from the pairs when first read.
     """
 
     def __init__(self, rulebook: sc.Rulebook, indices: Optional[torch.Tensor] = None,
@@ -86,6 +86,22 @@ class IndiceData:
     def pair_output(self) -> torch.Tensor:
         """Output rows of the pairs, int32 ``[P]``, grouped by kernel offset."""
         return to_torch(self.rulebook.pair_output)
+
+    @cached_property
+    def indice_pairs(self) -> torch.Tensor:
+        """spconv's Native layout, int32 ``[2, K, N_in]``: row 0 input rows, row 1 output rows of each
+        offset's pairs, then -1 (no pair). Made from the pair tensors when first read."""
+        pair_input, pair_output = self.pair_input, self.pair_output
+        device = pair_input.device
+        counts = torch.tensor(self.rulebook.offset_counts, dtype=torch.int64)
+        volume = counts.shape[0]
+        offsets = torch.repeat_interleave(torch.arange(volume), counts).to(device)
+        starts = torch.tensor(self.rulebook.offset_starts[:-1], dtype=torch.int64, device=device)
+        positions = torch.arange(pair_input.shape[0], device=device) - starts[offsets]
+        pairs = torch.full((2, volume, self.num_input), -1, dtype=torch.int32, device=device)
+        pairs[0, offsets, positions] = pair_input
+        pairs[1, offsets, positions] = pair_output
+        return pairs
 
     @property
     def indice_pair_num(self) -> torch.Tensor:
