@@ -34,7 +34,7 @@ import sparsecore as sc
 from .exportable import export_forward
 from .layer import FixedNdim, SparseModule, geometry_repr, layer_forward
 from .ops import autocast_inputs, sparse_conv_features
-from .spconv_compat import (
+from .spconv_rules import (
     MAX_NUM_VOXELS_DURING_TRAINING,
     activation_name,
     apply_activation,

@@ -42,7 +42,7 @@ import sparsecore as sc
 from sparsecore.interop import is_cupy_array
 
 from ._op_table import OpSpec, Output, declare_ops
-from .spconv_compat import effective_weight, layer_rulebook_key
+from .spconv_rules import effective_weight, layer_rulebook_key
 from .tensor import SparseConvTensor
 
 __all__ = ["ExportRulebook", "export_forward", "export_pool_forward", "effective_weight", "layer_rulebook_key",

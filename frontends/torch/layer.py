@@ -18,7 +18,7 @@ from torch import nn
 from ._convert import check_same_device
 from ._geometry import check_input, layer_indice_data
 from .fx import FxLeafModule
-from .spconv_compat import MAX_NUM_VOXELS_DURING_TRAINING
+from .spconv_rules import MAX_NUM_VOXELS_DURING_TRAINING
 from .tensor import IndiceData, SparseConvTensor
 
 __all__ = ["SparseModule", "FixedNdim", "start_benchmark", "layer_forward", "geometry_repr"]

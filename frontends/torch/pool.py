@@ -22,7 +22,7 @@ from ._geometry import check_input
 from .exportable import export_pool_forward
 from .layer import FixedNdim, SparseModule, geometry_repr, layer_forward
 from .ops import avg_pool_features, global_avg_pool_features, global_max_pool_features, max_pool_features
-from .spconv_compat import MAX_NUM_VOXELS_DURING_TRAINING
+from .spconv_rules import MAX_NUM_VOXELS_DURING_TRAINING
 from .tensor import SparseConvTensor, expand_nd
 
 __all__ = [

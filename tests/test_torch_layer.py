@@ -1,0 +1,72 @@
+"""sparsecore.torch.layer: the Nd layer classes, the layers' repr, and pickling whole models.
+
+The public ``...{n}d`` classes fix their axes in their class header
+(`layer.FixedNdim`); each must build an ``n``-D layer that refuses other
+inputs, keep spconv's constructor defaults, and survive ``pickle`` (a model
+saved with ``torch.save`` loads and computes the same features).
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch")
+spconv = pytest.importorskip("sparsecore.torch")
+from sparsecore.torch import layer  # noqa: E402
+
+try:
+    from . import dense_oracle as do
+except ImportError:
+    import dense_oracle as do
+
+FAMILIES = ("SparseConv", "SubMConv", "SparseConvTranspose", "SparseInverseConv", "SparseMaxPool", "SparseAvgPool")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("ndim", [1, 2, 3, 4])
+def test_nd_classes_build_layers_of_their_dimension(family, ndim):
+    cls = getattr(spconv, f"{family}{ndim}d")
+    assert cls.__name__ == f"{family}{ndim}d" and cls.__module__.startswith("sparsecore.torch.")
+    if family.endswith("Pool"):
+        module = cls(2)
+        assert module.stride == [2] * ndim, "a pool's stride defaults to its kernel size"
+    elif family == "SparseInverseConv":
+        module = cls(2, 3, 3, indice_key="k")
+    else:
+        module = cls(2, 3, 3)
+    assert module.ndim == ndim and module.kernel_size == [2 if family.endswith("Pool") else 3] * ndim
+    other = 3 if ndim != 3 else 2
+    indices = torch.zeros((1, other + 1), dtype=torch.int32)
+    x = spconv.SparseConvTensor(torch.ones((1, 2), dtype=torch.float32), indices, [4] * other, 1)
+    with pytest.raises(ValueError, match=f"{cls.__name__} is a {ndim}-D layer but the input has {other}"):
+        module(x)
+
+
+def test_repr_lists_non_default_geometry():
+    conv = spconv.SparseConv3d(4, 8, (3, 1, 3), stride=2, padding=(1, 0, 1), dilation=1, bias=False,
+                               indice_key="d")
+    assert repr(conv) == ("SparseConv3d(4, 8, kernel_size=[3, 1, 3], stride=[2, 2, 2], padding=[1, 0, 1], "
+                          "bias=False, indice_key='d')")
+    pool = spconv.SparseMaxPool2d(3, 1, 1, dilation=2)
+    assert repr(pool) == "SparseMaxPool2d(kernel_size=[3, 3], stride=[1, 1], padding=[1, 1], dilation=[2, 2])"
+    assert layer.geometry_repr([2], [2], [0], [1]) == "kernel_size=[2], stride=[2]"
+
+
+def test_a_pickled_model_loads_and_computes_the_same():
+    rng = do.make_rng(99700)
+    shape = [6, 5, 7]
+    indices = do.random_indices(rng, shape, 2, 0.3)
+    x = spconv.SparseConvTensor(torch.tensor(do.random_features(rng, indices.shape[0], 3)),
+                                torch.from_numpy(indices), shape, 2)
+    model = spconv.SparseSequential(spconv.SubMConv3d(3, 4, 3, indice_key="s"), spconv.SparseReLU(),
+                                    spconv.SparseConv3d(4, 4, 2, 2, indice_key="d"), spconv.SparseAvgPool3d(1),
+                                    spconv.SparseInverseConv3d(4, 2, 2, indice_key="d")).double()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert [type(m) for m in loaded] == [type(m) for m in model]
+    expected, actual = model(x), loaded(x)
+    assert torch.equal(actual.features, expected.features) and actual.indices is x.indices
