@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from sparsecore.backends import require_cuda
-from sparsecore.interop import is_cupy_array, to_core_array
+from sparsecore.interop import FLOAT_DTYPES as CORE_FLOAT_DTYPES
+from sparsecore.interop import INT32_MAX, INT32_MIN, is_cupy_array, to_core_array
 
 __all__ = [
     "core_context",
@@ -33,10 +34,8 @@ __all__ = [
     "FLOAT_DTYPES",
 ]
 
-_INT32 = torch.iinfo(torch.int32)
-
-#: Feature dtypes the frontend accepts (bfloat16 is computed in float32).
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Feature dtypes the frontend accepts: the core's, and bfloat16 (computed in float32).
+FLOAT_DTYPES = (torch.bfloat16, *(getattr(torch, dtype.name) for dtype in CORE_FLOAT_DTYPES))
 
 _local = threading.local()
 
@@ -150,10 +149,10 @@ def as_int32_indices(indices: Any, name: str = "indices") -> Any:
         return indices
     if indices.numel():
         low, high = int(indices.min()), int(indices.max())
-        if low < _INT32.min or high > _INT32.max:
+        if low < INT32_MIN or high > INT32_MAX:
             raise ValueError(
                 f"{name} ({indices.dtype}) has values in [{low}, {high}], outside the int32 range "
-                f"[{_INT32.min}, {_INT32.max}]: coordinates must fit the grid (spatial_shape) and batch "
+                f"[{INT32_MIN}, {INT32_MAX}]: coordinates must fit the grid (spatial_shape) and batch "
                 "indices the batch; check how the coordinates were computed"
             )
     return indices.to(torch.int32)
