@@ -23,6 +23,7 @@ from onnx import helper  # noqa: E402
 
 import sparsecore  # noqa: E402
 import sparsecore.functional  # noqa: E402
+import sparsecore.layer_geometry  # noqa: E402
 import sparsecore.runtime as runtime  # noqa: E402
 from tests.dense_oracle import (  # noqa: E402
     densify,
@@ -75,7 +76,9 @@ class GraphBuilder:
 
 
 def _dense_subm(dense, weight, bias, mask, relu=False):
-    out = (dense_conv(dense, torch.from_numpy(weight), 1, 1, 1) + torch.from_numpy(bias).view(1, -1, 1, 1, 1)) * mask
+    padding = (weight.shape[1] - 1) // 2  # keeps the grid: a SubM layer's output sites are its input sites
+    out = (dense_conv(dense, torch.from_numpy(weight), 1, padding, 1)
+           + torch.from_numpy(bias).view(1, -1, 1, 1, 1)) * mask
     return out.clamp(min=0) * mask if relu else out
 
 
@@ -121,11 +124,12 @@ def test_shared_rulebooks_are_built_once_per_run(monkeypatch: pytest.MonkeyPatch
     builder.conv("conv2", "2", "3", 4, 4, rulebook="a")
     builder.op("Add", ["3", "1"], "4", "add0")
     builder.op("Relu", ["4"], "5", "relu0")
-    builder.conv("conv3", "5", "6", 4, 4, rulebook="b")
+    # another key and another geometry (a key naming the same geometry on the same sites shares the rulebook)
+    builder.conv("conv3", "5", "6", 4, 4, kernel=5, rulebook="b")
     session = runtime.load_model(builder.model(4, "6"))
     builds = []
-    original = sparsecore.functional.build_rulebook
-    monkeypatch.setattr(sparsecore.functional, "build_rulebook",
+    original = sparsecore.layer_geometry.build_rulebook  # the one place the core builds a layer's rulebook
+    monkeypatch.setattr(sparsecore.layer_geometry, "build_rulebook",
                         lambda *args, **kwargs: builds.append(1) or original(*args, **kwargs))
     out = session.run(features, indices, 2, (9, 11, 7))
     assert len(builds) == 2  # key "a" once, key "b" once
