@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 import sparsecore as sc
+from sparsecore.interop import INT32_MIN
 
 from ._convert import core_context, core_view, to_torch
 
@@ -70,7 +71,7 @@ class HashTable:
     def _packed(self, keys: torch.Tensor) -> torch.Tensor:
         """int64, non-negative: int32 keys shifted by 2^31; negative int64 keys rejected."""
         if self.key_dtype == torch.int32:
-            return keys.to(torch.int64) + 2**31
+            return keys.to(torch.int64) - INT32_MIN
         if keys.numel() and int(keys.min()) < 0:
             raise ValueError("int64 keys must be non-negative")
         return keys
