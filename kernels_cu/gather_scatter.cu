@@ -41,30 +41,30 @@ __device__ __forceinline__ void with_vector_width(int vector, Body body) {
   }
 }
 
-// The grid-stride loop over the packs of a [rows, packs] layout:
-// body(e, r, q) for pack e = r * packs + q.
-template <typename Body>
-__device__ __forceinline__ void for_each_pack(long long rows, long long packs, Body body) {
-  const long long total = rows * packs;
-  const long long step = grid_thread_count();
-  for (long long e = grid_thread_index(); e < total; e += step) {
-    const long long r = e / packs;
-    body(e, r, e - r * packs);
-  }
+// The grid-stride loop over the N-element packs of [rows, channels] matrices:
+// body(e, r, q, packs, in, out) for pack e = r * packs + q (packs = channels / N),
+// with the matrices `in` (read) and `out` seen as arrays of packs.
+template <typename T, int N, typename Body>
+__device__ __forceinline__ void for_each_pack(long long rows, long long channels, const T* __restrict__ in,
+                                              T* __restrict__ out, Body body) {
+  using P = Packed<T, N>;
+  const long long packs = channels / N;
+  const P* in_packs = reinterpret_cast<const P*>(in);
+  P* out_packs = reinterpret_cast<P*>(out);
+  for_each_element(rows, packs, [&](long long e, long long r, long long q) {
+    body(e, r, q, packs, in_packs, out_packs);
+  });
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void gather_rows_packed(const T* __restrict__ src, const int* __restrict__ rows,
                                                    long long m, long long channels, T* __restrict__ out) {
-  using P = Packed<T, N>;
-  const long long packs = channels / N;
-  const P* src_packs = reinterpret_cast<const P*>(src);
-  P* out_packs = reinterpret_cast<P*>(out);
-  P zero;
+  Packed<T, N> zero;
   for (int i = 0; i < N; ++i) {
     zero.lane[i] = narrow<T>(typename Accumulator<T>::type(0));
   }
-  for_each_pack(m, packs, [&](long long e, long long r, long long q) {
+  for_each_pack<T, N>(m, channels, src, out, [&](long long e, long long r, long long q, long long packs,
+                                                 const Packed<T, N>* src_packs, Packed<T, N>* out_packs) {
     const int row = __ldg(rows + r);
     out_packs[e] = row >= 0 ? src_packs[static_cast<long long>(row) * packs + q] : zero;
   });
@@ -73,18 +73,15 @@ __device__ __forceinline__ void gather_rows_packed(const T* __restrict__ src, co
 template <typename T, int N>
 __device__ __forceinline__ void scatter_add_rows_packed(const T* __restrict__ src, const int* __restrict__ rows,
                                                         long long m, long long channels, T* __restrict__ dst) {
-  using P = Packed<T, N>;
-  const long long packs = channels / N;
-  const P* src_packs = reinterpret_cast<const P*>(src);
-  P* dst_packs = reinterpret_cast<P*>(dst);
-  for_each_pack(m, packs, [&](long long e, long long r, long long q) {
+  for_each_pack<T, N>(m, channels, src, dst, [&](long long e, long long r, long long q, long long packs,
+                                                 const Packed<T, N>* src_packs, Packed<T, N>* dst_packs) {
     const int row = __ldg(rows + r);
     if (row < 0) {
       return;
     }
-    const P addend = src_packs[e];
-    P* target = dst_packs + static_cast<long long>(row) * packs + q;
-    P value = *target;
+    const Packed<T, N> addend = src_packs[e];
+    Packed<T, N>* target = dst_packs + static_cast<long long>(row) * packs + q;
+    Packed<T, N> value = *target;
     for (int i = 0; i < N; ++i) {
       value.lane[i] = narrow<T>(widen(value.lane[i]) + widen(addend.lane[i]));
     }
@@ -96,11 +93,8 @@ template <typename T, typename Acc, int N>
 __device__ __forceinline__ void sum_run_rows_packed(const T* __restrict__ src, const int* __restrict__ slots,
                                                     long long num_runs, long long slot_stride, long long n,
                                                     long long channels, T* __restrict__ dst) {
-  using P = Packed<T, N>;
-  const long long packs = channels / N;
-  const P* src_packs = reinterpret_cast<const P*>(src);
-  P* dst_packs = reinterpret_cast<P*>(dst);
-  for_each_pack(n, packs, [&](long long e, long long r, long long q) {
+  for_each_pack<T, N>(n, channels, src, dst, [&](long long e, long long r, long long q, long long packs,
+                                                 const Packed<T, N>* src_packs, Packed<T, N>* dst_packs) {
     Acc acc[N];
     for (int i = 0; i < N; ++i) {
       acc[i] = Acc(0);
@@ -108,13 +102,13 @@ __device__ __forceinline__ void sum_run_rows_packed(const T* __restrict__ src, c
     for (long long run = 0; run < num_runs; ++run) {
       const int p = __ldg(slots + run * slot_stride + r);
       if (p >= 0) {
-        const P value = src_packs[static_cast<long long>(p) * packs + q];
+        const Packed<T, N> value = src_packs[static_cast<long long>(p) * packs + q];
         for (int i = 0; i < N; ++i) {
           acc[i] += static_cast<Acc>(widen(value.lane[i]));
         }
       }
     }
-    P value = dst_packs[e];
+    Packed<T, N> value = dst_packs[e];
     for (int i = 0; i < N; ++i) {
       value.lane[i] = narrow<T>(static_cast<Acc>(widen(value.lane[i])) + acc[i]);
     }
@@ -174,21 +168,13 @@ __global__ void sc_segment_sum_rows(const T* __restrict__ src, const int* __rest
                                     const long long* __restrict__ segment_starts,
                                     const int* __restrict__ segment_rows, long long num_segments,
                                     long long channels, T* __restrict__ dst) {
-  const long long total = num_segments * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long s = e / channels;
-    const long long j = e - s * channels;
-    const long long begin = __ldg(segment_starts + s);
-    const long long end = __ldg(segment_starts + s + 1);
-    Acc acc = Acc(0);
-    for (long long p = begin; p < end; ++p) {
-      const long long source_row = __ldg(order + p);
-      acc += static_cast<Acc>(sc::widen(src[source_row * channels + j]));
-    }
+  sc::for_each_element(num_segments, channels, [&](long long, long long s, long long j) {
+    const Acc acc = sc::group_sum<Acc>(order, segment_starts, s, [&](long long, int source_row) {
+      return static_cast<Acc>(sc::widen(src[static_cast<long long>(source_row) * channels + j]));
+    });
     T* target = dst + static_cast<long long>(__ldg(segment_rows + s)) * channels + j;
     *target = sc::narrow<T>(static_cast<Acc>(sc::widen(*target)) + acc);
-  }
+  });
 }
 
 // Sum of several runs' rows into their target rows, without sorting or atomics:

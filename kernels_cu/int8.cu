@@ -88,31 +88,21 @@ __global__ void sc_int8_conv(const int* __restrict__ x_packed, const int* __rest
                              const float* __restrict__ multiplier, const float* __restrict__ bias, int has_bias,
                              const signed char* __restrict__ residual, int has_residual, float residual_scale,
                              int relu, float output_scale, Out* __restrict__ out) {
-  const long long total = num_out * channels;
-  const long long step = sc::grid_thread_count();
   const long long row_words = (channels / out_per_group) * words;
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long o = e / channels;
-    const long long c = e - o * channels;
+  sc::for_each_element(num_out, channels, [&](long long e, long long o, long long c) {
     const long long group_word = (c / out_per_group) * words;
-    const long long begin = __ldg(output_starts + o);
-    const long long end = __ldg(output_starts + o + 1);
     int acc = 0;
-    for (long long p = begin; p < end; ++p) {
-      const int row = __ldg(input_rows + p);
-      if (row < 0) {
-        continue;
-      }
+    sc::for_each_group_entry(input_rows, output_starts, o, [&](long long p, int row) {
       const int* x = x_packed + static_cast<long long>(row) * row_words + group_word;
       const int* w = w_packed + static_cast<long long>(__ldg(pair_offsets + p)) * words * channels + c;
       for (int q = 0; q < words; ++q) {
         acc = __dp4a(__ldg(x + q), __ldg(w + static_cast<long long>(q) * channels), acc);
       }
-    }
+    });
     const float y = sc::int8_epilogue(acc, multiplier[c], bias, has_bias, residual, has_residual,
                                       residual_scale, relu, o, c, channels);
     out[e] = sc::Int8Store<Out>::from(y, output_scale);
-  }
+  });
 }
 
 // out[o, j] = max over the pairs of o of features[input_rows[p], j]; 0 for an output without pairs.
@@ -123,26 +113,16 @@ __global__ void sc_int8_conv(const int* __restrict__ x_packed, const int* __rest
 __global__ void sc_int8_max_pool(const signed char* __restrict__ features, const int* __restrict__ input_rows,
                                  const long long* __restrict__ output_starts, long long num_out,
                                  long long channels, signed char* __restrict__ out) {
-  const long long total = num_out * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long o = e / channels;
-    const long long j = e - o * channels;
-    const long long begin = __ldg(output_starts + o);
-    const long long end = __ldg(output_starts + o + 1);
+  sc::for_each_element(num_out, channels, [&](long long e, long long o, long long j) {
     int best = 0;
     bool found = false;
-    for (long long p = begin; p < end; ++p) {
-      const int row = __ldg(input_rows + p);
-      if (row < 0) {
-        continue;
-      }
+    sc::for_each_group_entry(input_rows, output_starts, o, [&](long long, int row) {
       const int value = features[static_cast<long long>(row) * channels + j];
       if (!found || value > best) {
         best = value;
         found = true;
       }
-    }
+    });
     out[e] = static_cast<signed char>(best);
-  }
+  });
 }

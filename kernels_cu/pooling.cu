@@ -39,29 +39,19 @@ __global__ void sc_max_pool_forward(const T* __restrict__ features,
                                     long long channels, T* __restrict__ out,
                                     int* __restrict__ argmax) {
   using Acc = typename sc::Accumulator<T>::type;
-  const long long total = num_out * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long o = e / channels;
-    const long long j = e - o * channels;
-    const long long begin = __ldg(output_starts + o);
-    const long long end = __ldg(output_starts + o + 1);
+  sc::for_each_element(num_out, channels, [&](long long e, long long o, long long j) {
     Acc best = Acc(0);
     int best_row = -1;
-    for (long long p = begin; p < end; ++p) {
-      const int row = __ldg(input_rows + p);
-      if (row < 0) {
-        continue;  // padding: no input
-      }
+    sc::for_each_group_entry(input_rows, output_starts, o, [&](long long, int row) {
       const Acc value = static_cast<Acc>(sc::widen(features[static_cast<long long>(row) * channels + j]));
       if (best_row < 0 || value > best || (value != value && best == best)) {
         best = value;
         best_row = row;
       }
-    }
+    });
     out[e] = sc::narrow<T>(best);
     argmax[e] = best_row;
-  }
+  });
 }
 
 // grad_in[i, j] = sum over the outputs o of input i (in group order) with
@@ -77,26 +67,13 @@ __global__ void sc_max_pool_backward(const T* __restrict__ grad_out, const int* 
                                      const long long* __restrict__ input_starts, long long num_in,
                                      long long channels, T* __restrict__ grad_in) {
   using Acc = typename sc::Accumulator<T>::type;
-  const long long total = num_in * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long i = e / channels;
-    const long long j = e - i * channels;
-    const long long begin = __ldg(input_starts + i);
-    const long long end = __ldg(input_starts + i + 1);
-    Acc acc = Acc(0);
-    for (long long p = begin; p < end; ++p) {
-      const int o = __ldg(output_rows + p);
-      if (o < 0) {
-        continue;  // padding: no output
-      }
+  sc::for_each_element(num_in, channels, [&](long long e, long long i, long long j) {
+    // outputs whose maximum came from elsewhere add an exact +0 (the sum never holds -0)
+    grad_in[e] = sc::narrow<T>(sc::group_sum<Acc>(output_rows, input_starts, i, [&](long long, int o) {
       const long long o_element = static_cast<long long>(o) * channels + j;
-      if (__ldg(argmax + o_element) == i) {
-        acc += static_cast<Acc>(sc::widen(grad_out[o_element]));
-      }
-    }
-    grad_in[e] = sc::narrow<T>(acc);
-  }
+      return __ldg(argmax + o_element) == i ? static_cast<Acc>(sc::widen(grad_out[o_element])) : Acc(0);
+    }));
+  });
 }
 
 // out[o, j] = (sum over the group of o of features[i, j]) / (its inputs that
@@ -111,25 +88,14 @@ __global__ void sc_avg_pool_forward(const T* __restrict__ features,
                                     const long long* __restrict__ output_starts, long long num_out,
                                     long long channels, T* __restrict__ out) {
   using Acc = typename sc::Accumulator<T>::type;
-  const long long total = num_out * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long o = e / channels;
-    const long long j = e - o * channels;
-    const long long begin = __ldg(output_starts + o);
-    const long long end = __ldg(output_starts + o + 1);
-    Acc acc = Acc(0);
+  sc::for_each_element(num_out, channels, [&](long long e, long long o, long long j) {
     long long count = 0;
-    for (long long p = begin; p < end; ++p) {
-      const long long row = __ldg(input_rows + p);
-      if (row < 0) {
-        continue;  // padding: no input
-      }
-      acc += static_cast<Acc>(sc::widen(features[row * channels + j]));
+    const Acc sum = sc::group_sum<Acc>(input_rows, output_starts, o, [&](long long, int row) {
       ++count;
-    }
-    out[e] = sc::narrow<T>(count ? acc / static_cast<Acc>(count) : Acc(0));
-  }
+      return static_cast<Acc>(sc::widen(features[static_cast<long long>(row) * channels + j]));
+    });
+    out[e] = sc::narrow<T>(count ? sum / static_cast<Acc>(count) : Acc(0));
+  });
 }
 
 // grad_in[i, j] = sum over the outputs o of input i (in group order) of
@@ -148,22 +114,10 @@ __global__ void sc_avg_pool_backward(const T* __restrict__ grad_out,
                                      const long long* __restrict__ output_starts, long long num_in,
                                      long long channels, T* __restrict__ grad_in) {
   using Acc = typename sc::Accumulator<T>::type;
-  const long long total = num_in * channels;
-  const long long step = sc::grid_thread_count();
-  for (long long e = sc::grid_thread_index(); e < total; e += step) {
-    const long long i = e / channels;
-    const long long j = e - i * channels;
-    const long long begin = __ldg(input_starts + i);
-    const long long end = __ldg(input_starts + i + 1);
-    Acc acc = Acc(0);
-    for (long long p = begin; p < end; ++p) {
-      const long long o = __ldg(output_rows + p);
-      if (o < 0) {
-        continue;  // padding: no output
-      }
-      const long long count = __ldg(output_starts + o + 1) - __ldg(output_starts + o);
-      acc += static_cast<Acc>(sc::widen(grad_out[o * channels + j])) / static_cast<Acc>(count);
-    }
-    grad_in[e] = sc::narrow<T>(acc);
-  }
+  sc::for_each_element(num_in, channels, [&](long long e, long long i, long long j) {
+    grad_in[e] = sc::narrow<T>(sc::group_sum<Acc>(output_rows, input_starts, i, [&](long long, int o) {
+      const Acc count = static_cast<Acc>(__ldg(output_starts + o + 1) - __ldg(output_starts + o));
+      return static_cast<Acc>(sc::widen(grad_out[static_cast<long long>(o) * channels + j])) / count;
+    }));
+  });
 }

@@ -88,11 +88,9 @@ __device__ __forceinline__ TileRun tile_run(long long tile, long long tiles_per_
   return TileRun{row, first, last};
 }
 
-}  // namespace sc
-
 // Number of values >= 0 in one thread's share of a tile. Both compaction
 // passes count with this, so pass c writes exactly where pass a counted.
-__device__ __forceinline__ int sc_count_valid(const int* row_values, const sc::TileRun& run) {
+__device__ __forceinline__ int count_valid(const int* row_values, const TileRun& run) {
   int count = 0;
   for (long long column = run.first; column < run.last; ++column) {
     count += row_values[column] >= 0 ? 1 : 0;
@@ -100,24 +98,41 @@ __device__ __forceinline__ int sc_count_valid(const int* row_values, const sc::T
   return count;
 }
 
+// The block-stride loop over the tiles of a [num_rows, row_length] table, shared
+// by both compaction passes: for each tile of this block, this thread's run of
+// it, its row, its count of values >= 0 and the block's inclusive scan of the
+// counts: body(tile, run, row_values, count, inclusive, block_total). Every
+// thread of a block walks the same tiles (the scan synchronises the block).
+template <typename Body>
+__device__ __forceinline__ void for_each_tile(const int* __restrict__ values, long long num_rows,
+                                              long long row_length, long long tile_size, int* scratch,
+                                              Body body) {
+  const long long tiles_per_row = (row_length + tile_size - 1) / tile_size;
+  const long long num_tiles = num_rows * tiles_per_row;
+  for (long long tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileRun run = tile_run(tile, tiles_per_row, row_length, tile_size);
+    const int* row_values = values + run.row * row_length;
+    const int count = count_valid(row_values, run);
+    int block_total = 0;
+    const int inclusive = block_inclusive_scan(count, scratch, &block_total);
+    body(tile, run, row_values, count, inclusive, block_total);
+  }
+}
+
+}  // namespace sc
+
 // Pass a: tile_counts[tile] = number of values >= 0 in the tile (int64
 // [num_rows * tiles_per_row]). Launch with any grid; blockDim.x <= 1024.
 __global__ void sc_compact_count(const int* __restrict__ values, long long num_rows,
                                  long long row_length, long long tile_size,
                                  long long* __restrict__ tile_counts) {
   __shared__ int scratch[sc::kMaxBlockThreads];
-  const long long tiles_per_row = (row_length + tile_size - 1) / tile_size;
-  const long long num_tiles = num_rows * tiles_per_row;
-  for (long long tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const sc::TileRun run = sc::tile_run(tile, tiles_per_row, row_length, tile_size);
-    const int* row_values = values + run.row * row_length;
-    const int count = sc_count_valid(row_values, run);
-    int block_total = 0;
-    sc::block_inclusive_scan(count, scratch, &block_total);
-    if (threadIdx.x == 0) {
-      tile_counts[tile] = block_total;
-    }
-  }
+  sc::for_each_tile(values, num_rows, row_length, tile_size, scratch,
+                    [&](long long tile, const sc::TileRun&, const int*, int, int, int block_total) {
+                      if (threadIdx.x == 0) {
+                        tile_counts[tile] = block_total;
+                      }
+                    });
 }
 
 // Pass c: pair_column / pair_value (int32 [total]) at the positions given by
@@ -127,24 +142,19 @@ __global__ void sc_compact_write(const int* __restrict__ values, long long num_r
                                  const long long* __restrict__ tile_offsets,
                                  int* __restrict__ pair_column, int* __restrict__ pair_value) {
   __shared__ int scratch[sc::kMaxBlockThreads];
-  const long long tiles_per_row = (row_length + tile_size - 1) / tile_size;
-  const long long num_tiles = num_rows * tiles_per_row;
-  for (long long tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const sc::TileRun run = sc::tile_run(tile, tiles_per_row, row_length, tile_size);
-    const int* row_values = values + run.row * row_length;
-    const int count = sc_count_valid(row_values, run);
-    int block_total = 0;
-    const int inclusive = sc::block_inclusive_scan(count, scratch, &block_total);
-    long long position = tile_offsets[tile] + (inclusive - count);
-    for (long long column = run.first; column < run.last; ++column) {
-      const int value = row_values[column];
-      if (value >= 0) {
-        pair_column[position] = static_cast<int>(column);
-        pair_value[position] = value;
-        ++position;
-      }
-    }
-  }
+  sc::for_each_tile(values, num_rows, row_length, tile_size, scratch,
+                    [&](long long tile, const sc::TileRun& run, const int* row_values, int count, int inclusive,
+                        int) {
+                      long long position = tile_offsets[tile] + (inclusive - count);
+                      for (long long column = run.first; column < run.last; ++column) {
+                        const int value = row_values[column];
+                        if (value >= 0) {
+                          pair_column[position] = static_cast<int>(column);
+                          pair_value[position] = value;
+                          ++position;
+                        }
+                      }
+                    });
 }
 
 namespace sc {
@@ -157,11 +167,7 @@ __device__ __forceinline__ void conv_candidates(const int* __restrict__ indices,
                                                 int num_offsets,
                                                 const int* __restrict__ axis_params,
                                                 long long* __restrict__ out_keys) {
-  const long long total = n * num_offsets;
-  const long long step = grid_thread_count();
-  for (long long e = grid_thread_index(); e < total; e += step) {
-    const long long k = e / n;
-    const long long i = e - k * n;
+  for_each_element(num_offsets, n, [&](long long e, long long k, long long i) {
     const int* site = indices + i * (ndim + 1);
     const int* position = kernel_positions + k * ndim;
     long long key = __ldg(site);
@@ -185,7 +191,7 @@ __device__ __forceinline__ void conv_candidates(const int* __restrict__ indices,
       key = key * extent + out_coordinate;
     }
     out_keys[e] = valid ? key : -1;
-  }
+  });
 }
 
 }  // namespace sc

@@ -36,6 +36,44 @@ __device__ __forceinline__ long long grid_thread_count() {
   return static_cast<long long>(gridDim.x) * blockDim.x;
 }
 
+// The grid-stride loop over the elements of a [rows, columns] layout:
+// body(e, r, c) for element e = r * columns + c, each element by one thread.
+template <typename Body>
+__device__ __forceinline__ void for_each_element(long long rows, long long columns, Body body) {
+  const long long total = rows * columns;
+  const long long step = grid_thread_count();
+  for (long long e = grid_thread_index(); e < total; e += step) {
+    const long long r = e / columns;
+    body(e, r, e - r * columns);
+  }
+}
+
+// The entries of group g of a CSR grouping, in order, padding (-1) skipped:
+// body(p, entries[p]) for p in [starts[g], starts[g + 1]) with entries[p] >= 0.
+//   entries int32 [P], starts int64 [groups + 1] (non-decreasing).
+template <typename Body>
+__device__ __forceinline__ void for_each_group_entry(const int* __restrict__ entries,
+                                                     const long long* __restrict__ starts, long long g,
+                                                     Body body) {
+  const long long end = __ldg(starts + g + 1);
+  for (long long p = __ldg(starts + g); p < end; ++p) {
+    const int entry = __ldg(entries + p);
+    if (entry >= 0) {
+      body(p, entry);
+    }
+  }
+}
+
+// The sum in Acc, in group order, of term(p, entries[p]) over group g's entries
+// that are not padding (see for_each_group_entry); Acc(0) for an empty group.
+template <typename Acc, typename Term>
+__device__ __forceinline__ Acc group_sum(const int* __restrict__ entries, const long long* __restrict__ starts,
+                                         long long g, Term term) {
+  Acc acc = Acc(0);
+  for_each_group_entry(entries, starts, g, [&](long long p, int entry) { acc += term(p, entry); });
+  return acc;
+}
+
 // Accumulator type of a storage type: float for float / __half /
 // __nv_bfloat16, double for double.
 template <typename T>
