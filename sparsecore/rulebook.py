@@ -132,6 +132,11 @@ class PairMap:
         return self.pair_input[start:stop], self.pair_output[start:stop]
 
 
+def _read_from_pair_map(name: str, doc: str) -> property:
+    """A read-only `Rulebook` property that reads ``name`` of its `PairMap`."""
+    return property(lambda rulebook: getattr(rulebook.pair_map, name), doc=doc)
+
+
 @dataclass(frozen=True, eq=False)
 class Rulebook:
     """A layer's `PairMap` with the sites and grids it maps between: the one rulebook form.
@@ -158,49 +163,20 @@ class Rulebook:
     input_spatial_shape: tuple[int, ...]
     output_spatial_shape: tuple[int, ...]
     batch_size: int
-    input_indices: Any
-    output_indices: Any
-    pair_map: PairMap
+    input_indices: Any = dataclasses.field(repr=False)
+    output_indices: Any = dataclasses.field(repr=False)
+    pair_map: PairMap = dataclasses.field(repr=False)
 
-    @property
-    def pair_input(self) -> Any:
-        """int32 ``[P]`` input rows, grouped by kernel offset."""
-        return self.pair_map.pair_input
-
-    @property
-    def pair_output(self) -> Any:
-        """int32 ``[P]`` output rows, grouped by kernel offset."""
-        return self.pair_map.pair_output
-
-    @property
-    def offset_starts(self) -> tuple[int, ...]:
-        """``K + 1`` ints; offset ``k`` owns pairs ``[offset_starts[k], offset_starts[k + 1])``."""
-        return self.pair_map.offset_starts
-
-    @property
-    def identity_offset(self) -> int:
-        """An offset whose pairs are ``i -> i`` for every row (a submanifold kernel's centre), or -1."""
-        return self.pair_map.identity_offset
-
-    @property
-    def num_input(self) -> int:
-        """Number of input sites."""
-        return self.pair_map.num_input
-
-    @property
-    def num_output(self) -> int:
-        """Number of output sites."""
-        return self.pair_map.num_output
-
-    @property
-    def num_pairs(self) -> int:
-        """Total number of (input, output) pairs over all offsets."""
-        return self.pair_map.num_pairs
-
-    @property
-    def kernel_volume(self) -> int:
-        """Number of kernel offsets."""
-        return self.pair_map.kernel_volume
+    pair_input = _read_from_pair_map("pair_input", "int32 ``[P]`` input rows, grouped by kernel offset.")
+    pair_output = _read_from_pair_map("pair_output", "int32 ``[P]`` output rows, grouped by kernel offset.")
+    offset_starts = _read_from_pair_map(
+        "offset_starts", "``K + 1`` ints; offset ``k`` owns pairs ``[offset_starts[k], offset_starts[k + 1])``.")
+    identity_offset = _read_from_pair_map(
+        "identity_offset", "An offset whose pairs are ``i -> i`` for every row (a subm kernel's centre), or -1.")
+    num_input = _read_from_pair_map("num_input", "Number of input sites.")
+    num_output = _read_from_pair_map("num_output", "Number of output sites.")
+    num_pairs = _read_from_pair_map("num_pairs", "Total number of (input, output) pairs over all offsets.")
+    kernel_volume = _read_from_pair_map("kernel_volume", "Number of kernel offsets.")
 
     @property
     def kernel_size(self) -> tuple[int, ...]:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
-spconv_ref = pytest.importorskip("spconv.pytorch")
-sctorch = pytest.importorskip("sparsecore.torch")
+import sparsecore.layer_geometry as layer_geometry
 
-import sparsecore.layer_geometry as layer_geometry  # noqa: E402
+torch = pytest.importorskip("torch")
+sctorch = pytest.importorskip("sparsecore.torch")
 
 try:
     from . import dense_oracle as do
@@ -46,6 +45,7 @@ def _keys(library, seed: int) -> list[set[str]]:
 
 
 def test_branches_and_keys_as_in_spconv():
+    spconv_ref = pytest.importorskip("spconv.pytorch")
     ours, theirs = _keys(sctorch, 1), _keys(spconv_ref, 1)
     assert ours == theirs == [set(), {"s1"}, {"s1"}, {"s1", "s2"}, {"s1", "d"}, {"s1", "d"}]
 

@@ -20,7 +20,8 @@ carries no canonical entries.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any, Optional
+from operator import attrgetter
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,6 +31,12 @@ from sparsecore.layer_geometry import GeometryCache
 from ._convert import to_torch
 
 __all__ = ["IndiceData", "IndiceDict", "canonical_cache"]
+
+
+def _read(path: str, doc: str, convert: Callable[[Any], Any] = lambda value: value) -> property:
+    """A read-only `IndiceData` property: ``convert(rulebook.<path>)``."""
+    getter = attrgetter(path)
+    return property(lambda data: convert(getter(data.rulebook)), doc=doc)
 
 
 class IndiceData:
@@ -115,62 +122,23 @@ class IndiceData:
         """The core (NumPy / CuPy) array of the output sites (the identity of the output's sites)."""
         return self.rulebook.output_indices
 
-    @property
-    def offset_starts(self) -> list[int]:
-        """``K + 1`` ints delimiting each kernel offset's pairs."""
-        return list(self.rulebook.offset_starts)
-
-    @property
-    def num_input(self) -> int:
-        """Number of input sites."""
-        return self.rulebook.num_input
-
-    @property
-    def num_output(self) -> int:
-        """Number of output sites."""
-        return self.rulebook.num_output
-
-    @property
-    def kernel_size(self) -> list[int]:
-        """Per-axis kernel size."""
-        return list(self.rulebook.geometry.kernel_size)
-
+    offset_starts = _read("offset_starts", "``K + 1`` ints delimiting each kernel offset's pairs.", list)
+    num_input = _read("num_input", "Number of input sites.")
+    num_output = _read("num_output", "Number of output sites.")
+    identity_offset = _read("identity_offset", "An offset whose pairs are ``i -> i`` for every site, or -1.", int)
+    spatial_shape = _read("input_spatial_shape", "The input grid.", list)
+    out_spatial_shape = _read("output_spatial_shape", "The output grid.", list)
+    kernel_size = _read("geometry.kernel_size", "Per-axis kernel size.", list)
     ksize = kernel_size
-
-    @property
-    def identity_offset(self) -> int:
-        """An offset whose pairs are ``i -> i`` for every site (subm centre), or -1."""
-        return int(self.rulebook.identity_offset)
-
-    @property
-    def spatial_shape(self) -> list[int]:
-        """The input grid."""
-        return list(self.rulebook.input_spatial_shape)
-
-    @property
-    def out_spatial_shape(self) -> list[int]:
-        """The output grid."""
-        return list(self.rulebook.output_spatial_shape)
+    stride = _read("geometry.stride", "Per-axis stride.", list)
+    padding = _read("geometry.padding", "Per-axis padding (the one applied; spconv records a subm layer's argument).",
+                    list)
+    dilation = _read("geometry.dilation", "Per-axis dilation.", list)
 
     @property
     def is_subm(self) -> bool:
         """True for a submanifold layer."""
         return self.rulebook.geometry.kind == "subm"
-
-    @property
-    def stride(self) -> list[int]:
-        """Per-axis stride."""
-        return list(self.rulebook.geometry.stride)
-
-    @property
-    def padding(self) -> list[int]:
-        """Per-axis padding."""
-        return list(self.rulebook.geometry.padding)
-
-    @property
-    def dilation(self) -> list[int]:
-        """Per-axis dilation."""
-        return list(self.rulebook.geometry.dilation)
 
     def inverse(self) -> "IndiceData":
         """The rulebook of the inverse conv that undoes this (regular) layer."""
