@@ -178,6 +178,14 @@ class SparseConvolution(SparseModule):
     def _apply_activation(self, features: torch.Tensor) -> torch.Tensor:
         return apply_activation(features, self._activation, self.act_alpha)
 
+    def _epilogue(self, out: SparseConvTensor, add_input: Optional[SparseConvTensor]) -> SparseConvTensor:
+        """The fused tail of a conv (eager or exported): ``add_input``, then the activation."""
+        if add_input is not None:
+            out = out.replace_feature(out.features + add_input.features)
+        if self._activation is not None:
+            out = out.replace_feature(self._apply_activation(out.features))
+        return out
+
     def forward(self, input: SparseConvTensor, add_input: Optional[SparseConvTensor] = None) -> SparseConvTensor:
         """Convolves ``input``; ``add_input`` (same sites as the output) is added before the activation."""
         if torch.compiler.is_exporting():  # geometry as an opaque op: frontends/torch/exportable.py
@@ -189,11 +197,7 @@ class SparseConvolution(SparseModule):
 
         out = layer_forward(self, input, "SparseConvolution", layer_rulebook_key(self), feature_pass,
                             in_channels=self.in_channels, weight=self.weight)
-        if add_input is not None:
-            out = out.replace_feature(out.features + add_input.features)
-        if self._activation is not None:
-            out = out.replace_feature(self._apply_activation(out.features))
-        return out
+        return self._epilogue(out, add_input)
 
     def _benchmark_params(self) -> dict:
         return {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,

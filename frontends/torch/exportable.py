@@ -194,12 +194,7 @@ def export_forward(module: Any, input: SparseConvTensor,
     features = torch.ops.sparsecore.export_conv(
         input.features, effective_weight(module), module.bias, *rulebook.pairs, rulebook.out_indices,
         list(module.kernel_size), module.groups)
-    out = _output(input, features, rulebook, None if module.inverse else key)
-    if add_input is not None:
-        out = out.replace_feature(out.features + add_input.features)
-    if module._activation is not None:
-        out = out.replace_feature(module._apply_activation(out.features))
-    return out
+    return module._epilogue(_output(input, features, rulebook, None if module.inverse else key), add_input)
 
 
 def sites_dynamic_shapes(min_sites: int = 2) -> list:
