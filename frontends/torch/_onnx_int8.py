@@ -166,6 +166,8 @@ class _Planner(torch.fx.Interpreter):
             return self.plan_module(node, self.module.get_submodule(node.target), result, where)
         if node.op == "call_method":
             return self.plan_method(node, result, where)
+        if not isinstance(result, (torch.Tensor, SparseConvTensor)):
+            return None  # a shape or a size read for a view's dims
         return self.plan_function(node, result, where)
 
     def plan_function(self, node: torch.fx.Node, result: Any, where: str) -> _View:
@@ -176,7 +178,10 @@ class _Planner(torch.fx.Interpreter):
                 return _View(source.tensor, _QUANTIZED, float(result.features.q_scale()))
             if source.form == _DEQUANTIZED:  # a requantization: read at the producer's scale (no node for it)
                 return _View(source.tensor, _INT8, source.scale)
-            raise ExportError(f"{where} quantizes {source.form} features")
+            if source.form == _DENSE and source.scale is not None:  # likewise a dense int8 grid (a view's observer)
+                return source
+            raise ExportError(f"{where} quantizes {source.form} features, which libspconv's format cannot express "
+                              "(it has no quantize node)")
         if target is getattr and node.args[1] == "features":
             return self.view(node.args[0], where)
         if target in (qgraph.quantized_add, qgraph.quantized_add_relu):
@@ -193,11 +198,15 @@ class _Planner(torch.fx.Interpreter):
         raise ExportError(f"{where} has no node in libspconv's format (SparseConvolution, Add, Relu, ScatterDense, "
                           "Reshape, Transpose)")
 
-    def plan_method(self, node: torch.fx.Node, result: Any, where: str) -> _View:
+    def plan_method(self, node: torch.fx.Node, result: Any, where: str) -> Optional[_View]:
         source = self.view(node.args[0], where)
+        if not isinstance(result, (torch.Tensor, SparseConvTensor)):
+            return None  # size(), dim(): read for a view's dims
         if node.target == "dequantize":
             if source.form == _INT8:
                 return _View(source.tensor, _DEQUANTIZED, source.scale)
+            if source.form == _DENSE:
+                return source
             raise ExportError(
                 f"{where} dequantizes {source.form} features: the model rounds a float tensor to int8 and back, "
                 "which libspconv's format cannot express (it has no quantize node; an int8 tensor is only an int8 "
@@ -213,16 +222,17 @@ class _Planner(torch.fx.Interpreter):
             spatial = tuple(int(size) for size in result.shape[2:])
             output = self.new_tensor()
             self.add_step(OpRecord("dense", where, (source.tensor,), output, spatial, tuple(result.shape)), attributes)
-            return _View(output, _DENSE)
+            return _View(output, _DENSE, source.scale if source.form == _DEQUANTIZED else None)
         if node.target in ("view", "reshape", "permute") and source.form == _DENSE:
-            dims = node.args[1:]
-            if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims, _ = self.fetch_args_kwargs_from_env(node)
+            dims = dims[1:]
+            if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)):
                 dims = tuple(dims[0])
             output = self.new_tensor()
             kind = "transpose" if node.target == "permute" else "reshape"
             self.add_step(OpRecord(kind, where, (source.tensor,), output, tuple(int(d) for d in dims),
                                    tuple(result.shape)))
-            return _View(output, _DENSE)
+            return _View(output, _DENSE, source.scale)
         raise ExportError(f"{where} on {source.form} values has no node in libspconv's format")
 
     def plan_module(self, node: torch.fx.Node, module: nn.Module, result: Any, where: str) -> _View:

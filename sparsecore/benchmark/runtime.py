@@ -48,6 +48,9 @@ def add_parser(suites: Any) -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="threads of sparsecore's CPU passes, torch's intra-op pool and BLAS (default 0: leave "
                         "them as they are)")
+    parser.add_argument("--int8", action="store_true",
+                        help="also time the backbone converted to int8 (PTQ calibrated on the scan) in "
+                        "sparsecore.torch and exported with precision='int8' through sparsecore.runtime (CPU only)")
 
 
 def second_backbone(in_channels: int) -> Any:
@@ -146,11 +149,21 @@ def _run(arguments: argparse.Namespace, scene: scenes.VoxelScene) -> int:
     for dtype, session in sessions.items():
         functions[f"sparsecore.runtime {dtype}"] = (
             lambda session=session: session.run(core_features, core_indices, batch, shape))
+    if getattr(arguments, "int8", False):
+        if arguments.device != "cpu":
+            raise SystemExit("--int8 runs on the CPU only (--device cpu)")
+        from sparsecore.benchmark.runtime_int8 import int8_variants
+
+        functions.update(int8_variants(model, x, lambda: spconv.SparseConvTensor(features, indices, shape, batch),
+                                       core_features, core_indices, batch, shape))
     reference = torch_forward().cpu().numpy()
     outputs = {"sparsecore.torch float32": reference}
     for dtype, session in sessions.items():
         outputs[f"sparsecore.runtime {dtype}"] = to_host(
             session.run(core_features, core_indices, batch, shape).dense).astype(np.float32)
+    for name in ("sparsecore.torch int8", "sparsecore.runtime int8"):  # with --int8 (on the CPU)
+        if name in functions:
+            outputs[name] = np.asarray(functions[name](), dtype=np.float32)
     times = time_alternating(functions, arguments.repeat, synchronize)
     rows = [RuntimeTiming(name, *numbers, float(np.abs(outputs[name] - reference).max()))
             for name, numbers in summarize_times(times, "sparsecore.torch float32").items()]
