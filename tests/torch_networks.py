@@ -50,7 +50,8 @@ def randomize_batch_norms(model: nn.Module, seed: int, mean_std: float, variance
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             with torch.no_grad():
                 module.running_mean.copy_(torch.randn(module.num_features, generator=generator) * mean_std)
-                module.running_var.copy_(torch.rand(module.num_features, generator=generator) * variance_width + variance_low)
+                variance = torch.rand(module.num_features, generator=generator) * variance_width + variance_low
+                module.running_var.copy_(variance)
                 module.weight.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
                 module.bias.copy_(torch.randn(module.num_features, generator=generator) * 0.2)
     return model
