@@ -34,6 +34,32 @@ def _sum_dtype(xp: Any, dtype: Any) -> Any:
     return xp.float32 if dtype == xp.float16 else dtype
 
 
+def _pass_operands(values: Any, rulebook: Rulebook | PairMap, backend: ArrayBackend | None,
+                   stage: str) -> tuple[ArrayBackend, Any, tuple[Any, Any, tuple[int, ...]]]:
+    """Checks a pooling pass's rows and picks its backend.
+
+    Args:
+        values: the forward's ``features [N_in, C]`` or the backward's ``grad_output [N_out, C]``.
+        rulebook: the layer's rulebook (a padded pair map only on a backend that skips row -1).
+        backend: the caller's backend, or None for the backend of ``values``.
+        stage: ``"forward"`` or ``"backward"``.
+
+    Returns:
+        ``(backend, contiguous values, (pair_input, pair_output, offset_starts))``.
+    """
+    if stage == "forward":
+        values = as_features(values, rulebook.num_input)
+        check_same_device(features=values, indices=rulebook.pair_input)
+    else:
+        values = as_features(values, rulebook.num_output, name="grad_output",
+                             rows_meaning="output site of the rulebook")
+        check_same_device(grad_output=values, indices=rulebook.pair_input)
+    backend = backend if backend is not None else backend_for(values)
+    check_padded_pairs(rulebook, backend)
+    pairs = (rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts))
+    return backend, backend.xp.ascontiguousarray(values), pairs
+
+
 def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
                      backend: ArrayBackend | None = None) -> tuple[Any, Any]:
     """Maximum over each output's active inputs.
@@ -46,13 +72,8 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
         ``(out [N_out, C], argmax [N_out, C] int32)``, ``argmax`` holding the input
         row that gave each maximum.
     """
-    features = as_features(features, rulebook.num_input)
-    check_same_device(features=features, indices=rulebook.pair_input)
-    backend = backend if backend is not None else backend_for(features)
-    check_padded_pairs(rulebook, backend)
-    source = backend.xp.ascontiguousarray(features)
-    return backend.max_pool_pairs(source, rulebook.pair_input, rulebook.pair_output,
-                                  tuple(rulebook.offset_starts), rulebook.num_output)
+    backend, source, pairs = _pass_operands(features, rulebook, backend, "forward")
+    return backend.max_pool_pairs(source, *pairs, rulebook.num_output)
 
 
 def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int, backend: ArrayBackend) -> Any:
@@ -129,13 +150,8 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     Returns:
         ``[N_out, C]`` in the features' dtype.
     """
-    features = as_features(features, rulebook.num_input)
-    check_same_device(features=features, indices=rulebook.pair_input)
-    backend = backend if backend is not None else backend_for(features)
-    check_padded_pairs(rulebook, backend)
-    source = backend.xp.ascontiguousarray(features)
-    return backend.avg_pool_pairs(source, rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts),
-                                  rulebook.num_output)
+    backend, source, pairs = _pass_operands(features, rulebook, backend, "forward")
+    return backend.avg_pool_pairs(source, *pairs, rulebook.num_output)
 
 
 def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
@@ -150,14 +166,8 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
     Returns:
         ``[N_in, C]``.
     """
-    grad_output = as_features(grad_output, rulebook.num_output, name="grad_output",
-                              rows_meaning="output site of the rulebook")
-    check_same_device(grad_output=grad_output, indices=rulebook.pair_input)
-    backend = backend if backend is not None else backend_for(grad_output)
-    check_padded_pairs(rulebook, backend)
-    source = backend.xp.ascontiguousarray(grad_output)
-    return backend.avg_pool_backward_pairs(source, rulebook.pair_input, rulebook.pair_output,
-                                           tuple(rulebook.offset_starts), rulebook.num_input)
+    backend, source, pairs = _pass_operands(grad_output, rulebook, backend, "backward")
+    return backend.avg_pool_backward_pairs(source, *pairs, rulebook.num_input)
 
 
 def _batch_rows(indices: Any, batch_size: int, num_rows: int) -> tuple[Any, list[Any]]:

@@ -1,12 +1,15 @@
-"""The numba kernels behind `sparsecore.backends._cpu_kernels` (imported only on first use).
+"""The numba kernels behind `sparsecore.backends._cpu_kernels` and `_int8_cpu_kernels` (imported on first use).
 
 Plain loops that numba compiles (``parallel=True``, ``cache=True``; the only
 fast-math flag is ``contract``, multiply-add fusion, which is the same for
 every row whatever the thread count). Every ``prange`` iterates over fixed work
 items that write disjoint outputs, so results do not depend on the number of
-threads or their scheduling. The row kernel is made by a factory:
-their size arguments, when non-zero, are closure constants that numba compiles
-in (and its on-disk cache keys on); zero reads the sizes from the arrays.
+threads or their scheduling (the int8 kernel has no fast-math at all: its
+float32 epilogue rounds every step). The float and int8 row kernels are made
+by factories (`make_rows_kernel`, `make_int8_rows_kernel`, both sizing
+through `layer_sizes`): their size arguments, when non-zero, are closure
+constants that numba compiles in (and its on-disk cache keys on); zero reads
+the sizes from the arrays.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["fill_table", "make_rows_kernel"]
+__all__ = ["fill_table", "layer_sizes", "make_rows_kernel", "make_int8_rows_kernel"]
 
 _OPTIONS = {"parallel": True, "cache": True, "fastmath": {"contract"}, "nogil": True}
 
@@ -36,6 +39,22 @@ def fill_table(keys: Any, values: Any, starts: Any, table: Any, collisions: Any)
         collisions[offset] = count
 
 
+@njit(inline="always")
+def layer_sizes(groups_constant: int, in_constant: int, out_constant: int, table: Any, matrices: Any,
+                out: Any) -> tuple[int, int, int, int, int]:
+    """``(groups, in_per_group, out_per_group, volume, rows)`` of a row kernel's arrays, inlined into it.
+
+    A row kernel passes its closure constants (non-zero: compiled in, so LLVM sees them
+    once this is inlined; zero: read the size from ``matrices [K, groups, a, b]``).
+    ``volume`` is ``table.shape[1]`` (the kernel offsets), ``rows`` is ``out.shape[0]``.
+    Shared by the float and the int8 row kernels.
+    """
+    groups = groups_constant if groups_constant else matrices.shape[1]
+    in_per_group = in_constant if in_constant else matrices.shape[2]
+    out_per_group = out_constant if out_constant else matrices.shape[3]
+    return groups, in_per_group, out_per_group, table.shape[1], out.shape[0]
+
+
 def make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int,
                      block: int) -> Callable[..., None]:
     """``kernel(source, table, matrices, out)``: ``out[d] += sum_k source[table[k, d]] @ matrices[k]``.
@@ -48,12 +67,9 @@ def make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int,
     """
 
     def accumulate(source: Any, table: Any, matrices: Any, out: Any) -> None:
-        groups = groups_constant if groups_constant else matrices.shape[1]
-        in_per_group = in_constant if in_constant else matrices.shape[2]
-        out_per_group = out_constant if out_constant else matrices.shape[3]
+        groups, in_per_group, out_per_group, volume, rows = layer_sizes(groups_constant, in_constant, out_constant,
+                                                                        table, matrices, out)
         width = groups * out_per_group
-        volume = table.shape[1]
-        rows = out.shape[0]
         for item in prange(table.shape[0]):
             accumulator = np.empty(width, dtype=out.dtype)
             for row in range(item * block, min(rows, (item + 1) * block)):
@@ -73,3 +89,56 @@ def make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int,
                     out[row, column] = accumulator[column]
 
     return njit(**_OPTIONS)(accumulate)
+
+
+def make_int8_rows_kernel(groups_constant: int, in_constant: int, out_constant: int, block: int,
+                          quantize: bool) -> Callable[..., None]:
+    """The int8 row kernel of `sparsecore.backends._int8_cpu_kernels` (int32 sums, the float32 epilogue).
+
+    The sizes and ``block`` are as for `make_rows_kernel` (here ``table`` is ``[rows, K]``);
+    ``quantize`` requantizes the output to int8, else it is float32.
+    """
+
+    def accumulate(source: Any, table: Any, matrices: Any, multiplier: Any, bias: Any, has_bias: bool,
+                   residual: Any, has_residual: bool, residual_scale: Any, relu: bool, output_scale: Any,
+                   out: Any) -> None:
+        groups, in_per_group, out_per_group, volume, rows = layer_sizes(groups_constant, in_constant, out_constant,
+                                                                        table, matrices, out)
+        width = groups * out_per_group
+        zero = np.float32(0)
+        for item in prange((rows + block - 1) // block):
+            accumulator = np.empty(width, dtype=np.int32)
+            for row in range(item * block, min(rows, (item + 1) * block)):
+                for column in range(width):
+                    accumulator[column] = 0
+                for offset in range(volume):
+                    neighbour = table[row, offset]
+                    if neighbour < 0:
+                        continue
+                    for group in range(groups):
+                        for channel in range(in_per_group):
+                            value = np.int32(source[neighbour, group * in_per_group + channel])
+                            for column in range(out_per_group):
+                                accumulator[group * out_per_group + column] += (
+                                    value * np.int32(matrices[offset, group, channel, column]))
+                # the epilogue of sparsecore.int8, float32 steps each rounded once (no fast-math,
+                # so no FMA contraction)
+                for column in range(width):
+                    y = np.float32(accumulator[column]) * multiplier[column]
+                    if has_bias:
+                        y = y + bias[column]
+                    if has_residual:
+                        y = y + np.float32(residual[row, column]) * residual_scale
+                    if relu and y < zero:
+                        y = zero
+                    if quantize:
+                        q = np.rint(y / output_scale)
+                        if q < -128:
+                            q = -128
+                        elif q > 127:
+                            q = 127
+                        out[row, column] = np.int8(q)
+                    else:
+                        out[row, column] = y
+
+    return njit(parallel=True, cache=True, nogil=True)(accumulate)

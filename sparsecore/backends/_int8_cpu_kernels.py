@@ -18,7 +18,7 @@ needed; `available` says whether it can be. Threads: numba's pool, as set by
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -55,61 +55,14 @@ def neighbour_table(pair_input: np.ndarray, pair_output: np.ndarray, offset_star
     return table
 
 
-def _make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int, block: int,
-                      quantize: bool) -> Callable[..., None]:
-    from numba import njit, prange
-
-    def accumulate(source: Any, table: Any, matrices: Any, multiplier: Any, bias: Any, has_bias: bool,
-                   residual: Any, has_residual: bool, residual_scale: Any, relu: bool, output_scale: Any,
-                   out: Any) -> None:
-        groups = groups_constant if groups_constant else matrices.shape[1]
-        in_per_group = in_constant if in_constant else matrices.shape[2]
-        out_per_group = out_constant if out_constant else matrices.shape[3]
-        width = groups * out_per_group
-        volume = table.shape[1]
-        rows = out.shape[0]
-        zero = np.float32(0)
-        for item in prange((rows + block - 1) // block):
-            accumulator = np.empty(width, dtype=np.int32)
-            for row in range(item * block, min(rows, (item + 1) * block)):
-                for column in range(width):
-                    accumulator[column] = 0
-                for offset in range(volume):
-                    neighbour = table[row, offset]
-                    if neighbour < 0:
-                        continue
-                    for group in range(groups):
-                        for channel in range(in_per_group):
-                            value = np.int32(source[neighbour, group * in_per_group + channel])
-                            for column in range(out_per_group):
-                                accumulator[group * out_per_group + column] += (
-                                    value * np.int32(matrices[offset, group, channel, column]))
-                # the epilogue of sparsecore.int8, float32 steps each rounded once (no fast-math,
-                # so no FMA contraction)
-                for column in range(width):
-                    y = np.float32(accumulator[column]) * multiplier[column]
-                    if has_bias:
-                        y = y + bias[column]
-                    if has_residual:
-                        y = y + np.float32(residual[row, column]) * residual_scale
-                    if relu and y < zero:
-                        y = zero
-                    if quantize:
-                        q = np.rint(y / output_scale)
-                        if q < -128:
-                            q = -128
-                        elif q > 127:
-                            q = 127
-                        out[row, column] = np.int8(q)
-                    else:
-                        out[row, column] = y
-
-    return njit(parallel=True, cache=True, nogil=True)(accumulate)
-
-
 @functools.lru_cache(maxsize=None)
 def _rows_kernel(groups: int, in_per_group: int, out_per_group: int, quantize: bool) -> Any:
-    return _make_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK, quantize)
+    from ..threads import numba_module
+
+    numba_module()  # sizes numba's thread pool before the kernels' module imports numba
+    from . import _cpu_kernel_sources
+
+    return _cpu_kernel_sources.make_int8_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK, quantize)
 
 
 def int8_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, pairs: int, epilogue: Any) -> np.ndarray:

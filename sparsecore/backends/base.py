@@ -148,18 +148,10 @@ class ArrayBackend(Protocol):
                        num_output: int) -> Any:
         """Mean of ``features[pair_input[p]]`` over the pairs of each output row.
 
-        Args:
-            features: ``[N, C]`` float array.
-            pair_input: int32 ``[P]`` input rows, grouped by kernel offset.
-            pair_output: int32 ``[P]`` output rows in ``[0, num_output)``, unique
-                within each run (kernel offset).
-            run_starts: ``K + 1`` host ints delimiting the kernel offsets' pairs.
-            num_output: output rows.
-
-        Returns:
-            ``[num_output, C]`` in ``features``' dtype: each output's sum over its pairs in
-            pair order (float32 for 16-bit storage, float64 for float64), divided by their
-            count; 0 for an output without pairs.
+        The arguments are those of `max_pool_pairs`. Returns ``[num_output, C]`` in
+        ``features``' dtype: each output's sum over its pairs in pair order (in float32
+        for 16-bit storage, float64 for float64) divided by their count; 0 for an output
+        without pairs.
         """
 
     def avg_pool_backward_pairs(self, grad_output: Any, pair_input: Any, pair_output: Any,
