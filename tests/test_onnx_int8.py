@@ -316,3 +316,20 @@ def test_int8_runtime_imports_neither_torch_nor_jax(three_layers, tmp_path: Path
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "LOADED:\n" in done.stdout, done.stdout
+
+
+def test_runtime_fuses_conv_add_relu_with_the_values_of_the_three_nodes(residual_net, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import sparsecore.runtime.session as session_module
+
+    x = _tensor(44)
+    spconv.export_onnx(residual_net, x, tmp_path / "res.onnx", precision="int8")
+    adds = []
+    original_add = session_module.int8_add
+    monkeypatch.setattr(session_module, "int8_add", lambda *args: adds.append(1) or original_add(*args))
+    fused = _run(tmp_path / "res.onnx", x).dense
+    assert adds == []  # the Add and the Relu ran inside the conv's int8 pass
+    monkeypatch.setattr(session_module, "residual_fusions", lambda graph: {})
+    unfused = _run(tmp_path / "res.onnx", x).dense
+    assert adds == [1] and np.abs(fused).max() > 0
+    np.testing.assert_array_equal(fused, unfused)

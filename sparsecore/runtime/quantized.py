@@ -23,6 +23,10 @@ libspconv's reading of the int8 attributes (see docs/deployment.md), which
   and requantizes when ``output_precision="int8"``.
 - ``Relu`` keeps int8 values int8 (same scale); ``ScatterDense`` and float
   nodes dequantize an int8 input.
+- A conv whose float result only an int8 ``Add`` reads (input 0, range 0),
+  whose output only a ``Relu`` reads (spconv's fused conv-add-ReLU as
+  `export_onnx` writes it), runs as one `int8_conv_forward` with the residual
+  and the ReLU fused: the same values as the three nodes, in one pass.
 
 Nothing here imports torch or jax.
 """
@@ -41,7 +45,7 @@ from ..tensor import SparseTensor
 from .nodes import AddNode, ConvNode, Graph, GraphError, ReluNode, ScatterDenseNode
 
 __all__ = ["Int8Value", "range_scale", "tensor_scales", "computes_int8", "Int8Parameters", "int8_parameters",
-           "int8_conv", "read_float", "int8_add"]
+           "ResidualFusion", "residual_fusions", "int8_conv", "read_float", "int8_add"]
 
 INT8 = "int8"
 
@@ -166,9 +170,44 @@ def _activate(node: ConvNode, features: Any, xp: Any) -> Any:
     return features
 
 
+@dataclass(frozen=True)
+class ResidualFusion:
+    """A conv (int8, float output, no activation) whose only reader is an int8 ``Add`` (the conv's float result
+    as input 0, range 0; an int8 residual as input 1) whose only reader is a ``Relu``: spconv's conv-add-ReLU,
+    run as one `int8_conv_forward` with ``residual`` and ``relu`` (the same values as the three nodes)."""
+
+    add: AddNode
+    relu: ReluNode
+
+
+def residual_fusions(graph: Graph) -> dict[int, ResidualFusion]:
+    """The fusable conv -> Add -> Relu chains, keyed by the conv node's ``id``."""
+    readers: dict[str, list] = {graph.output: [None]}
+    for node in graph.nodes:
+        for source in (node.inputs if isinstance(node, AddNode) else (node.input,)):
+            readers.setdefault(source, []).append(node)
+    fusions = {}
+    for node in graph.nodes:
+        if not (isinstance(node, ConvNode) and computes_int8(node) and node.output_precision != INT8
+                and node.activation == "None"):
+            continue
+        conv_readers = readers.get(node.output, [])
+        add = conv_readers[0] if len(conv_readers) == 1 else None
+        if not (isinstance(add, AddNode) and add.precision == INT8 and add.output_precision == INT8
+                and add.inputs[0] == node.output and add.input_dynamic_ranges[0] == 0
+                and add.input_dynamic_ranges[1] > 0 and len(readers.get(add.output, [])) == 1):
+            continue
+        relu = readers[add.output][0]
+        if isinstance(relu, ReluNode):
+            fusions[id(node)] = ResidualFusion(add, relu)
+    return fusions
+
+
 def int8_conv(node: ConvNode, value: Union[SparseTensor, Int8Value], scales: Mapping[str, np.float32],
-              parameters: Int8Parameters, xp: Any) -> Union[SparseTensor, Int8Value]:
-    """Runs an int8 ``SparseConvolution`` node on a float or int8 input (see the module docstring)."""
+              parameters: Int8Parameters, xp: Any, residual: Any = None,
+              fusion: Optional[ResidualFusion] = None) -> Union[SparseTensor, Int8Value]:
+    """Runs an int8 ``SparseConvolution`` node on a float or int8 input (see the module docstring); with a
+    ``fusion``, also its ``Add`` of ``residual`` (the add's input 1) and its ``Relu``."""
     input_scale = scales[node.input]
     if isinstance(value, Int8Value):
         if value.scale != input_scale:
@@ -185,12 +224,20 @@ def int8_conv(node: ConvNode, value: Union[SparseTensor, Int8Value], scales: Map
     except ValueError as error:
         raise GraphError(f"node {node.name!r} (SparseConvolution, {node.kind}, rulebook {node.rulebook!r}): "
                          f"{error}") from error
-    requantize = node.output_precision == INT8
+    output = node.output if fusion is None else fusion.relu.output
+    requantize = node.output_precision == INT8 or fusion is not None
     fused = node.activation in ("ReLU", "None")
+    residual_values = residual_scale = None
+    if isinstance(residual, Int8Value):  # as the unfused add reads it: at its own scale
+        residual_values, residual_scale = residual.values, residual.scale
+    elif fusion is not None:  # a float residual, read through the add's range
+        residual_scale = range_scale(fusion.add.input_dynamic_ranges[1])
+        residual_values = quantize(residual.core_features, residual_scale)
     out = int8_conv_forward(values, parameters.weight, rulebook, input_scale=input_scale,
                             weight_scales=parameters.weight_scales,
-                            output_scale=scales[node.output] if requantize and fused else None,
-                            bias=parameters.bias, relu=node.activation == "ReLU", groups=node.groups)
+                            output_scale=scales[output] if requantize and fused else None,
+                            bias=parameters.bias, residual=residual_values, residual_scale=residual_scale,
+                            relu=node.activation == "ReLU" or fusion is not None, groups=node.groups)
     if not fused:
         out = _activate(node, out, xp)
         if requantize:
@@ -202,7 +249,7 @@ def int8_conv(node: ConvNode, value: Union[SparseTensor, Int8Value], scales: Map
         out_sites = sites.with_sites(empty, rulebook.output_indices, rulebook.output_spatial_shape,
                                      core_indices=rulebook.output_indices)
     if requantize:
-        return Int8Value(out_sites, out, scales[node.output])
+        return Int8Value(out_sites, out, scales[output])
     return out_sites.replace(out)
 
 

@@ -21,7 +21,8 @@ from .._dispatch import array_module, device_of, to_core_array
 from ..functional import sparse_conv
 from ..tensor import SparseTensor
 from .nodes import AddNode, ConvNode, Graph, GraphError, ReluNode, ReshapeNode, ScatterDenseNode, TransposeNode
-from .quantized import Int8Value, computes_int8, int8_add, int8_conv, int8_parameters, tensor_scales
+from .quantized import (Int8Value, computes_int8, int8_add, int8_conv, int8_parameters, residual_fusions,
+                        tensor_scales)
 
 __all__ = ["Session", "RuntimeOutput", "DTYPES"]
 
@@ -77,6 +78,7 @@ class Session:
         self.graph = graph
         # libspconv's tensor_name -> scale of the values read as int8 (checked here, before any run)
         self._scales = tensor_scales(graph)
+        self._fusions = residual_fusions(graph)  # int8 conv -> Add -> Relu run as one int8 pass
         self.dtype = np.dtype(dtype)
         # weights converted to this session's dtype, per device: (node name, device) -> (weight, bias)
         self._weights: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -102,10 +104,11 @@ class Session:
             value = value.replace(value.core_features.astype(self.dtype))
         return value
 
-    def _conv(self, node: ConvNode, x: Any) -> Any:
+    def _conv(self, node: ConvNode, x: Any, residual: Any = None) -> Any:
         if computes_int8(node):
             like = x.values if isinstance(x, Int8Value) else x.core_features
-            out = int8_conv(node, x, self._scales, self._parameters(node, like), array_module(like))
+            out = int8_conv(node, x, self._scales, self._parameters(node, like), array_module(like), residual,
+                            self._fusions.get(id(node)) if residual is not None else None)
             return out if isinstance(out, Int8Value) else self._float(out)
         x = self._float(x)
         if x.num_channels != node.in_channels:
@@ -186,7 +189,15 @@ class Session:
             raise TypeError(f"features must be a float array, got dtype {features.dtype}")
         features = features.astype(self.dtype, copy=False)
         values: dict[str, Any] = {self.graph.input: SparseTensor(features, indices, spatial_shape, batch_size)}
+        fused: set[int] = set()  # the Add and Relu nodes a fused conv has computed
         for node in self.graph.nodes:
+            if id(node) in fused:
+                continue
+            fusion = self._fusions.get(id(node))
+            if fusion is not None and fusion.add.inputs[1] in values:
+                values[fusion.relu.output] = self._conv(node, values[node.input], values[fusion.add.inputs[1]])
+                fused.update((id(fusion.add), id(fusion.relu)))
+                continue
             if isinstance(node, ConvNode):
                 result = self._conv(node, values[node.input])
             elif isinstance(node, AddNode):
