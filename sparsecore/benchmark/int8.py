@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sparsecore.benchmark import scenes
-from sparsecore.benchmark.timing import (THREAD_VARIABLES, add_scan_suite_parser, machine_description,
-                                         summarize_times, time_alternating)
+from sparsecore.benchmark.timing import (THREAD_VARIABLES, VariantTiming, add_scan_suite_parser,
+                                         machine_description, summarize_times, time_alternating)
 
 __all__ = ["Int8Timing", "add_parser", "run_int8_command", "time_alternating", "layer_inputs", "cpu_timings"]
 
@@ -36,23 +36,17 @@ CHANNELS = 64
 
 
 @dataclass(frozen=True)
-class Int8Timing:
-    """One variant's times.
+class Int8Timing(VariantTiming):
+    """One variant's times (`VariantTiming`: variant, median_ms, min_ms) on one device.
 
     Attributes:
         device: ``"cpu"`` or ``"cuda"``.
         threads: BLAS threads (CPU), 0 on the GPU.
-        variant: e.g. ``"float32"``, ``"int8 -> int8"``.
-        median_ms: median over the runs.
-        min_ms: fastest run.
         relative_to_float: the float baseline's median over this variant's (> 1: faster than float).
     """
 
     device: str
     threads: int
-    variant: str
-    median_ms: float
-    min_ms: float
     relative_to_float: float
 
 
@@ -111,7 +105,8 @@ def _variants(inputs: dict[str, Any], float_dtype: Any) -> dict[str, Callable[[]
 
 def _rows(device: str, threads: int, times: dict[str, list[float]]) -> list[Int8Timing]:
     summary = summarize_times(times, baseline=next(iter(times)))  # the float variant comes first
-    return [Int8Timing(device, threads, name, *numbers) for name, numbers in summary.items()]
+    return [Int8Timing(variant=name, median_ms=median, min_ms=fastest, device=device, threads=threads,
+                       relative_to_float=relative) for name, (median, fastest, relative) in summary.items()]
 
 
 def cpu_timings(voxels_path: str | None, seed: int, repeat: int, threads: int) -> list[Int8Timing]:

@@ -24,18 +24,21 @@ from typing import Any
 import numpy as np
 
 from sparsecore.benchmark import scenes
-from sparsecore.benchmark.timing import add_scan_suite_parser, machine_description, summarize_times, time_alternating
+from sparsecore.benchmark.timing import (VariantTiming, add_scan_suite_parser, machine_description, summarize_times,
+                                         time_alternating)
 
 __all__ = ["RuntimeTiming", "add_parser", "run_runtime_command", "second_backbone"]
 
 
 @dataclass(frozen=True)
-class RuntimeTiming:
-    """One variant's times, in milliseconds per forward (rulebooks included)."""
+class RuntimeTiming(VariantTiming):
+    """One variant's times (`VariantTiming`), in milliseconds per forward (rulebooks included).
 
-    variant: str
-    median_ms: float
-    min_ms: float
+    Attributes:
+        relative_to_torch: sparsecore.torch's median over this variant's (> 1: faster than torch).
+        max_abs_difference: the largest absolute difference of its output from sparsecore.torch's.
+    """
+
     relative_to_torch: float
     max_abs_difference: float
 

@@ -22,6 +22,7 @@ __all__ = [
     "median_seconds",
     "median_seconds_with_setup",
     "time_alternating",
+    "VariantTiming",
     "summarize_times",
     "add_scan_suite_parser",
     "cpu_model",
@@ -106,6 +107,21 @@ def time_alternating(functions: dict[str, Callable[[], Any]], repeat: int, synch
             if round_index:
                 times[name].append((time.perf_counter() - start) * 1e3)
     return times
+
+
+@dataclass(frozen=True)
+class VariantTiming:
+    """One variant's times over `time_alternating`'s rounds (a suite's row adds its own fields).
+
+    Attributes:
+        variant: the variant's name.
+        median_ms: median over the timed rounds.
+        min_ms: fastest round.
+    """
+
+    variant: str
+    median_ms: float
+    min_ms: float
 
 
 def summarize_times(times: dict[str, list[float]], baseline: str) -> dict[str, tuple[float, float, float]]:
