@@ -63,6 +63,21 @@ class BlockFirst(nn.Module):
         return self.head(self.block(x)).features
 
 
+class Branches(nn.Module):
+    """A stem read by two heads whose features are added; excluding one head leaves the stem's output with an int8
+    and a float reader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = spconv.SparseSequential(spconv.SubMConv3d(4, 8, 3, indice_key="s"), nn.ReLU())
+        self.a = spconv.SubMConv3d(8, 3, 3, indice_key="s")
+        self.b = spconv.SubMConv3d(8, 3, 3, indice_key="s")
+
+    def forward(self, x):
+        stem = self.stem(x)
+        return self.a(stem).features + self.b(stem).features
+
+
 def _converted(model: nn.Module, seed: int, exclude: tuple[str, ...] = ()) -> torch.fx.GraphModule:
     """``model`` (batch norms randomized) through the PTQ workflow, calibrated on 4 inputs; ``exclude``: layers
     the qconfig mapping leaves float."""
@@ -147,6 +162,14 @@ def test_three_layer_int8_attributes_are_the_converted_modules_scales(three_laye
         back = core_int8.quantize(weight.astype(np.float32), np.float32(attributes["weight_dynamic_ranges"])
                                   / np.float32(127), axis=0)
         np.testing.assert_array_equal(back, layer.weight_int8.numpy())
+    # the same ranges as the TensorRT parameters of the quantization package
+    import sparsecore.torch.quantization as spconvq
+
+    for node, parameters in zip(nodes, spconvq.tensorrt_parameters(three_layers)):
+        np.testing.assert_allclose(_attributes(node)["input_dynamic_range"], parameters.input_dynamic_range,
+                                   rtol=1e-6)
+        np.testing.assert_allclose(_attributes(node)["weight_dynamic_ranges"], 127 * parameters.weight_scales,
+                                   rtol=1e-6)
 
 
 def test_residual_network_writes_conv_add_relu_with_int8_ranges(residual_net, tmp_path: Path) -> None:
@@ -270,6 +293,9 @@ def test_float_model_and_inexpressible_models_are_refused_before_writing(three_l
     torch.manual_seed(40)
     with pytest.raises(spconv.ExportError, match="rounds a float tensor to int8 and back.*put a conv"):
         spconv.export_onnx(_converted(BlockFirst(), 40), _tensor(40), path, precision="int8")
+    torch.manual_seed(41)
+    with pytest.raises(spconv.ExportError, match="'stem.0' is read by int8 layers .*'a'.* and float layers .*'b'"):
+        spconv.export_onnx(_converted(Branches(), 41, exclude=("b",)), _tensor(41), path, precision="int8")
     tiny = copy.deepcopy(three_layers)
     layer = tiny.get_submodule("layers.3")
     layer.weight_scales = torch.full_like(layer.weight_scales, 1e-9)
@@ -278,12 +304,13 @@ def test_float_model_and_inexpressible_models_are_refused_before_writing(three_l
     assert not path.exists()
 
 
-def test_runtime_names_the_node_of_a_bad_int8_graph(three_layers, tmp_path: Path) -> None:
+def test_runtime_names_the_node_of_a_bad_int8_graph(three_layers, residual_net, tmp_path: Path) -> None:
     exported = spconv.export_onnx(three_layers, _tensor(42), tmp_path / "three.onnx", precision="int8")
+    residual = spconv.export_onnx(residual_net, _tensor(42), tmp_path / "res.onnx", precision="int8")
 
-    def edited(node_index: int, name: str, value) -> runtime.Session:
+    def edited(node_index: int, name: str, value, source=exported) -> runtime.Session:
         model = onnx.ModelProto()
-        model.CopyFrom(exported)
+        model.CopyFrom(source)
         node = model.graph.node[node_index]
         kept = [attribute for attribute in node.attribute if attribute.name != name]
         del node.attribute[:]
@@ -298,6 +325,10 @@ def test_runtime_names_the_node_of_a_bad_int8_graph(three_layers, tmp_path: Path
         edited(2, "output_precision", "int8")
     with pytest.raises(runtime.GraphError, match="'conv1'.*input_dynamic_range.*finite and >= 0"):
         edited(1, "input_dynamic_range", -1.0)
+    # the add reads the stem's output '1' with another range than conv1 does: two scales for one int8 tensor
+    with pytest.raises(runtime.GraphError, match="'add0' reads tensor '1' as int8 with input1_dynamic_range=1.5.*"
+                                                 "node 'conv1' \\(input_dynamic_range\\)"):
+        edited(3, "input1_dynamic_range", 1.5, residual)
 
 
 def test_int8_runtime_imports_neither_torch_nor_jax(three_layers, tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ class _Planner(torch.fx.Interpreter):
         if qgraph.is_quantize_node(node):
             source = self.view(node.args[0], where)
             if source.form == _FLOAT:
-                return _View(source.tensor, _QUANTIZED, float(result.features.q_scale()))
+                return _View(source.tensor, _QUANTIZED, _q_scale(result))
             if source.form == _DEQUANTIZED:  # a requantization: read at the producer's scale (no node for it)
                 return _View(source.tensor, _INT8, source.scale)
             if source.form == _DENSE and source.scale is not None:  # likewise a dense int8 grid (a view's observer)
@@ -186,7 +186,7 @@ class _Planner(torch.fx.Interpreter):
             return self.view(node.args[0], where)
         if target in (qgraph.quantized_add, qgraph.quantized_add_relu):
             first, second = (self.read_int8(self.view(arg, where), where) for arg in node.args[:2])
-            return self.add_nodes(where, first, second, float(result.features.q_scale()), result,
+            return self.add_nodes(where, first, second, _q_scale(result), result,
                                   relu=target is qgraph.quantized_add_relu)
         if target in (operator.add, torch.add):
             inputs = tuple(self.read_float(self.view(arg, where), where) for arg in node.args[:2])
@@ -315,6 +315,11 @@ class _Planner(torch.fx.Interpreter):
             self.steps[-2].int8_output = last  # the Relu's readers decide the add's output type
         self.tensor_scale[last] = output_scale
         return _View(last, _INT8, output_scale)
+
+
+def _q_scale(result: Any) -> float:
+    """The quantization scale of a qint8 tensor or of a SparseConvTensor's qint8 features."""
+    return float((result.features if isinstance(result, SparseConvTensor) else result).q_scale())
 
 
 def _shape(result: Any) -> tuple[int, ...]:
