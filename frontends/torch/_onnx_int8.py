@@ -49,7 +49,7 @@ from ._export_trace import ConvRecord, ExportError, OpRecord, Trace
 from ._int8_ranges import check_fp16_weight, dynamic_range, dynamic_ranges
 from ._onnx_steps import PlannedConv, PlannedStep
 from .conv import SparseConvolution
-from .exportable import effective_weight
+from .spconv_rules import effective_weight
 from .modules import SparseIdentity, SparseReLU
 from .quantization import graph as qgraph
 from .quantization import intrinsic as fused
