@@ -12,6 +12,10 @@ dense tensor. Weights are FP16 ``raw_data`` in the layer's ``[out, *kernel,
 in]`` layout; a layer without bias gets a zero bias (the parser always reads
 input 2). Values are named by consecutive integers, the input ``"0"``.
 
+``precision="int8"`` takes a model converted by the INT8 workflow (a
+``GraphModule`` with int8 sparse convs) and writes libspconv's int8
+attributes from its own scales (`_onnx_int8`; docs/deployment.md).
+
 The non-standard ops are written in the ``spconv`` domain (libspconv's parser
 reads op types only) so that the file passes ``onnx.checker``. Everything is
 checked before the file is written.
@@ -230,7 +234,10 @@ def export_onnx(model: nn.Module, example_input: Any, path: Union[str, os.PathLi
             holding one); the model runs on it once.
         path: the file to write.
         precision: ``"fp16"`` (libspconv's FP16 weights), ``"fp32"`` (FLOAT weights, for
-            ``sparsecore.runtime`` only; needs ``strict=False``) or ``"int8"``.
+            ``sparsecore.runtime`` only; needs ``strict=False``) or ``"int8"`` (``model`` converted
+            by the INT8 workflow: ``precision`` / ``output_precision``, ``input_dynamic_range`` and
+            ``weight_dynamic_ranges`` on each int8 conv, the add's ranges, FP16 weights that
+            quantize back to the int8 weights).
         strict: refuse what libspconv cannot run (transposed convs, groups > 1, non-3-D layers,
             float32 weights). ``strict=False`` writes them for ``sparsecore.runtime``.
 
@@ -240,8 +247,9 @@ def export_onnx(model: nn.Module, example_input: Any, path: Union[str, os.PathLi
     Raises:
         ExportError: naming the module and its type, for anything the format cannot express
             (pooling, concatenation, a custom layer's arithmetic, a BatchNorm not after a conv,
-            data-dependent control flow), a model in training mode, or an empty example;
-            raised before anything is written.
+            data-dependent control flow), a model in training mode, or an empty example; with
+            ``precision="int8"``, a model that is not converted, or a tensor the format would
+            need two precisions or two scales for; raised before anything is written.
         ImportError: the ``onnx`` package is missing (``pip install 'sparsecore[onnx]'``).
     """
     if precision not in PRECISIONS:
