@@ -119,6 +119,12 @@ def _check_backward(case: do.ConvCase):
     do.assert_close(grad_weight, oracle.grad_weight, "grad_weight")
 
 
+@pytest.mark.parametrize("case", REGULAR + SUBM + TRANSPOSED, ids=str)
+def test_backward(case):
+    """Gradients of every regular, submanifold and transposed case against the dense oracle's."""
+    _check_backward(case)
+
+
 @pytest.mark.parametrize("case", REGULAR, ids=str)
 def test_regular_forward(case):
     rb = _check_forward(case)
@@ -127,20 +133,10 @@ def test_regular_forward(case):
     assert tuple(rb.output_spatial_shape) == expected_shape
 
 
-@pytest.mark.parametrize("case", REGULAR, ids=str)
-def test_regular_backward(case):
-    _check_backward(case)
-
-
 @pytest.mark.parametrize("case", SUBM, ids=str)
 def test_subm_forward(case):
     rb = _check_forward(case)
     assert tuple(rb.output_spatial_shape) == case.spatial_shape
-
-
-@pytest.mark.parametrize("case", SUBM, ids=str)
-def test_subm_backward(case):
-    _check_backward(case)
 
 
 @pytest.mark.parametrize("case", TRANSPOSED, ids=str)
@@ -152,11 +148,6 @@ def test_transposed_forward(case):
                                                 case.output_padding).shape[2:])
     assert tuple(rb.output_spatial_shape) == torch_shape
     assert tuple(_geometry(case).output_spatial_shape(case.spatial_shape)) == torch_shape
-
-
-@pytest.mark.parametrize("case", TRANSPOSED, ids=str)
-def test_transposed_backward(case):
-    _check_backward(case)
 
 
 # ----------------------------------------------------------------- inverse conv

@@ -135,19 +135,31 @@ def test_scatter_add_pairs_rejects_bad_arguments(target):
         target.backend.scatter_add_pairs(target.put(np.zeros((2, 4), np.float32)).T, rows, data, (0, 2, 3))
 
 
+def _grouping(rows: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, starts)``: a stable argsort of ``rows`` and the int64 CSR starts of its ``count`` groups."""
+    order = np.argsort(rows, kind="stable")
+    return order, np.searchsorted(rows[order], np.arange(count + 1)).astype(np.int64)
+
+
+def _pool_pairs(rng: np.random.Generator, num_input: int, num_output: int, runs: int, length: int,
+                empty_outputs: int = 0) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """``runs`` offsets of ``length`` pairs, rows unique within a run; the last ``empty_outputs`` outputs get none."""
+    input_rows = np.concatenate([rng.choice(num_input, size=length, replace=False) for _ in range(runs)])
+    output_rows, run_starts = _pair_runs(rng, num_output - empty_outputs, [length] * runs)
+    return input_rows.astype(np.int32), output_rows, run_starts
+
+
 # =============================================================== max_pool_pairs
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "float64"])
 def test_max_pool_pairs_equals_the_twin_and_numpy(target, dtype_name):
     rng = rng_for(33, len(dtype_name))
-    num_input, num_output = 50, 30
-    input_rows = np.concatenate([rng.choice(num_input, size=18, replace=False) for _ in range(4)]).astype(np.int32)
-    output_rows, run_starts = _pair_runs(rng, num_output - 3, [18] * 4)  # the last 3 outputs get no pair
+    num_input, num_output = 50, 30  # the last 3 outputs get no pair
+    input_rows, output_rows, run_starts = _pool_pairs(rng, num_input, num_output, 4, 18, empty_outputs=3)
     features = numpy_twins.random_features(rng, (num_input, 4), dtype_name)
     features[10:20] = features[20:30]  # ties between rows
-    order = np.argsort(output_rows, kind="stable")
-    output_starts = np.searchsorted(output_rows[order], np.arange(num_output + 1)).astype(np.int64)
+    order, output_starts = _grouping(output_rows, num_output)
     out, argmax = numpy_twins.max_pool_forward(features, input_rows[order], output_starts, dtype_name)
     for backend, put, get in ((NUMPY_BACKEND, np.asarray, np.asarray), (target.backend, target.put, target.get)):
         actual_out, actual_argmax = backend.max_pool_pairs(put(features), put(input_rows), put(output_rows),
@@ -172,15 +184,11 @@ def test_max_pool_forward_runs_its_kernel(target):
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "float64"])
 def test_avg_pool_pairs_equal_the_twins_and_numpy(target, dtype_name):
     rng = rng_for(36, len(dtype_name))
+    input_rows, output_rows, run_starts = _pool_pairs(rng, 50, 30, 4, 18, empty_outputs=3)
     num_input, num_output = 50, 30
-    input_rows = np.concatenate([rng.choice(num_input, size=18, replace=False) for _ in range(4)]).astype(np.int32)
-    output_rows, run_starts = _pair_runs(rng, num_output - 3, [18] * 4)  # the last 3 outputs get no pair
-    features = numpy_twins.random_features(rng, (num_input, 5), dtype_name)
-    grad_output = numpy_twins.random_features(rng, (num_output, 5), dtype_name)
-    by_output = np.argsort(output_rows, kind="stable")
-    output_starts = np.searchsorted(output_rows[by_output], np.arange(num_output + 1)).astype(np.int64)
-    by_input = np.argsort(input_rows, kind="stable")
-    input_starts = np.searchsorted(input_rows[by_input], np.arange(num_input + 1)).astype(np.int64)
+    features, grad_output = (numpy_twins.random_features(rng, (rows, 5), dtype_name) for rows in (50, 30))
+    by_output, output_starts = _grouping(output_rows, num_output)
+    by_input, input_starts = _grouping(input_rows, num_input)
     out = numpy_twins.avg_pool_forward(features, input_rows[by_output], output_starts, dtype_name)
     grad = numpy_twins.avg_pool_backward(grad_output, output_rows[by_input], input_starts, output_starts, dtype_name)
     for backend, put, get in ((NUMPY_BACKEND, np.asarray, np.asarray), (target.backend, target.put, target.get)):
@@ -276,15 +284,12 @@ def test_native_float16_conv_is_close_to_float64(target):
 def test_max_pool_backward_pairs_equals_the_twin_and_numpy(target, dtype_name):
     rng = rng_for(38, len(dtype_name))
     num_input, num_output = 40, 30
-    input_rows = np.concatenate([rng.choice(num_input, size=20, replace=False) for _ in range(3)]).astype(np.int32)
-    output_rows, run_starts = _pair_runs(rng, num_output, [20] * 3)
+    input_rows, output_rows, run_starts = _pool_pairs(rng, num_input, num_output, 3, 20)
     features = numpy_twins.random_features(rng, (num_input, 5), dtype_name)
-    order = np.argsort(output_rows, kind="stable")
-    output_starts = np.searchsorted(output_rows[order], np.arange(num_output + 1)).astype(np.int64)
+    order, output_starts = _grouping(output_rows, num_output)
     _, argmax = numpy_twins.max_pool_forward(features, input_rows[order], output_starts, dtype_name)
     grad_output = numpy_twins.random_features(rng, (num_output, 5), dtype_name)
-    by_input = np.argsort(input_rows, kind="stable")
-    input_starts = np.searchsorted(input_rows[by_input], np.arange(num_input + 1)).astype(np.int64)
+    by_input, input_starts = _grouping(input_rows, num_input)
     expected = numpy_twins.max_pool_backward(grad_output, argmax, output_rows[by_input], input_starts, dtype_name)
     for backend, put, get in ((NUMPY_BACKEND, np.asarray, np.asarray), (target.backend, target.put, target.get)):
         actual = backend.max_pool_backward_pairs(put(grad_output), put(argmax), put(input_rows), put(output_rows),

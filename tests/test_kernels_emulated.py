@@ -140,20 +140,19 @@ def test_hash_lookup_offsets_padded_grid(backend, n):
 # ------------------------------------------------------------ gather_scatter.cu
 
 
-def _vector_or_skip(vector: int, channels: int, dtype_name: str) -> None:
-    """Skips the vector widths the backend would never pick for these rows."""
+def _row_case(dtype_name: str, channels: int, vector: int, *seed: int) -> tuple[np.random.Generator, str]:
+    """``(rng, element type)`` of a row-kernel case; skips the vector widths the backend would never pick."""
     itemsize = np.dtype(twins.STORAGE_DTYPES[dtype_name][0]).itemsize
     if channels % vector or vector * itemsize > 16:
         pytest.skip(f"vector {vector} does not fit {channels} channels of {dtype_name}")
+    return _rng(*seed), twins.STORAGE_DTYPES[dtype_name][2]
 
 
 @pytest.mark.parametrize("vector", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("m,channels", [(0, 4), (1, 1), (70, 3), (33, 16)])
 def test_gather_rows(backend, dtype_name, m, channels, vector):
-    _vector_or_skip(vector, channels, dtype_name)
-    rng = _rng(3, m, channels)
-    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    rng, element_type = _row_case(dtype_name, channels, vector, 3, m, channels)
     source = twins.random_features(rng, (20, channels), dtype_name)
     rows = rng.integers(-1, 20, size=m).astype(np.int32)
     out = backend.get(backend.launch.gather_rows(backend.put(source), backend.put(rows), element_type, vector))
@@ -164,9 +163,7 @@ def test_gather_rows(backend, dtype_name, m, channels, vector):
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("m,channels", [(0, 4), (1, 5), (45, 5), (45, 8)])
 def test_scatter_add_rows_unique(backend, dtype_name, m, channels, vector):
-    _vector_or_skip(vector, channels, dtype_name)
-    rng = _rng(4, m, channels)
-    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    rng, element_type = _row_case(dtype_name, channels, vector, 4, m, channels)
     target = twins.random_features(rng, (60, channels), dtype_name)
     rows = rng.permutation(60)[:m].astype(np.int32)
     rows[::7] = -1
@@ -198,9 +195,7 @@ def test_segment_sum_rows(backend, dtype_name, num_segments, channels):
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("num_runs, channels", [(0, 3), (1, 1), (4, 5), (13, 2), (5, 4)])
 def test_sum_run_rows(backend, dtype_name, num_runs, channels, vector):
-    _vector_or_skip(vector, channels, dtype_name)
-    rng = _rng(6, num_runs, channels)
-    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    rng, element_type = _row_case(dtype_name, channels, vector, 6, num_runs, channels)
     source = twins.random_features(rng, (70, channels), dtype_name)
     slots = np.full((num_runs, 45), -1, np.int32)  # 45 >= 40 target rows: a padded stride
     for run in range(num_runs):
@@ -249,6 +244,7 @@ def test_16_bit_rounding_edge_cases(backend, dtype_name):
 
 
 def _pooling_case(rng, dtype_name, num_in, num_out, channels):
+    """Groups of up to 6 inputs per output (CSR), their outputs per pair, and features with ties."""
     starts, input_rows = _random_groups(rng, num_out, num_in, max_size=6)
     pair_output = np.repeat(np.arange(num_out), np.diff(starts)).astype(np.int32)
     features = twins.random_features(rng, (num_in, channels), dtype_name)
@@ -256,11 +252,13 @@ def _pooling_case(rng, dtype_name, num_in, num_out, channels):
     return starts, input_rows, pair_output, features
 
 
+POOLING_SIZES = [(0, 0, 3), (0, 4, 2), (30, 41, 3), (12, 5, 9)]
+
+
 @pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("num_in,num_out,channels", [(0, 0, 3), (0, 4, 2), (30, 41, 3), (12, 5, 9)])
+@pytest.mark.parametrize("num_in,num_out,channels", POOLING_SIZES)
 def test_max_pool_forward_and_backward(backend, dtype_name, num_in, num_out, channels):
-    rng = _rng(6, num_in, num_out, channels)
-    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    rng, element_type = _rng(6, num_in, num_out, channels), twins.STORAGE_DTYPES[dtype_name][2]
     starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, num_in, num_out, channels)
     out, argmax = backend.launch.max_pool_forward(backend.put(features), backend.put(input_rows),
                                                   backend.put(starts), element_type)
@@ -276,10 +274,9 @@ def test_max_pool_forward_and_backward(backend, dtype_name, num_in, num_out, cha
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("num_in,num_out,channels", [(0, 0, 3), (0, 4, 2), (30, 41, 3), (12, 5, 9)])
+@pytest.mark.parametrize("num_in,num_out,channels", POOLING_SIZES)
 def test_avg_pool_forward_and_backward(backend, dtype_name, num_in, num_out, channels):
-    rng = _rng(7, num_in, num_out, channels)
-    element_type = twins.STORAGE_DTYPES[dtype_name][2]
+    rng, element_type = _rng(7, num_in, num_out, channels), twins.STORAGE_DTYPES[dtype_name][2]
     starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, num_in, num_out, channels)
     out = backend.launch.avg_pool_forward(backend.put(features), backend.put(input_rows), backend.put(starts),
                                           element_type)

@@ -94,28 +94,27 @@ def _check_repeat(args: tuple, kwargs: dict) -> None:
         _refuse("repeat by an array of counts")
 
 
+def _scalar_conversion(what: str, convert: Any) -> Any:
+    """A ``__int__``-like method: refused while reads are forbidden, else ``convert`` of the one element."""
+
+    def conversion(self: np.ndarray) -> Any:
+        _refuse(what)
+        return convert(np.asarray(self).item())
+
+    return conversion
+
+
 class DeviceArray(np.ndarray):
     """An ndarray that stands for GPU memory: host conversions raise while reads are forbidden."""
 
-    def __int__(self) -> int:
-        _refuse("int(array)")
-        return int(np.asarray(self).item())
-
-    def __float__(self) -> float:
-        _refuse("float(array)")
-        return float(np.asarray(self).item())
+    __int__ = _scalar_conversion("int(array)", int)
+    __float__ = _scalar_conversion("float(array)", float)
+    __index__ = _scalar_conversion("array used as an index", int)
+    __complex__ = _scalar_conversion("complex(array)", complex)
 
     def __bool__(self) -> bool:
         _refuse("bool(array)")
         return bool(np.asarray(self).item()) if self.ndim == 0 else bool(np.asarray(self))
-
-    def __index__(self) -> int:
-        _refuse("array used as an index")
-        return int(np.asarray(self).item())
-
-    def __complex__(self) -> complex:
-        _refuse("complex(array)")
-        return complex(np.asarray(self).item())
 
     def __iter__(self):
         _refuse("iterating over an array")

@@ -177,60 +177,50 @@ class Launcher:
 
     # ---- pooling.cu ----
 
+    def _grouped(self, name: str, values: Any, rows: Any, starts: Any, element_type: str | None,
+                 leading: Sequence[Any] = (), trailing: Sequence[Any] = (),
+                 extra_outputs: Sequence[Any] = ()) -> list[Any]:
+        """Launches a pooling kernel over a CSR grouping, one thread per (group, channel).
+
+        Arguments: ``[values, *leading, rows, starts, *trailing, groups, channels, out, *extras]``
+        with ``out`` (``values``' dtype) and one array per dtype of ``extra_outputs``, each
+        ``[groups, channels]``; returns ``[out, *extras]``.
+        """
+        xp = self.xp
+        values = xp.ascontiguousarray(values)
+        rows = self._contiguous(rows, xp.int32)
+        starts = self._contiguous(starts, xp.int64)
+        groups, channels = starts.shape[0] - 1, values.shape[1]
+        outputs = [xp.empty((groups, channels), dtype=dtype) for dtype in (values.dtype, *extra_outputs)]
+        self._launch(name, [self._element_type(values, element_type)], groups * channels,
+                     [values, *leading, rows, starts, *trailing, np.int64(groups), np.int64(channels), *outputs])
+        return outputs
+
     def max_pool_forward(self, features: Any, input_rows: Any, output_starts: Any,
                          element_type: str | None = None) -> tuple[Any, Any]:
         """``(out, argmax)`` over the by-output grouping (``output_starts`` int64 ``[N_out + 1]``)."""
-        xp = self.xp
-        features = xp.ascontiguousarray(features)
-        input_rows = self._contiguous(input_rows, xp.int32)
-        output_starts = self._contiguous(output_starts, xp.int64)
-        num_out, channels = output_starts.shape[0] - 1, features.shape[1]
-        out = xp.empty((num_out, channels), dtype=features.dtype)
-        argmax = xp.empty((num_out, channels), dtype=xp.int32)
-        self._launch("sc_max_pool_forward", [self._element_type(features, element_type)], num_out * channels,
-                     [features, input_rows, output_starts, np.int64(num_out), np.int64(channels), out, argmax])
+        out, argmax = self._grouped("sc_max_pool_forward", features, input_rows, output_starts, element_type,
+                                    extra_outputs=(self.xp.int32,))
         return out, argmax
 
     def max_pool_backward(self, grad_out: Any, argmax: Any, output_rows: Any, input_starts: Any,
                           element_type: str | None = None) -> Any:
         """Input gradient over the by-input grouping (``input_starts`` int64 ``[N_in + 1]``)."""
-        xp = self.xp
-        grad_out = xp.ascontiguousarray(grad_out)
-        argmax = self._contiguous(argmax, xp.int32)
-        output_rows = self._contiguous(output_rows, xp.int32)
-        input_starts = self._contiguous(input_starts, xp.int64)
-        num_in, channels = input_starts.shape[0] - 1, grad_out.shape[1]
-        grad_in = xp.empty((num_in, channels), dtype=grad_out.dtype)
-        self._launch("sc_max_pool_backward", [self._element_type(grad_out, element_type)], num_in * channels,
-                     [grad_out, argmax, output_rows, input_starts, np.int64(num_in), np.int64(channels), grad_in])
+        (grad_in,) = self._grouped("sc_max_pool_backward", grad_out, output_rows, input_starts, element_type,
+                                   leading=(self._contiguous(argmax, self.xp.int32),))
         return grad_in
 
     def avg_pool_forward(self, features: Any, input_rows: Any, output_starts: Any,
                          element_type: str | None = None) -> Any:
         """Mean over each output's group (0 for an empty group)."""
-        xp = self.xp
-        features = xp.ascontiguousarray(features)
-        input_rows = self._contiguous(input_rows, xp.int32)
-        output_starts = self._contiguous(output_starts, xp.int64)
-        num_out, channels = output_starts.shape[0] - 1, features.shape[1]
-        out = xp.empty((num_out, channels), dtype=features.dtype)
-        self._launch("sc_avg_pool_forward", [self._element_type(features, element_type)], num_out * channels,
-                     [features, input_rows, output_starts, np.int64(num_out), np.int64(channels), out])
+        (out,) = self._grouped("sc_avg_pool_forward", features, input_rows, output_starts, element_type)
         return out
 
     def avg_pool_backward(self, grad_out: Any, output_rows: Any, input_starts: Any, output_starts: Any,
                           element_type: str | None = None) -> Any:
         """Input gradient of the mean: by-input grouping plus the forward's ``output_starts``."""
-        xp = self.xp
-        grad_out = xp.ascontiguousarray(grad_out)
-        output_rows = self._contiguous(output_rows, xp.int32)
-        input_starts = self._contiguous(input_starts, xp.int64)
-        output_starts = self._contiguous(output_starts, xp.int64)
-        num_in, channels = input_starts.shape[0] - 1, grad_out.shape[1]
-        grad_in = xp.empty((num_in, channels), dtype=grad_out.dtype)
-        self._launch("sc_avg_pool_backward", [self._element_type(grad_out, element_type)], num_in * channels,
-                     [grad_out, output_rows, input_starts, output_starts, np.int64(num_in), np.int64(channels),
-                      grad_in])
+        (grad_in,) = self._grouped("sc_avg_pool_backward", grad_out, output_rows, input_starts, element_type,
+                                   trailing=(self._contiguous(output_starts, self.xp.int64),))
         return grad_in
 
     # ---- rulebook.cu ----
