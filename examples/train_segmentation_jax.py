@@ -51,8 +51,8 @@ def as_sparse(batch):
     return sj.SparseTensor.from_arrays(batch.features, batch.indices, batch.grid_size, batch.batch_size)
 
 
-def plan_batches(batches, params, state):
-    """Plans every batch (outside jit), then pads all of them to common capacities.
+def plan_batches(batches, params, state, impl=None):
+    """Plans every batch (outside jit, with the feature-pass ``impl``), then pads all of them to common capacities.
 
     Equal capacities give equal plan signatures: one compile for the whole data set.
     Returns the capacities and, per batch, ``(tensor, voxel labels padded with -1)``.
@@ -60,7 +60,7 @@ def plan_batches(batches, params, state):
     tensors = []
     for batch in batches:
         x = as_sparse(batch)
-        tensors.append(x.with_plan(sj.plan(apply, params, state, x, False)))
+        tensors.append(x.with_plan(sj.plan(apply, params, state, x, False).with_impl(impl)))
     names = tensors[0].plan.sites
     capacities = {name: max(t.plan.sites[name].info.capacity for t in tensors) for name in names}
     planned = []
@@ -193,14 +193,12 @@ def main():
                       [("--impl", {"choices": sj.IMPLS, "default": None,
                                    "help": "feature passes: jnp (pure XLA) or callback (the core's NumPy passes; "
                                            "faster to compile); default: sparsecore.jax.default_impl()"})])
-    if args.impl:
-        sj.set_default_impl(args.impl)
     start = time.perf_counter()
     train, val = load_data(args)
 
     params, state = init_model(initial_weights(args.seed))
-    capacities, train_planned = plan_batches(train, params, state)
-    _, val_planned = plan_batches(val, params, state)
+    capacities, train_planned = plan_batches(train, params, state, args.impl)
+    _, val_planned = plan_batches(val, params, state, args.impl)
     print(f"plans built; training capacities {capacities['input']:,} rows at stride 1 "
           f"({len(capacities)} site sets)")
 

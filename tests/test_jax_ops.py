@@ -20,6 +20,7 @@ import pytest
 import zlib
 from jax.test_util import check_grads
 
+import sparsecore as sc
 import sparsecore.jax as sj
 
 try:
@@ -72,47 +73,55 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 
 @dataclass(frozen=True)
 class ConvCase:
-    name: str
-    kind: str
-    shape: tuple
-    kernel: object
-    stride: object = 1
-    padding: object = 0
-    dilation: object = 1
-    output_padding: object = 0
-    groups: int = 1
-    batch: int = 2
-    num: int = 40
-    cin: int = 4
-    cout: int = 6
-    bias: bool = True
-    minimum: int = 8
+    """A conv layer under test: its geometry (the core's public `ConvGeometry`), grid and sizes (see `_case`)."""
 
-    @property
-    def ndim(self):
-        return len(self.shape)
+    name: str
+    shape: tuple
+    geometry: sc.ConvGeometry
+    groups: int
+    batch: int
+    num: int
+    cin: int
+    cout: int
+    bias: bool
+    minimum: int
+
+    kind = property(lambda self: self.geometry.kind)
+    kernel = property(lambda self: self.geometry.kernel_size)
+    stride = property(lambda self: self.geometry.stride)
+    padding = property(lambda self: self.geometry.padding)
+    dilation = property(lambda self: self.geometry.dilation)
+    output_padding = property(lambda self: self.geometry.output_padding)
+    ndim = property(lambda self: self.geometry.ndim)
+
+
+def _case(name, kind, shape, kernel, stride=1, padding=0, dilation=1, output_padding=0, *, groups=1, batch=2,
+          num=40, cin=4, cout=6, bias=True, minimum=8):
+    """A `ConvCase` whose geometry the core builds and validates (`sparsecore.ConvGeometry.create`)."""
+    geometry = sc.ConvGeometry.create(len(shape), kernel, stride, padding, dilation, output_padding, kind=kind)
+    return ConvCase(name, shape, geometry, groups, batch, num, cin, cout, bias, minimum)
 
 
 CONV_CASES = [
-    ConvCase("1d-regular-k3s2p1", "regular", (23,), 3, 2, 1),
-    ConvCase("1d-subm-k5d2", "subm", (30,), 5, dilation=2, cin=3, cout=2),
-    ConvCase("1d-transposed-k4s3p1op2", "transposed", (9,), 4, 3, 1, output_padding=2, num=10),
-    ConvCase("2d-regular-k3d2g2", "regular", (9, 8), 3, 1, 0, 2, groups=2),
-    ConvCase("2d-regular-even-k2s2", "regular", (8, 7), 2, 2, 0, bias=False),
-    ConvCase("2d-regular-aniso", "regular", (9, 10), (3, 2), (2, 1), (1, 0), (1, 2), cin=2, cout=3),
-    ConvCase("2d-transposed-k3s2p1op1g2", "transposed", (5, 6), 3, 2, 1, 1, output_padding=1, groups=2, num=14),
-    ConvCase("2d-subm-depthwise", "subm", (8, 8), 3, groups=4, cin=4, cout=4),
-    ConvCase("2d-inverse-k2s2g2", "inverse", (8, 9), 2, 2, 0, groups=2),
-    ConvCase("3d-subm-k3", "subm", (6, 7, 5), 3, num=60, minimum=256),
-    ConvCase("3d-subm-1x1", "subm", (5, 5, 5), 1, num=30),
-    ConvCase("3d-subm-aniso-k(3,1,5)", "subm", (5, 6, 7), (3, 1, 5), dilation=(1, 1, 2), cin=3, cout=3),
-    ConvCase("3d-regular-k3s2p1", "regular", (7, 6, 8), 3, 2, 1, num=70),
-    ConvCase("3d-regular-k(3,1,2)s(2,1,1)d(1,2,1)", "regular", (6, 5, 6), (3, 1, 2), (2, 1, 1), (1, 0, 0),
-             (1, 2, 1), groups=2),
-    ConvCase("3d-transposed-k2s2", "transposed", (4, 3, 4), 2, 2, 0, num=12, bias=False),
-    ConvCase("3d-inverse-k3s2p1", "inverse", (7, 6, 6), 3, 2, 1, num=50),
-    ConvCase("3d-subm-empty", "subm", (4, 4, 4), 3, num=0),
-    ConvCase("3d-regular-empty", "regular", (4, 4, 4), 3, 2, 1, num=0),
+    _case("1d-regular-k3s2p1", "regular", (23,), 3, 2, 1),
+    _case("1d-subm-k5d2", "subm", (30,), 5, dilation=2, cin=3, cout=2),
+    _case("1d-transposed-k4s3p1op2", "transposed", (9,), 4, 3, 1, output_padding=2, num=10),
+    _case("2d-regular-k3d2g2", "regular", (9, 8), 3, 1, 0, 2, groups=2),
+    _case("2d-regular-even-k2s2", "regular", (8, 7), 2, 2, 0, bias=False),
+    _case("2d-regular-aniso", "regular", (9, 10), (3, 2), (2, 1), (1, 0), (1, 2), cin=2, cout=3),
+    _case("2d-transposed-k3s2p1op1g2", "transposed", (5, 6), 3, 2, 1, 1, output_padding=1, groups=2, num=14),
+    _case("2d-subm-depthwise", "subm", (8, 8), 3, groups=4, cin=4, cout=4),
+    _case("2d-inverse-k2s2g2", "inverse", (8, 9), 2, 2, 0, groups=2),
+    _case("3d-subm-k3", "subm", (6, 7, 5), 3, num=60, minimum=256),
+    _case("3d-subm-1x1", "subm", (5, 5, 5), 1, num=30),
+    _case("3d-subm-aniso-k(3,1,5)", "subm", (5, 6, 7), (3, 1, 5), dilation=(1, 1, 2), cin=3, cout=3),
+    _case("3d-regular-k3s2p1", "regular", (7, 6, 8), 3, 2, 1, num=70),
+    _case("3d-regular-k(3,1,2)s(2,1,1)d(1,2,1)", "regular", (6, 5, 6), (3, 1, 2), (2, 1, 1), (1, 0, 0),
+          (1, 2, 1), groups=2),
+    _case("3d-transposed-k2s2", "transposed", (4, 3, 4), 2, 2, 0, num=12, bias=False),
+    _case("3d-inverse-k3s2p1", "inverse", (7, 6, 6), 3, 2, 1, num=50),
+    _case("3d-subm-empty", "subm", (4, 4, 4), 3, num=0),
+    _case("3d-regular-empty", "regular", (4, 4, 4), 3, 2, 1, num=0),
 ]
 
 
@@ -365,10 +374,10 @@ def test_to_dense_matches_scatter(channels_first):
 # ---------------------------------------------------------------------------- check_grads on every op
 
 GRAD_CASES = [
-    ConvCase("subm-2d", "subm", (6, 6), 3, num=15, cin=2, cout=3),
-    ConvCase("regular-3d-g2", "regular", (4, 5, 4), 3, 2, 1, groups=2, num=20, cin=2, cout=2),
-    ConvCase("transposed-2d", "transposed", (4, 4), 3, 2, 1, 1, 1, num=6, cin=2, cout=2),
-    ConvCase("inverse-2d", "inverse", (6, 6), 3, 2, 1, num=14, cin=2, cout=2),
+    _case("subm-2d", "subm", (6, 6), 3, num=15, cin=2, cout=3),
+    _case("regular-3d-g2", "regular", (4, 5, 4), 3, 2, 1, groups=2, num=20, cin=2, cout=2),
+    _case("transposed-2d", "transposed", (4, 4), 3, 2, 1, 1, 1, num=6, cin=2, cout=2),
+    _case("inverse-2d", "inverse", (6, 6), 3, 2, 1, num=14, cin=2, cout=2),
 ]
 
 

@@ -1,8 +1,11 @@
 """`sparsecore.jax.padded`: feature passes on a plan's padded arrays, against the core on the true rows.
 
-This is the ``buffer_callback`` bridge's GPU path (no count read back to the
-host). It needs a backend that skips row -1, so it runs here on the kernel
-backend under the CPU emulation of CUDA (and on CuPy where a GPU is). Padding
+The plan stores each rulebook once, ``[K, Q]`` rows with -1 = no pair. The
+``buffer_callback`` bridge's GPU path reads it as it is (`padded.pair_map`, no
+count read back to the host); it needs a backend that skips row -1, so it runs
+here on the kernel backend under the CPU emulation of CUDA (and on CuPy where
+a GPU is). Its CPU path joins the true pairs (`padded.true_pair_map`) for the
+NumPy backend and runs the same passes over the full padded rows. Padding
 rows of the inputs are filled with large values, to show they are masked out;
 the oracle is the core on the true rows with the NumPy backend (itself tested
 against dense torch convolutions), and padding rows of every result must be 0.
@@ -55,11 +58,36 @@ def _padded_rows(rng: np.random.Generator, true_rows: np.ndarray, capacity: int)
     return rows
 
 
-def _pairs(target, layout, n_in: int) -> sc.PairMap:
+def _pairs(target, layout) -> sc.PairMap:
     rulebook, padded_rb, capacity_in, capacity_out = layout
-    return padded.padded_pair_map(target.put(padded_rb.pair_input), target.put(padded_rb.pair_output),
-                                  capacity_in, capacity_out, target.put(np.asarray(n_in, np.int32)),
-                                  rulebook.kernel_size, rulebook.identity_offset)
+    if target is HOST:
+        return padded.true_pair_map(padded_rb.pair_input, padded_rb.pair_output, padded_rb.counts, capacity_in,
+                                    capacity_out, rulebook.kernel_size, rulebook.identity_offset)
+    return padded.pair_map(target.put(padded_rb.pair_input), target.put(padded_rb.pair_output), capacity_in,
+                           capacity_out, rulebook.kernel_size, rulebook.identity_offset)
+
+
+class _Host:
+    """The callback's CPU path: host arrays, the true pairs, the core's NumPy backend."""
+
+    backend = NUMPY_BACKEND
+
+    @staticmethod
+    def put(array):
+        return array
+
+    @staticmethod
+    def get(array):
+        return np.asarray(array)
+
+
+HOST = _Host()
+
+
+@pytest.fixture(params=["host", "device"])
+def where(request, target):
+    """The callback's two paths: host (true pairs, NumPy) and device (padded pairs, the kernels)."""
+    return HOST if request.param == "host" else target
 
 
 def _check_rows(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
@@ -70,7 +98,8 @@ def _check_rows(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
 
 @pytest.mark.parametrize("count", [0, 120])
 @pytest.mark.parametrize("kind", ["subm", "regular", "transposed"])
-def test_padded_conv_equals_the_core_on_true_rows(target, kind, count):
+def test_padded_conv_equals_the_core_on_true_rows(where, kind, count):
+    target = where
     layout = _layout(kind, count, len(kind))
     rulebook, _, capacity_in, capacity_out = layout
     rng = rng_for(41, len(kind), count)
@@ -80,7 +109,7 @@ def test_padded_conv_equals_the_core_on_true_rows(target, kind, count):
     expected = sc.conv_forward(features, weight, rulebook, backend=NUMPY_BACKEND)
     expected_grads = sc.conv_backward(grad_output, features, weight, rulebook, backend=NUMPY_BACKEND)
 
-    pairs = _pairs(target, layout, rulebook.num_input)
+    pairs = _pairs(target, layout)
     n_in, n_out = (target.put(np.asarray(value, np.int32)) for value in (rulebook.num_input, rulebook.num_output))
     x = target.put(_padded_rows(rng, features, capacity_in))
     out = padded.conv_forward(target.backend, x, target.put(weight), pairs, n_in, n_out, groups=1)
@@ -92,13 +121,14 @@ def test_padded_conv_equals_the_core_on_true_rows(target, kind, count):
 
 
 @pytest.mark.parametrize("kind", ["pool", "subm"])
-def test_padded_pools_equal_the_core_on_true_rows(target, kind):
+def test_padded_pools_equal_the_core_on_true_rows(where, kind):
+    target = where
     layout = _layout(kind, 150, 7)
     rulebook, _, capacity_in, capacity_out = layout
     rng = rng_for(42, len(kind))
     features = rng.standard_normal((rulebook.num_input, 3)).astype(np.float32)
     grad_output = rng.standard_normal((rulebook.num_output, 3)).astype(np.float32)
-    pairs = _pairs(target, layout, rulebook.num_input)
+    pairs = _pairs(target, layout)
     x = target.put(_padded_rows(rng, features, capacity_in))
     grad = target.put(_padded_rows(rng, grad_output, capacity_out))
 
@@ -117,11 +147,31 @@ def test_padded_pools_equal_the_core_on_true_rows(target, kind):
     _check_rows(target.get(padded.avg_pool_backward(target.backend, grad, pairs)), expected, "avg pool backward")
 
 
+@pytest.mark.parametrize("kind", sorted(GEOMETRIES))
+def test_the_stored_layout_is_each_offsets_pairs_then_minus_one(kind):
+    """Offset k's row holds its true pairs (the subm centre's i -> i included), then -1 = no pair, also after repad."""
+    rulebook, padded_rb, capacity_in, capacity_out = _layout(kind, 70, 5)
+    for stored in (padded_rb, padded_rb.repad(capacity_in + 40, capacity_out + 17)):
+        pair_input, pair_output = np.asarray(stored.pair_input), np.asarray(stored.pair_output)
+        assert pair_input.shape == (rulebook.kernel_volume, stored.info.pair_capacity)
+        assert stored.info.pair_capacity % stored.info.chunk == 0
+        np.testing.assert_array_equal(stored.counts, rulebook.offset_counts)
+        for offset in range(rulebook.kernel_volume):
+            rows_in, rows_out = rulebook.pairs(offset)
+            count = rows_in.shape[0]
+            np.testing.assert_array_equal(pair_input[offset, :count], rows_in)
+            np.testing.assert_array_equal(pair_output[offset, :count], rows_out)
+            assert (pair_input[offset, count:] == -1).all() and (pair_output[offset, count:] == -1).all()
+        if rulebook.identity_offset >= 0:
+            centre = pair_input[rulebook.identity_offset, : rulebook.num_input]
+            np.testing.assert_array_equal(centre, np.arange(rulebook.num_input))
+
+
 def test_padded_pair_maps_are_refused_by_the_numpy_backend():
     layout = _layout("subm", 40, 3)
     rulebook, padded_rb, capacity_in, capacity_out = layout
-    pairs = padded.padded_pair_map(padded_rb.pair_input, padded_rb.pair_output, capacity_in, capacity_out,
-                                   np.asarray(40, np.int32), rulebook.kernel_size, rulebook.identity_offset)
+    pairs = padded.pair_map(padded_rb.pair_input, padded_rb.pair_output, capacity_in, capacity_out,
+                            rulebook.kernel_size, rulebook.identity_offset)
     features = np.ones((capacity_in, 2), np.float32)
     with pytest.raises(ValueError, match="PairMap is padded .* numpy backend cannot skip"):
         sc.conv_forward(features, np.ones((2, 3, 3, 3, 2), np.float32), pairs)
@@ -143,8 +193,8 @@ def _device_passes(kind: str, seed: int):
                                  capacity_out))
     n_in, n_out = (put(np.asarray(value, np.int32)) for value in (rulebook.num_input, rulebook.num_output))
     with device_arrays.forbid_host_reads():
-        pairs = padded.padded_pair_map(put(padded_rb.pair_input), put(padded_rb.pair_output), capacity_in,
-                                       capacity_out, n_in, rulebook.kernel_size, rulebook.identity_offset)
+        pairs = padded.pair_map(put(padded_rb.pair_input), put(padded_rb.pair_output), capacity_in,
+                                capacity_out, rulebook.kernel_size, rulebook.identity_offset)
         results = {"conv": padded.conv_forward(backend, x, weight, pairs, n_in, n_out, groups=1)}
         results["conv grads"] = padded.conv_backward(backend, grad_conv, x, weight, pairs, n_in, n_out, groups=1)
         results["max"], argmax = padded.max_pool_forward(backend, x, pairs)

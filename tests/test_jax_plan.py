@@ -220,18 +220,51 @@ def test_feature_dtypes_are_kept(dtype):
                                    rtol=tolerance, atol=tolerance * 10)
 
 
-def test_default_impl_selection(monkeypatch):
-    assert sj.default_impl() in sj.IMPLS
-    sj.set_default_impl("callback")
-    try:
-        assert sj.default_impl() == "callback"
-    finally:
-        sj.set_default_impl(None)
-    monkeypatch.setenv("SPARSECORE_JAX_IMPL", "jnp")
+def _callback_calls(fn, *args):
+    """How many ``buffer_callback`` calls the jaxpr of ``fn(*args)`` holds (the core's passes), at any depth."""
+    def count(jaxpr):
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += "callback" in eqn.primitive.name
+            for value in eqn.params.values():
+                for item in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        total += count(inner)
+        return total
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_impl_is_chosen_explicitly_per_layer_or_by_the_plan(monkeypatch):
+    x, indices, features = _cloud(seed=11)
+    p = _weights()
+    x = x.with_plan(sj.plan(_unet, p, x))
+    assert x.plan.impl is None and sj.default_impl() == "jnp"
+    monkeypatch.setenv("SPARSECORE_JAX_IMPL", "callback")  # no environment variable is read any more
+    assert _callback_calls(lambda q, t: _unet(q, t).features, p, x) == 0
+    # the plan's static configuration: every layer without impl= runs the core through callbacks
+    configured = x.with_plan(x.plan.with_impl("callback"))
+    assert configured.plan.impl == "callback" and "impl='callback'" in repr(configured.plan)
+    assert _callback_calls(lambda q, t: _unet(q, t).features, p, configured) == 5  # five layers
+    # a layer's own impl= wins over the plan's
+    assert _callback_calls(lambda q, t: _unet(q, t, impl="jnp").features, p, configured) == 0
+    # the configuration survives jit (it is static pytree structure) and gives the same values
+    reference = jax.jit(lambda q, t: _unet(q, t).features)(p, x)
+    through_core = jax.jit(lambda q, t: _unet(q, t).features)(p, configured)
+    np.testing.assert_allclose(np.asarray(through_core), np.asarray(reference), rtol=1e-9, atol=1e-9)
+    # the recipe keeps it for the next cloud
+    fresh, _, _ = _cloud(seed=12)
+    assert configured.plan.recipe.apply(fresh).plan.impl == "callback"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        x.plan.with_impl("numpy")
+
+
+def test_set_default_impl_refuses_module_state():
+    sj.set_default_impl(None)  # the automatic choice is what holds: nothing to change
+    with pytest.raises(RuntimeError, match=r"no module state.*impl='callback'.*with_impl\('callback'\)"):
+        sj.set_default_impl("callback")
     assert sj.default_impl() == "jnp"
-    monkeypatch.setenv("SPARSECORE_JAX_IMPL", "cuda")
-    with pytest.raises(ValueError, match="SPARSECORE_JAX_IMPL"):
-        sj.default_impl()
     with pytest.raises(ValueError, match="impl must be one of"):
         sj.set_default_impl("numpy")
 
@@ -267,9 +300,10 @@ def test_plan_inside_jit_is_refused():
 
 def test_mismatched_shapes_are_rejected():
     x, indices, features = _cloud(seed=17)
-    with pytest.raises(ValueError, match="weight's last axis is 4 but the input has 3 channels"):
+    # the core's weight-layout check and messages (shared with sparsecore and sparsecore.torch)
+    with pytest.raises(ValueError, match=r"last axis must be 3 \(in_channels 3 // groups 1\), got shape \(2, 3, 3, 3, 4\)"):
         sj.subm_conv(x, jnp.ones((2, 3, 3, 3, 4)))
-    with pytest.raises(ValueError, match="with 5 axes for this 3-D tensor"):
+    with pytest.raises(ValueError, match="5 axes for a 3-D conv"):
         sj.subm_conv(x, jnp.ones((2, 3, 3, 3)))
     with pytest.raises(ValueError, match="bias must have shape \\[2\\]"):
         sj.subm_conv(x, jnp.ones((2, 3, 3, 3, 3)), jnp.ones(3))

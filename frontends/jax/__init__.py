@@ -41,8 +41,8 @@ from .norm import batch_norm, init_batch_norm
 from .ops import IMPLS, default_impl, set_default_impl
 from .parallel import data_parallel_grad, local, repad, stack
 from .params import conv_weight_shape, init_conv, params_from_state_dict
-from .plan import PaddedRulebook, Plan, PlanError, RulebookInfo, Sites, SitesInfo
-from .planner import Recipe, plan
+from .plan import PaddedRulebook, Plan, PlanError, Recipe, RulebookInfo, Sites, SitesInfo
+from .planner import plan
 from .tensor import SparseTensor
 from .voxelize import voxelize, voxels_to_points
 

@@ -41,7 +41,7 @@ from sparsecore.demo import (CROP, TOLERANCE, COORDINATE_RANGE, VOXEL_SIZE, Crop
 
 from .functional import inverse_conv, sparse_conv, subm_conv
 from .norm import batch_norm, init_batch_norm
-from .ops import IMPLS, set_default_impl
+from .ops import IMPLS
 from .params import init_conv
 from .planner import plan
 from .voxelize import voxelize
@@ -163,8 +163,10 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-def run_demo(points_file: str | None = None, seed: int = 0) -> tuple[DemoResult, float]:
+def run_demo(points_file: str | None = None, seed: int = 0, impl: str | None = None) -> tuple[DemoResult, float]:
     """Voxelizes a scan, plans and runs the U-Net forward and backward under jit, and checks it.
+
+    ``impl`` is the plan's feature-pass implementation (`Plan.with_impl`; None: the default).
 
     Returns:
         ``(result, compile_s)``: the measurements (as the torch demo's `DemoResult`) and the
@@ -176,7 +178,7 @@ def run_demo(points_file: str | None = None, seed: int = 0) -> tuple[DemoResult,
     params, state = build_params(jax.random.PRNGKey(seed), x.num_channels)
 
     start = time.perf_counter()
-    planned = plan(unet, params, state, x)  # first cloud: trace the network, build its rulebooks
+    planned = plan(unet, params, state, x).with_impl(impl)  # first cloud: trace the network, build its rulebooks
     plan_s = time.perf_counter() - start
     recipe = planned.recipe
     x = x.with_plan(planned)
@@ -224,8 +226,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--impl", choices=IMPLS, default=None, help="sparsecore.jax feature passes")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_x64", True)  # for the float64 check; the network itself runs in float32
-    if args.impl:
-        set_default_impl(args.impl)
     platform = "gpu" if args.device.startswith(("cuda", "gpu")) else "cpu"
     try:
         device = jax.devices(platform)[0]
@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--device {args.device}: JAX sees no {platform} device here.", file=sys.stderr)
         return 2
     with jax.default_device(device):
-        result, compile_s = run_demo(args.points, args.seed)
+        result, compile_s = run_demo(args.points, args.seed, args.impl)
     print(format_table(result, f"{args.device} (jax {jax.__version__}, {device.platform})"))
     print(f"(jit compile of forward and gradient: {compile_s:.1f} s, not in the times above)")
     return 0 if result.check.passed else 1

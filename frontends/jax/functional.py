@@ -5,7 +5,8 @@ its layer's rulebook (``x.with_plan(sparsecore.jax.plan(net, params, x))``);
 outside ``jit`` a missing rulebook is built on the spot. Weights are
 ``[out_channels, *kernel_size, in_channels // groups]`` (spconv 2.x layout) and
 the kernel size is read from the weight. ``impl`` picks the feature-pass
-implementation (``"jnp"`` or ``"callback"``; ``None``: `default_impl`).
+implementation (``"jnp"`` or ``"callback"``; ``None``: the plan's ``impl``
+(`Plan.with_impl`), else `default_impl`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import sparsecore as sc
+from sparsecore.conv_weight import check_weight_layout
 
 from . import ops, pooling
 from .buckets import Buckets
-from .plan import PaddedRulebook, Plan, Sites, SitesInfo, active_planner
+from .plan import PaddedRulebook, Plan, Sites, SitesInfo
 from .planner import inverse_source, layer_rulebook
 from .tensor import SparseTensor
 
@@ -48,24 +50,18 @@ def _check_tensor(x: Any, layer: str) -> SparseTensor:
 
 
 def _check_weight(x: SparseTensor, weight: Any, bias: Any, groups: int, layer: str) -> tuple[int, ...]:
-    shape = tuple(getattr(weight, "shape", ()))
-    if len(shape) != x.ndim + 2:
-        raise ValueError(
-            f"{layer}: weight must be [out_channels, *kernel_size, in_channels // groups] with "
-            f"{x.ndim + 2} axes for this {x.ndim}-D tensor, got shape {shape}"
-        )
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"{layer}: groups must be a positive int, got {groups!r}")
-    channels = x.num_channels
-    if channels % groups or shape[0] % groups:
-        raise ValueError(f"{layer}: groups={groups} must divide in_channels ({channels}) and "
+    """The kernel size of a valid weight; the layout checks and their messages are the core's."""
+    if not hasattr(weight, "shape") or not hasattr(weight, "ndim"):
+        raise ValueError(f"{layer}: weight must be an array [out_channels, *kernel_size, in_channels // groups], "
+                         f"got {type(weight).__name__}")
+    try:
+        check_weight_layout(weight, x.num_channels, groups, x.ndim)
+    except ValueError as error:
+        raise ValueError(f"{layer}: {error}") from None
+    shape = tuple(int(size) for size in weight.shape)
+    if shape[0] % groups:
+        raise ValueError(f"{layer}: groups={groups} must divide in_channels ({x.num_channels}) and "
                          f"out_channels ({shape[0]})")
-    if shape[-1] * groups != channels:
-        raise ValueError(
-            f"{layer}: weight's last axis is {shape[-1]} but the input has {channels} channels and "
-            f"groups={groups}, so it must be {channels // groups}; weight is "
-            "[out_channels, *kernel_size, in_channels // groups]"
-        )
     if not jnp.issubdtype(weight.dtype, jnp.floating):
         raise TypeError(f"{layer}: weight must be a float array, got dtype {weight.dtype}")
     if bias is not None and tuple(getattr(bias, "shape", ())) != (shape[0],):
@@ -73,7 +69,7 @@ def _check_weight(x: SparseTensor, weight: Any, bias: Any, groups: int, layer: s
                          f"{tuple(getattr(bias, 'shape', ()))}")
     if x.features.shape[0] != x.capacity:
         raise ValueError(f"{layer}: x.features has {x.features.shape[0]} rows, its sites' capacity is {x.capacity}")
-    return tuple(int(size) for size in shape[1:-1])
+    return shape[1:-1]
 
 
 def _run_conv(x: SparseTensor, weight: Any, bias: Any, plan: Plan, rulebook: PaddedRulebook, swap: bool,
@@ -84,14 +80,14 @@ def _run_conv(x: SparseTensor, weight: Any, bias: Any, plan: Plan, rulebook: Pad
     if swap:
         pair_input, pair_output, out_name, identity = pair_output, pair_input, rulebook.info.input_sites, -1
     out_sites = plan.site(out_name)
-    if active_planner() is not None:  # sj.plan traces the network for its geometry only: skip the feature pass
+    if plan.planner is not None:  # sj.plan traces the network for its geometry only: skip the feature pass
         features = jnp.zeros((out_sites.info.capacity, weight.shape[0]), x.features.dtype)
         if bias is not None:
             features = features + bias.astype(features.dtype)
         return SparseTensor(features, plan, out_name)
     features = ops.conv(x.features, weight, pair_input, pair_output, rulebook.counts, plan.site(x.sites_name).count,
                         out_sites.count, capacity_out=out_sites.info.capacity, identity_offset=identity,
-                        groups=groups, chunk=rulebook.info.chunk, impl=impl)
+                        groups=groups, chunk=rulebook.info.chunk, impl=ops.resolve_impl(impl, plan.impl))
     if bias is not None:
         features = features + jnp.where(out_sites.mask()[:, None], bias.astype(features.dtype), 0)
     return SparseTensor(features, plan, out_name)
@@ -157,14 +153,14 @@ def _pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None, padding
                                       dilation, kind="subm" if subm else "regular")
     plan, rulebook = layer_rulebook(x.plan, x.sites_name, geometry)
     out_sites = plan.site(rulebook.info.output_sites)
-    if active_planner() is not None:  # planning: geometry only (see _run_conv)
+    if plan.planner is not None:  # planning: geometry only (see _run_conv)
         return SparseTensor(jnp.zeros((out_sites.info.capacity, x.num_channels), x.features.dtype), plan,
                             rulebook.info.output_sites)
     run = pooling.max_pool if which == "max" else pooling.avg_pool
     features = run(x.features, rulebook.pair_input, rulebook.pair_output, rulebook.counts,
                    plan.site(x.sites_name).count, out_sites.count, capacity_out=out_sites.info.capacity,
                    identity_offset=rulebook.info.identity_offset, kernel_size=geometry.kernel_size,
-                   chunk=rulebook.info.chunk, impl=impl)
+                   chunk=rulebook.info.chunk, impl=ops.resolve_impl(impl, plan.impl))
     return SparseTensor(features, plan, rulebook.info.output_sites)
 
 

@@ -1,24 +1,23 @@
-"""Feature passes on a plan's padded arrays as they are: the callback's GPU path, without host reads.
+"""Feature passes on a plan's padded arrays as they are stored, and the pair maps over them.
 
-On the CPU the ``buffer_callback`` bridge reads a rulebook's true counts and
-cuts the padded ``[K, Q]`` pair arrays to them (`callback._pair_map`): a host
-read is free there. On a GPU that read would synchronise XLA's stream inside
-the callback, so this module runs the core on the padded layout directly:
+A plan stores each rulebook once, as ``[K, Q]`` pair rows in the kernels'
+convention (-1 = no pair; see `plan`), the subm centre offset included. The
+callback passes read it as it is:
 
-- padding pair entries (out-of-range rows ``capacity + j``) become -1, which
-  every GPU kernel skips (gathers read zeros, scatters and groupings drop the
-  entry), giving a `sparsecore.PairMap` with ``padded=True`` and static
-  offset starts (``k * Q``) that never need the counts;
-- the identity offset of a submanifold rulebook (not stored in the plan) is
-  ``i -> i`` for the rows below the true count, -1 above;
-- the true row counts stay on the device as 0-d arrays: padding rows of the
-  features and gradients are masked to zero with them, so a padded row holding
-  anything (a bias, a batch norm's shift) contributes nothing, and padding rows
-  of every result are zero.
+- `pair_map`: a `sparsecore.PairMap` with ``padded=True`` over the flattened
+  arrays (a reshape, no array operation) with static offset starts ``k * Q``:
+  no true count is read back to the host. For backends that skip -1 rows
+  (``skips_negative_rows``: the GPU kernels, or in tests the kernel backend
+  under the CPU emulation of CUDA).
+- `true_pair_map`: the true pairs joined into one flat map (one copy per pair
+  array), for the NumPy backend, which cannot skip -1 rows; it reads the
+  per-offset counts (free on the host).
 
-Every function takes core arrays (NumPy or CuPy) and the backend to run on;
-the backend must skip negative rows (``skips_negative_rows``): the GPU backend,
-or in tests the kernel backend under the CPU emulation of CUDA.
+Both maps span the full padded rows (``num_input = capacity_in``,
+``num_output = capacity_out``). The passes below mask the features and
+gradients to their true rows with the row counts (0-d arrays, left on the
+device on a GPU), so a padding row holding anything (a bias, a batch norm's
+shift) contributes nothing, and padding rows of every result are zero.
 """
 
 from __future__ import annotations
@@ -26,12 +25,13 @@ from __future__ import annotations
 from typing import Any
 
 import sparsecore as sc
-from sparsecore._dispatch import array_module
 from sparsecore.backends import ArrayBackend
+from sparsecore.interop import array_module
 
 __all__ = [
     "row_mask",
-    "padded_pair_map",
+    "pair_map",
+    "true_pair_map",
     "conv_forward",
     "conv_backward",
     "max_pool_forward",
@@ -51,33 +51,39 @@ def _masked(rows: Any, count: Any) -> Any:
     return xp.where(row_mask(xp, rows.shape[0], count), rows, rows.dtype.type(0))
 
 
-def padded_pair_map(pair_input: Any, pair_output: Any, capacity_in: int, capacity_out: int, n_in: Any,
-                    kernel_size: tuple[int, ...], identity: int) -> sc.PairMap:
-    """The padded ``[K, Q]`` pairs as a padded `sparsecore.PairMap` (see the module docstring).
+def pair_map(pair_input: Any, pair_output: Any, capacity_in: int, capacity_out: int, kernel_size: tuple[int, ...],
+             identity: int) -> sc.PairMap:
+    """The stored ``[K, Q]`` pairs as a padded `sparsecore.PairMap` (no array operation, no host read).
 
     Args:
-        pair_input, pair_output: int32 ``[K, Q]`` from a `PaddedRulebook`.
+        pair_input, pair_output: int32 ``[K, Q]`` rows from a `PaddedRulebook` (-1 = no pair).
         capacity_in, capacity_out: row capacities of the input and output site sets.
-        n_in: true input rows (0-d array, stays on the device).
         kernel_size: the rulebook's kernel size.
         identity: the identity (centre) offset, or -1.
     """
-    xp = array_module(pair_input)
     volume, per_offset = (int(size) for size in pair_input.shape)
-    # every row in [-1, capacity) by construction, so the maps are trusted: no min/max read back to the host
-    rows_in = xp.where((pair_input >= 0) & (pair_input < capacity_in), pair_input, -1).astype(xp.int32)
-    rows_out = xp.where((pair_output >= 0) & (pair_output < capacity_out), pair_output, -1).astype(xp.int32)
-    starts = [per_offset * offset for offset in range(volume + 1)]
-    if identity < 0:
-        return sc.PairMap(rows_in.reshape(-1), rows_out.reshape(-1), tuple(starts), capacity_in, capacity_out,
-                          tuple(kernel_size), -1, padded=True, trusted=True)
-    rows = xp.arange(capacity_in, dtype=xp.int32)
-    centre = xp.where(rows < n_in, rows, -1).astype(xp.int32)
-    flat_in = xp.concatenate([rows_in[:identity].reshape(-1), centre, rows_in[identity + 1:].reshape(-1)])
-    flat_out = xp.concatenate([rows_out[:identity].reshape(-1), centre, rows_out[identity + 1:].reshape(-1)])
-    starts = starts[: identity + 1] + [start - per_offset + capacity_in for start in starts[identity + 1:]]
-    return sc.PairMap(flat_in, flat_out, tuple(starts), capacity_in, capacity_out, tuple(kernel_size), identity,
-                      padded=True, trusted=True)
+    starts = tuple(per_offset * offset for offset in range(volume + 1))
+    # every row in [-1, capacity) by construction, so the map is trusted: no min/max read back to the host
+    return sc.PairMap(pair_input.reshape(-1), pair_output.reshape(-1), starts, capacity_in, capacity_out,
+                      tuple(kernel_size), identity, padded=True, trusted=True)
+
+
+def true_pair_map(pair_input: Any, pair_output: Any, counts: Any, capacity_in: int, capacity_out: int,
+                  kernel_size: tuple[int, ...], identity: int) -> sc.PairMap:
+    """The true pairs of the stored ``[K, Q]`` rows as a flat `sparsecore.PairMap` (host arrays).
+
+    Offset ``k``'s pairs are the first ``counts[k]`` entries of row ``k``; they are
+    joined in offset order (one concatenation per pair array).
+    """
+    xp = array_module(pair_input)
+    per_offset = [int(count) for count in counts.tolist()]
+    starts = [0]
+    for count in per_offset:
+        starts.append(starts[-1] + count)
+    rows_in = xp.concatenate([pair_input[k, :count] for k, count in enumerate(per_offset)])
+    rows_out = xp.concatenate([pair_output[k, :count] for k, count in enumerate(per_offset)])
+    return sc.PairMap(rows_in, rows_out, tuple(starts), capacity_in, capacity_out, tuple(kernel_size), identity,
+                      trusted=True)
 
 
 def conv_forward(backend: ArrayBackend, features: Any, weight: Any, pairs: sc.PairMap, n_in: Any, n_out: Any,

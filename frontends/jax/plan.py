@@ -1,11 +1,14 @@
-"""Plans: a network's geometry, built eagerly by the core and padded to static shapes.
+"""Plans: a network's geometry, built eagerly by the core and padded to static shapes (the data).
 
 A `Plan` is a pytree holding every site set (`Sites`) and every rulebook
-(`PaddedRulebook`) a network needs for one batch of clouds. Its arrays are
-padded to capacities from a `CapacityPolicy` (see `buckets`); true counts are
-array values, capacities and layer parameters are static (they are the jit
-cache key). Everything here runs outside ``jit`` on concrete indices; inside
-``jit`` the plan's arrays are ordinary traced inputs.
+(`PaddedRulebook`, in the one padded form of `layout`) a network needs for one
+batch of clouds. Its arrays are padded to capacities from a `CapacityPolicy`
+(see `buckets`); true counts are array values, capacities and layer
+parameters are static (they are the jit cache key), and so is the plan's
+configuration: the feature-pass implementation its layers use when they name
+none (`Plan.with_impl`). Building a layer's entries (`Plan.with_layer`) runs
+outside ``jit`` on concrete indices; inside ``jit`` the plan's arrays are
+ordinary traced inputs. Tracing a whole network to plan it is `planner`'s.
 
 Naming is canonical, so layers find their geometry without user keys:
 
@@ -15,38 +18,24 @@ Naming is canonical, so layers find their geometry without user keys:
   geometry on the same sites share it (spconv's ``indice_key`` reuse, automatic);
 - an inverse conv on sites made by a regular layer reverses that layer's rulebook
   (its arrays swapped) and returns to the parent sites.
-
-Padded layout of a rulebook with ``K`` offsets: ``pair_input, pair_output:
-int32 [K, Q]``, offset ``k``'s first ``counts[k]`` entries are its pairs and the
-rest are padding. ``Q`` follows from the row capacities (`pair_layout`): an
-offset pairs each input and each output at most once, so it has at most
-``min(rows in, rows out)`` pairs; ``Q`` is that bound rounded up to a multiple
-of the ``chunk`` the jnp feature passes loop over (they visit only the chunks
-holding true pairs, so a large ``Q`` costs memory, not arithmetic). Padding entries are distinct
-out-of-range rows (``capacity + j``): a gather with ``mode="fill"`` reads zeros
-there and a scatter with ``mode="drop"`` ignores them, so padding contributes
-nothing and the scatter indices stay unique. The identity offset of a
-submanifold rulebook (the kernel centre, ``i -> i`` for every row) is not
-stored: ``counts[centre]`` is the number of input rows and its slots are padding.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from functools import partial
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import sparsecore as sc
+from sparsecore.interop import is_jax_tracer
 
 from .buckets import Buckets, CapacityError, CapacityPolicy
-
-if TYPE_CHECKING:
-    from .planner import Recipe
+from .layout import CHUNK, PaddedRulebook, RulebookInfo, pair_layout
+from .ops import IMPLS
 
 __all__ = [
     "CHUNK",
@@ -57,36 +46,21 @@ __all__ = [
     "RulebookInfo",
     "Plan",
     "PlanError",
+    "Recipe",
     "geometry_tag",
     "rulebook_key",
     "child_sites_name",
-    "is_tracer",
     "require_concrete",
 ]
-
-
-CHUNK = 2048  # pairs per step of the jnp feature passes' loops
-
-
-def pair_layout(capacity_in: int, capacity_out: int) -> tuple[int, int]:
-    """``(Q, chunk)`` of a rulebook between site sets of these capacities: ``Q`` a multiple of ``chunk``."""
-    bound = min(int(capacity_in), int(capacity_out))
-    chunk = min(CHUNK, -(-bound // 8) * 8)
-    return -(-bound // chunk) * chunk, chunk
 
 
 class PlanError(ValueError):
     """A layer's geometry is not in the plan and cannot be built here (inside jit)."""
 
 
-def is_tracer(value: Any) -> bool:
-    """True for an abstract value seen while tracing (jit, grad, eval_shape, ...)."""
-    return isinstance(value, jax.core.Tracer)
-
-
 def require_concrete(value: Any, name: str, where: str) -> None:
     """Raises a TypeError that explains where geometry must be built when ``value`` is a tracer."""
-    if is_tracer(value):
+    if is_jax_tracer(value):
         raise TypeError(
             f"{where}: {name} is a JAX tracer (an abstract value inside jax.jit, grad, vmap or "
             "eval_shape), but building geometry needs concrete integer coordinates: rulebooks "
@@ -145,9 +119,10 @@ class SitesInfo:
         return len(self.spatial_shape)
 
 
-@jax.tree_util.register_pytree_node_class
+@partial(jax.tree_util.register_dataclass, data_fields=["indices", "count"], meta_fields=["info"])
+@dataclass(frozen=True, eq=False, repr=False)
 class Sites:
-    """The active sites of one grid, padded to ``info.capacity`` rows.
+    """The active sites of one grid, padded to ``info.capacity`` rows (a pytree: arrays and static info).
 
     Attributes:
         indices: int32 ``[capacity, 1 + D]``; rows past ``count`` are padding with
@@ -156,15 +131,9 @@ class Sites:
         info: the static `SitesInfo`.
     """
 
-    def __init__(self, indices: Any, count: Any, info: SitesInfo) -> None:
-        self.indices, self.count, self.info = indices, count, info
-
-    def tree_flatten(self) -> tuple[tuple[Any, Any], SitesInfo]:
-        return (self.indices, self.count), self.info
-
-    @classmethod
-    def tree_unflatten(cls, info: SitesInfo, children: tuple[Any, Any]) -> "Sites":
-        return cls(children[0], children[1], info)
+    indices: Any
+    count: Any
+    info: SitesInfo
 
     def mask(self) -> Any:
         """bool ``[capacity]``: True on true rows."""
@@ -188,91 +157,10 @@ class Sites:
         return np.asarray(self.indices)[: int(self.count)]
 
 
-@dataclass(frozen=True)
-class RulebookInfo:
-    """Static description of a padded rulebook.
-
-    Attributes:
-        key: the plan key (``rulebook_key(input_sites, geometry)``).
-        geometry: the core `ConvGeometry`.
-        input_sites, output_sites: site-set names.
-        pair_capacity: ``Q``, padded pairs per offset (`pair_layout` of the row capacities).
-        chunk: pairs per loop step of the jnp feature passes (divides ``Q``).
-        identity_offset: the subm centre offset (pairs not stored), or -1.
-    """
-
-    key: str
-    geometry: sc.ConvGeometry
-    input_sites: str
-    output_sites: str
-    pair_capacity: int
-    chunk: int
-    identity_offset: int = -1
-
-    @property
-    def kernel_volume(self) -> int:
-        return self.geometry.kernel_volume
-
-
-@jax.tree_util.register_pytree_node_class
-class PaddedRulebook:
-    """A core rulebook in the padded ``[K, Q]`` layout (see the module docstring).
-
-    Attributes:
-        pair_input, pair_output: int32 ``[K, Q]``.
-        counts: int32 ``[K]`` true pairs per offset.
-        info: the static `RulebookInfo`.
-    """
-
-    def __init__(self, pair_input: Any, pair_output: Any, counts: Any, info: RulebookInfo) -> None:
-        self.pair_input, self.pair_output, self.counts, self.info = pair_input, pair_output, counts, info
-
-    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], RulebookInfo]:
-        return (self.pair_input, self.pair_output, self.counts), self.info
-
-    @classmethod
-    def tree_unflatten(cls, info: RulebookInfo, children: tuple[Any, Any, Any]) -> "PaddedRulebook":
-        return cls(*children, info)
-
-    def __repr__(self) -> str:
-        return f"PaddedRulebook({self.info.key!r}, pair_capacity={self.info.pair_capacity})"
-
-    @staticmethod
-    def _layout(pieces: list[tuple[Any, Any]], counts: np.ndarray, info: RulebookInfo, input_capacity: int,
-                output_capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        capacity = info.pair_capacity
-        padding = np.arange(capacity, dtype=np.int32)
-        pair_input = np.empty((counts.shape[0], capacity), dtype=np.int32)
-        pair_output = np.empty((counts.shape[0], capacity), dtype=np.int32)
-        pair_input[:] = input_capacity + padding
-        pair_output[:] = output_capacity + padding
-        for offset, (rows_in, rows_out) in enumerate(pieces):
-            if offset != info.identity_offset:
-                pair_input[offset, : rows_in.shape[0]] = rows_in
-                pair_output[offset, : rows_out.shape[0]] = rows_out
-        return pair_input, pair_output
-
-    @classmethod
-    def from_core(cls, rulebook: sc.Rulebook, key: str, input_sites: SitesInfo,
-                  output_sites: SitesInfo) -> "PaddedRulebook":
-        """Pads a core `Rulebook` (NumPy) into the ``[K, Q]`` layout (NumPy leaves)."""
-        capacity, chunk = pair_layout(input_sites.capacity, output_sites.capacity)
-        info = RulebookInfo(key, rulebook.geometry, input_sites.name, output_sites.name, capacity, chunk,
-                            int(rulebook.identity_offset))
-        counts = np.asarray(rulebook.offset_counts, dtype=np.int32).reshape(rulebook.kernel_volume)
-        pieces = [rulebook.pairs(offset) for offset in range(rulebook.kernel_volume)]
-        return cls(*cls._layout(pieces, counts, info, input_sites.capacity, output_sites.capacity), counts, info)
-
-    def repad(self, input_capacity: int, output_capacity: int) -> "PaddedRulebook":
-        """The same pairs laid out for new row capacities (concrete rulebooks; NumPy leaves)."""
-        old = self.info
-        capacity, chunk = pair_layout(input_capacity, output_capacity)
-        info = RulebookInfo(old.key, old.geometry, old.input_sites, old.output_sites, capacity, chunk,
-                            old.identity_offset)
-        counts = np.asarray(self.counts).astype(np.int32)
-        old_in, old_out = np.asarray(self.pair_input), np.asarray(self.pair_output)
-        pieces = [(old_in[k, :c], old_out[k, :c]) for k, c in enumerate(counts.tolist())]
-        return PaddedRulebook(*self._layout(pieces, counts, info, input_capacity, output_capacity), counts, info)
+def _check_impl(impl: str | None) -> str | None:
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    return impl
 
 
 @jax.tree_util.register_pytree_node_class
@@ -284,27 +172,41 @@ class Plan:
         rulebooks: rulebook key -> `PaddedRulebook`.
         policy: the `CapacityPolicy` used to extend this plan eagerly (not part of
             the pytree; ``None`` on plans rebuilt inside a trace).
+        impl: the feature-pass implementation of layers that pass ``impl=None``
+            (``None``: `sparsecore.jax.default_impl`); static, part of the pytree's
+            structure (so of the jit cache key). Set it with `with_impl`.
+        planner: while `sparsecore.jax.plan` traces a network, the `Planner` that
+            builds its geometry, carried explicitly by the plan of every traced
+            tensor (static); ``None`` otherwise. Layers on such a plan build
+            their geometry and skip the feature pass.
     """
 
     def __init__(self, sites: Mapping[str, Sites], rulebooks: Mapping[str, PaddedRulebook],
-                 policy: CapacityPolicy | None = None) -> None:
+                 policy: CapacityPolicy | None = None, impl: str | None = None, planner: Any = None) -> None:
         self.sites = dict(sites)
         self.rulebooks = dict(rulebooks)
         self.policy = policy
+        self.impl = _check_impl(impl)
+        self.planner = planner
 
     def tree_flatten(self) -> tuple[tuple[tuple[Sites, ...], tuple[PaddedRulebook, ...]], tuple]:
         site_names = tuple(sorted(self.sites))
         keys = tuple(sorted(self.rulebooks))
         children = (tuple(self.sites[n] for n in site_names), tuple(self.rulebooks[k] for k in keys))
-        return children, (site_names, keys)
+        return children, (site_names, keys, self.impl, self.planner)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> "Plan":
-        site_names, keys = aux
-        return cls(dict(zip(site_names, children[0])), dict(zip(keys, children[1])))
+        site_names, keys, impl, planner = aux
+        return cls(dict(zip(site_names, children[0])), dict(zip(keys, children[1])), impl=impl, planner=planner)
 
     def __repr__(self) -> str:
-        return f"Plan(sites={sorted(self.sites)}, rulebooks={sorted(self.rulebooks)})"
+        impl = "" if self.impl is None else f", impl={self.impl!r}"
+        return f"Plan(sites={sorted(self.sites)}, rulebooks={sorted(self.rulebooks)}{impl})"
+
+    def _with(self, sites: Mapping[str, Sites], rulebooks: Mapping[str, PaddedRulebook], **changes: Any) -> "Plan":
+        fields = {"policy": self.policy, "impl": self.impl, "planner": self.planner, **changes}
+        return Plan(sites, rulebooks, **fields)
 
     def site(self, name: str) -> Sites:
         """The site set ``name``; a clear error when absent."""
@@ -312,9 +214,48 @@ class Plan:
             raise PlanError(f"the plan has no site set {name!r}; it has {sorted(self.sites)}")
         return self.sites[name]
 
+    def with_impl(self, impl: str | None) -> "Plan":
+        """This plan with its layers' default feature-pass implementation set (``None``: `default_impl`).
+
+        Raises:
+            ValueError: for a name not in `sparsecore.jax.IMPLS`.
+        """
+        return self._with(self.sites, self.rulebooks, impl=_check_impl(impl))
+
     def with_entries(self, sites: Mapping[str, Sites] = {}, rulebooks: Mapping[str, PaddedRulebook] = {}) -> "Plan":
         """A new plan with these entries added (this one is unchanged)."""
-        return Plan({**self.sites, **sites}, {**self.rulebooks, **rulebooks}, self.policy)
+        return self._with({**self.sites, **sites}, {**self.rulebooks, **rulebooks})
+
+    def with_layer(self, sites: str, geometry: sc.ConvGeometry) -> tuple["Plan", str, str]:
+        """This plan with the rulebook of ``geometry`` on ``sites`` and its output sites, built if absent.
+
+        The core builds the rulebook from the concrete indices of ``sites``
+        (outside jit); new entries have NumPy leaves (see `device_put`), new
+        output sites a capacity from the plan's policy (``Buckets()`` if none).
+
+        Returns:
+            ``(plan, rulebook key, output sites name)``.
+        """
+        key = rulebook_key(sites, geometry)
+        if key in self.rulebooks:
+            return self, key, self.rulebooks[key].info.output_sites
+        source = self.site(sites)
+        info = source.info
+        rulebook = sc.build_rulebook(source.numpy_indices(), info.spatial_shape, info.batch_size, geometry,
+                                     assume_unique=True)
+        new_sites: dict[str, Sites] = {}
+        out_name, out_info = sites, info
+        if geometry.kind != "subm":
+            out_name = child_sites_name(sites, geometry)
+            if out_name in self.sites:
+                out_info = self.sites[out_name].info
+            else:
+                capacity = (self.policy or Buckets()).capacity(rulebook.num_output, out_name)
+                out_info = SitesInfo(out_name, tuple(rulebook.output_spatial_shape), info.batch_size, capacity,
+                                     parent=(sites, geometry))
+                new_sites[out_name] = Sites.from_numpy(np.asarray(rulebook.output_indices), out_info)
+        padded = PaddedRulebook.from_core(rulebook, key, info, out_info)
+        return self.with_entries(new_sites, {key: padded}), key, out_name
 
     def merge(self, other: "Plan") -> "Plan":
         """The union of two plans; entries of the same name must have the same static info."""
@@ -324,19 +265,20 @@ class Plan:
         for key, entry in other.rulebooks.items():
             if key in self.rulebooks and self.rulebooks[key].info != entry.info:
                 raise ValueError(f"cannot merge plans: rulebook {key!r} differs")
-        return Plan({**other.sites, **self.sites}, {**other.rulebooks, **self.rulebooks},
-                    self.policy or other.policy)
+        return self._with({**other.sites, **self.sites}, {**other.rulebooks, **self.rulebooks},
+                          policy=self.policy or other.policy, impl=self.impl or other.impl,
+                          planner=self.planner or other.planner)
 
     def device_put(self) -> "Plan":
         """The plan with every array a ``jax.Array`` (entries are built as NumPy; call outside jit)."""
         # jax.device_put transfers without compiling anything (jnp.asarray compiles a small
         # program per distinct shape)
         arrays = jax.tree_util.tree_map(jax.device_put, Plan(self.sites, self.rulebooks))
-        return Plan(arrays.sites, arrays.rulebooks, self.policy)
+        return self._with(arrays.sites, arrays.rulebooks)
 
     def is_concrete(self) -> bool:
         """False when any array of the plan is a tracer."""
-        return not any(is_tracer(leaf) for leaf in jax.tree_util.tree_leaves(self))
+        return not any(is_jax_tracer(leaf) for leaf in jax.tree_util.tree_leaves(self))
 
     def repad(self, site_capacities: Mapping[str, int]) -> "Plan":
         """The same geometry padded to other row capacities (outside jit; NumPy leaves, see `device_put`).
@@ -355,7 +297,18 @@ class Plan:
         rulebooks = {key: entry.repad(sites[entry.info.input_sites].info.capacity,
                                       sites[entry.info.output_sites].info.capacity)
                      for key, entry in self.rulebooks.items()}
-        return Plan(sites, rulebooks, self.policy)
+        return self._with(sites, rulebooks)
+
+    def finalized(self) -> "Plan":
+        """The plan as ``jax.Array`` leaves, at the capacities its policy settles once every entry is known.
+
+        A policy with a ``finalize`` method (``Buckets(linked=True)``) sets the
+        capacities of the whole plan here and the entries are re-padded to them.
+        Call outside a trace.
+        """
+        finalize = getattr(self.policy, "finalize", None)
+        capacities = finalize(self.rows()) if finalize is not None else None
+        return (self.repad(capacities) if capacities is not None else self).device_put()
 
     def rows(self) -> dict[str, int]:
         """True rows per site set (concrete plans)."""
@@ -372,28 +325,49 @@ class Plan:
     @property
     def recipe(self) -> "Recipe":
         """The layers of this plan, to rebuild it on new clouds without tracing the network."""
-        from .planner import Recipe
-
         return Recipe.from_plan(self)
 
 
-_ACTIVE_PLANNER: contextvars.ContextVar[Any] = contextvars.ContextVar("sparsecore_jax_planner", default=None)
+@dataclass(frozen=True)
+class Recipe:
+    """The layers of a plan, in an order that can be rebuilt on new input sites.
 
+    Attributes:
+        inputs: names of the input site sets.
+        layers: ``(input sites, geometry)`` pairs, each buildable from the ones before.
+        impl: the plan's implementation choice (`Plan.with_impl`), given to the plans it builds.
+    """
 
-def active_planner() -> Any:
-    """The planner of the enclosing `sparsecore.jax.plan` call, or None."""
-    return _ACTIVE_PLANNER.get()
+    inputs: tuple[str, ...]
+    layers: tuple[tuple[str, sc.ConvGeometry], ...]
+    impl: str | None = None
 
+    @classmethod
+    def from_plan(cls, plan_: Plan) -> "Recipe":
+        inputs = tuple(sorted(n for n, s in plan_.sites.items() if s.info.parent is None))
+        pending = sorted(plan_.rulebooks.values(), key=lambda rb: rb.info.key)
+        known, layers = set(inputs), []
+        while pending:
+            ready = [rb for rb in pending if rb.info.input_sites in known]
+            if not ready:
+                raise ValueError(f"plan rulebooks {[rb.info.key for rb in pending]} have no input sites")
+            for rb in ready:
+                layers.append((rb.info.input_sites, rb.info.geometry))
+                known.add(rb.info.output_sites)
+            pending = [rb for rb in pending if rb not in ready]
+        return cls(inputs, tuple(layers), plan_.impl)
 
-@contextlib.contextmanager
-def planning(planner: Any) -> Iterator[None]:
-    """Makes ``planner`` the active planner for the duration of the block."""
-    token = _ACTIVE_PLANNER.set(planner)
-    try:
-        yield
-    finally:
-        _ACTIVE_PLANNER.reset(token)
-
-
-def default_policy() -> CapacityPolicy:
-    return Buckets()
+    def apply(self, x: Any) -> Any:
+        """``x`` (a concrete `SparseTensor` with fresh input sites) with the complete plan."""
+        plan_ = getattr(x, "plan", None)
+        if not isinstance(plan_, Plan) or not hasattr(x, "with_plan"):
+            raise TypeError(f"Recipe.apply needs a sparsecore.jax.SparseTensor, got {type(x).__name__}")
+        missing = [name for name in self.inputs if name not in plan_.sites]
+        if missing:
+            raise ValueError(f"the recipe starts from site sets {list(self.inputs)}, but the tensor's "
+                             f"plan has {sorted(plan_.sites)}; create it with name={missing[0]!r}")
+        if not plan_.is_concrete():
+            raise TypeError("Recipe.apply builds geometry from concrete indices: call it outside jit")
+        for sites, geometry in self.layers:
+            plan_, _, _ = plan_.with_layer(sites, geometry)
+        return x.with_plan(plan_.with_impl(self.impl or plan_.impl).finalized())

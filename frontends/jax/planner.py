@@ -1,45 +1,35 @@
-"""Eager plan building: the core builds rulebooks from concrete indices, this pads them.
+"""Planning a network: trace it once, build every layer's geometry eagerly with the core.
 
-- `plan` traces a network with ``jax.eval_shape`` (no arithmetic runs) while a
-  `Planner` builds, with the core's NumPy engine, every rulebook the network's
-  layers ask for, and returns the complete `Plan`.
-- `Recipe` (``plan.recipe``) lists a plan's layers, to rebuild the plan on the
-  next cloud without tracing the network again.
+- `plan` traces a network with ``jax.eval_shape`` (no arithmetic runs) on
+  tensors whose plans carry a `Planner` (``Plan.planner``, static: the planner
+  travels with the data, no context variable); each layer on such a plan
+  builds its rulebook with the core's NumPy engine into the planner and skips
+  its feature pass; `plan` returns the complete `Plan`.
+- `Recipe` (``plan.recipe``, in `plan`) lists a plan's layers, to rebuild the
+  plan on the next cloud without tracing the network again.
 - `layer_rulebook` is what a layer calls to find its rulebook: from the plan
   when present; else built on the spot when the plan's arrays are concrete
-  (eager use, or inside `plan`); else a `PlanError` that says to build the plan
-  outside ``jit``.
+  (eager use) or its planner knows the sites (inside `plan`); else a
+  `PlanError` that says to build the plan outside ``jit``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 import sparsecore as sc
 
-from .buckets import CapacityPolicy
-from .plan import (
-    PaddedRulebook,
-    Plan,
-    PlanError,
-    Sites,
-    SitesInfo,
-    active_planner,
-    child_sites_name,
-    default_policy,
-    planning,
-    rulebook_key,
-)
+from .buckets import Buckets, CapacityPolicy
+from .plan import PaddedRulebook, Plan, PlanError, Recipe, rulebook_key
+from .tensor import SparseTensor
 
 __all__ = ["Planner", "Recipe", "plan", "layer_rulebook", "inverse_source"]
 
 
 class Planner:
-    """Builds plan entries from concrete NumPy indices.
+    """Collects the entries a network's layers build while `plan` traces it.
 
     Args:
         base: a concrete plan (its site sets are the starting points).
@@ -47,19 +37,10 @@ class Planner:
     """
 
     def __init__(self, base: Plan, policy: CapacityPolicy | None = None) -> None:
-        self.base = base
-        self.policy = policy or base.policy or default_policy()
-        self.sites: dict[str, Sites] = dict(base.sites)
-        self.rulebooks: dict[str, PaddedRulebook] = dict(base.rulebooks)
-        self._numpy: dict[str, np.ndarray] = {}
+        self.built = base._with(base.sites, base.rulebooks, policy=policy or base.policy or Buckets(), planner=None)
 
     def knows(self, sites: str) -> bool:
-        return sites in self.sites
-
-    def _indices(self, name: str) -> np.ndarray:
-        if name not in self._numpy:
-            self._numpy[name] = self.sites[name].numpy_indices()
-        return self._numpy[name]
+        return sites in self.built.sites
 
     def build(self, sites: str, geometry: sc.ConvGeometry) -> tuple[str, str]:
         """Ensures the rulebook of ``geometry`` on ``sites`` (and its output sites) exists.
@@ -67,46 +48,28 @@ class Planner:
         Returns:
             ``(rulebook key, output sites name)``.
         """
-        key = rulebook_key(sites, geometry)
-        if key in self.rulebooks:
-            return key, self.rulebooks[key].info.output_sites
-        info = self.sites[sites].info
-        rulebook = sc.build_rulebook(self._indices(sites), info.spatial_shape, info.batch_size, geometry,
-                                     assume_unique=True)
-        if geometry.kind == "subm":
-            out_name, out_info = sites, info
-        else:
-            out_name = child_sites_name(sites, geometry)
-            if out_name in self.sites:
-                out_info = self.sites[out_name].info
-            else:
-                capacity = self.policy.capacity(rulebook.num_output, out_name)
-                out_info = SitesInfo(out_name, tuple(rulebook.output_spatial_shape), info.batch_size,
-                                     capacity, parent=(sites, geometry))
-                self.sites[out_name] = Sites.from_numpy(np.asarray(rulebook.output_indices), out_info)
-                self._numpy[out_name] = np.asarray(rulebook.output_indices)
-        self.rulebooks[key] = PaddedRulebook.from_core(rulebook, key, info, out_info)
+        self.built, key, out_name = self.built.with_layer(sites, geometry)
         return key, out_name
 
     def plan(self) -> Plan:
-        """The base plan with every entry built so far (as jax arrays; call outside a trace).
-
-        A policy with a ``finalize`` method (``Buckets(linked=True)``) sets the capacities
-        of the whole plan here; the entries are re-padded to them.
-        """
-        result = Plan(self.sites, self.rulebooks, self.policy)
-        finalize = getattr(self.policy, "finalize", None)
-        capacities = finalize(result.rows()) if finalize is not None else None
-        if capacities is not None:
-            result = result.repad(capacities)
-        return result.device_put()
+        """The base plan with every entry built so far (`Plan.finalized`; call outside a trace)."""
+        return self.built.finalized()
 
 
-def _find_tensors(tree: Any) -> list[Any]:
-    from .tensor import SparseTensor
-
+def _find_tensors(tree: Any) -> list[SparseTensor]:
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda value: isinstance(value, SparseTensor))
     return [leaf for leaf in leaves if isinstance(leaf, SparseTensor)]
+
+
+def _with_planner(tree: Any, planner: Planner) -> Any:
+    """``tree`` with the plan of every `SparseTensor` carrying ``planner``."""
+    def attach(leaf: Any) -> Any:
+        if isinstance(leaf, SparseTensor):
+            return SparseTensor(leaf.features, leaf.plan._with(leaf.plan.sites, leaf.plan.rulebooks,
+                                                               planner=planner), leaf.sites_name)
+        return leaf
+
+    return jax.tree_util.tree_map(attach, tree, is_leaf=lambda value: isinstance(value, SparseTensor))
 
 
 def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
@@ -124,7 +87,7 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
             passed as is, like a static argument.
 
     Returns:
-        The `Plan`; pass it on with ``x.with_plan(plan)``.
+        The `Plan` (with the tensors' ``impl`` configuration); pass it on with ``x.with_plan(plan)``.
 
     Raises:
         TypeError: when called inside a trace (the tensors' plans are tracers).
@@ -143,7 +106,7 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
             "step and pass the planned tensor in."
         )
     planner = Planner(base)
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    leaves, treedef = jax.tree_util.tree_flatten(_with_planner((args, kwargs), planner))
     dynamic = [i for i, leaf in enumerate(leaves) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")]
 
     def traced(*arrays: Any) -> Any:  # non-array arguments (flags, names, Python numbers) stay static
@@ -153,7 +116,7 @@ def plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Plan:
         call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
         return fn(*call_args, **call_kwargs)
 
-    with planning(planner), jax.disable_jit():
+    with jax.disable_jit():
         jax.eval_shape(traced, *[leaves[i] for i in dynamic])
     return planner.plan()
 
@@ -162,26 +125,28 @@ def layer_rulebook(plan_: Plan, sites: str, geometry: sc.ConvGeometry) -> tuple[
     """The padded rulebook of ``geometry`` on ``sites``, and the plan that holds it.
 
     Raises:
-        PlanError: when it is missing and cannot be built (the plan is traced and no
-            `plan` call is in progress).
+        PlanError: when it is missing and cannot be built (the plan is traced and
+            carries no planner that knows ``sites``).
     """
     key = rulebook_key(sites, geometry)
     if key in plan_.rulebooks:
         return plan_, plan_.rulebooks[key]
-    planner = active_planner()
-    if planner is None or not planner.knows(sites):
-        if not plan_.is_concrete():
-            raise PlanError(
-                f"the plan has no rulebook for this layer ({geometry.describe()} on site set "
-                f"{sites!r}; plan key {key!r}) and cannot build one inside jit, where the "
-                "indices are abstract. Build the complete plan outside jit: "
-                "x = x.with_plan(sparsecore.jax.plan(net, params, x)) (or "
-                "plan.recipe.apply(x) for the next cloud), then call the jitted net. Plan "
-                f"keys present: {sorted(plan_.rulebooks)}"
-            )
-        planner = Planner(plan_)
-    key, out_name = planner.build(sites, geometry)
-    new = plan_.with_entries({out_name: planner.sites[out_name]}, {key: planner.rulebooks[key]})
+    planner = plan_.planner
+    if planner is not None and planner.knows(sites):
+        key, out_name = planner.build(sites, geometry)
+        built = planner.built
+        new = plan_.with_entries({out_name: built.sites[out_name]}, {key: built.rulebooks[key]})
+        return new, new.rulebooks[key]
+    if not plan_.is_concrete():
+        raise PlanError(
+            f"the plan has no rulebook for this layer ({geometry.describe()} on site set "
+            f"{sites!r}; plan key {key!r}) and cannot build one inside jit, where the "
+            "indices are abstract. Build the complete plan outside jit: "
+            "x = x.with_plan(sparsecore.jax.plan(net, params, x)) (or "
+            "plan.recipe.apply(x) for the next cloud), then call the jitted net. Plan "
+            f"keys present: {sorted(plan_.rulebooks)}"
+        )
+    new, key, _ = plan_.with_layer(sites, geometry)
     return new, new.rulebooks[key]
 
 
@@ -213,46 +178,3 @@ def inverse_source(plan_: Plan, sites: str, kernel_size: tuple[int, ...]) -> Pad
     return plan_.rulebooks[key]
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """The layers of a plan, in an order that can be rebuilt on new input sites.
-
-    Attributes:
-        inputs: names of the input site sets.
-        layers: ``(input sites, geometry)`` pairs, each buildable from the ones before.
-    """
-
-    inputs: tuple[str, ...]
-    layers: tuple[tuple[str, sc.ConvGeometry], ...]
-
-    @classmethod
-    def from_plan(cls, plan_: Plan) -> "Recipe":
-        inputs = tuple(sorted(n for n, s in plan_.sites.items() if s.info.parent is None))
-        pending = sorted(plan_.rulebooks.values(), key=lambda rb: rb.info.key)
-        known, layers = set(inputs), []
-        while pending:
-            ready = [rb for rb in pending if rb.info.input_sites in known]
-            if not ready:
-                raise ValueError(f"plan rulebooks {[rb.info.key for rb in pending]} have no input sites")
-            for rb in ready:
-                layers.append((rb.info.input_sites, rb.info.geometry))
-                known.add(rb.info.output_sites)
-            pending = [rb for rb in pending if rb not in ready]
-        return cls(inputs, tuple(layers))
-
-    def apply(self, x: Any) -> Any:
-        """``x`` (a concrete `SparseTensor` with fresh input sites) with the complete plan."""
-        from .tensor import SparseTensor
-
-        if not isinstance(x, SparseTensor):
-            raise TypeError(f"Recipe.apply needs a sparsecore.jax.SparseTensor, got {type(x).__name__}")
-        missing = [name for name in self.inputs if name not in x.plan.sites]
-        if missing:
-            raise ValueError(f"the recipe starts from site sets {list(self.inputs)}, but the tensor's "
-                             f"plan has {sorted(x.plan.sites)}; create it with name={missing[0]!r}")
-        if not x.plan.is_concrete():
-            raise TypeError("Recipe.apply builds geometry from concrete indices: call it outside jit")
-        planner = Planner(x.plan)
-        for sites, geometry in self.layers:
-            planner.build(sites, geometry)
-        return x.with_plan(planner.plan())

@@ -16,56 +16,46 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .ops import (
-    _chunked,
-    _common_varying,
-    _gather,
-    _rows_mask,
-    _scan_offsets,
-    _scatter_add,
-    _varying_like,
+from . import callback
+from .ops import resolve_impl
+from .primitives import (
+    chunked,
+    common_varying,
     compute_dtype,
-    resolve_impl,
+    gather_rows,
+    rows_mask,
+    scatter_rows,
+    varying_like,
 )
 
 __all__ = ["max_pool", "avg_pool", "global_max_pool", "global_avg_pool", "scatter_by_argmax"]
 
 
 # ---------------------------------------------------------------------------- windowed pools
-
-
-def _identity_rows(capacity_in: int, n_in: Any) -> Any:
-    rows = jnp.arange(capacity_in, dtype=jnp.int32)
-    return jnp.where(rows < n_in, rows, capacity_in + rows)  # padding rows -> out of range
+# Every offset, a subm window's centre included, is read from the stored pairs (-1 = no pair).
 
 
 def _max_pool_forward(static, features, pair_input, pair_output, counts, n_in, n_out):
-    capacity_in, capacity_out, identity, chunk = static
+    capacity_in, capacity_out, chunk = static
     channels = features.shape[1]
 
     def step(carry, rows_in, rows_out):
         out, argmax = carry
-        values = _gather(features, rows_in, -jnp.inf)
-        current = _gather(out, rows_out)
-        current_arg = jnp.take(argmax, rows_out, axis=0, mode="fill", fill_value=0)
+        values = gather_rows(features, rows_in, -jnp.inf)
+        current = gather_rows(out, rows_out)
+        current_arg = gather_rows(argmax, rows_out)
         better = (values > current) | (current_arg < 0)
-        out = out.at[rows_out].set(jnp.where(better, values, current), mode="drop", unique_indices=True)
-        argmax = argmax.at[rows_out].set(jnp.where(better, rows_in[:, None], current_arg), mode="drop",
-                                         unique_indices=True)
+        out = scatter_rows(out, rows_out, jnp.where(better, values, current), add=False)
+        argmax = scatter_rows(argmax, rows_out, jnp.where(better, rows_in[:, None], current_arg), add=False)
         return out, argmax
 
     def body(carry, slices):
         rows_in, rows_out, count = slices
-        return _chunked(step, carry, rows_in, rows_out, count, chunk), None
+        return chunked(step, carry, rows_in, rows_out, count, chunk), None
 
-    def identity_step(carry):
-        rows = _identity_rows(capacity_in, n_in)
-        return step(carry, rows, rows), None
-
-    references = (features, pair_input, pair_output, counts, n_in)
-    carry = (_varying_like(jnp.full((capacity_out, channels), -jnp.inf, features.dtype), *references),
-             _varying_like(jnp.full((capacity_out, channels), -1, jnp.int32), *references))
-    (out, argmax), _ = _scan_offsets(body, carry, (pair_input, pair_output, counts), identity, identity_step)
+    carry = (varying_like(jnp.full((capacity_out, channels), -jnp.inf, features.dtype), features),
+             varying_like(jnp.full((capacity_out, channels), -1, jnp.int32), features))
+    (out, argmax), _ = jax.lax.scan(body, carry, (pair_input, pair_output, counts))
     return jnp.where(argmax >= 0, out, 0).astype(features.dtype), argmax
 
 
@@ -95,40 +85,37 @@ def _max_pool_jnp_bwd(static, argmax, grad_out):
 _max_pool_jnp.defvjp(_max_pool_jnp_fwd, _max_pool_jnp_bwd)
 
 
-def _window_counts(pair_output, identity, n_out, capacity_out, dtype):
-    counts = jnp.zeros(capacity_out, dtype).at[pair_output.reshape(-1)].add(1, mode="drop")
-    if identity >= 0:  # the centre of a subm window: every true row counts itself
-        counts = counts + _rows_mask(capacity_out, n_out).astype(dtype)
-    return jnp.maximum(counts, 1)[:, None]
+def _window_counts(pair_output, capacity_out, dtype):
+    """``[capacity_out, 1]`` active inputs per window (at least 1)."""
+    rows = pair_output.reshape(-1)
+    counts = scatter_rows(jnp.zeros((capacity_out, 1), dtype), rows, jnp.ones((rows.shape[0], 1), dtype))
+    return jnp.maximum(counts, 1)
 
 
-def _sum_pairs(static, source, pair_input, pair_output, counts, n_in, capacity_target, transpose):
+def _sum_pairs(static, source, pair_input, pair_output, counts, capacity_target, transpose):
     """Sums ``source`` rows over the pairs (``transpose``: from outputs back to inputs)."""
-    capacity_in, capacity_out, identity, chunk = static
+    chunk = static[-1]
 
     def add(total, chunk_in, chunk_out):
         if transpose:
-            return _scatter_add(total, chunk_in, _gather(source, chunk_out))
-        return _scatter_add(total, chunk_out, _gather(source, chunk_in))
+            return scatter_rows(total, chunk_in, gather_rows(source, chunk_out))
+        return scatter_rows(total, chunk_out, gather_rows(source, chunk_in))
 
     def body(total, slices):
         rows_in, rows_out, count = slices
-        return _chunked(add, total, rows_in, rows_out, count, chunk), None
+        return chunked(add, total, rows_in, rows_out, count, chunk), None
 
-    total = _varying_like(jnp.zeros((capacity_target, source.shape[1]), source.dtype), source, pair_input,
-                          pair_output, counts, n_in)
-    if identity >= 0:
-        total = total + jnp.where(_rows_mask(capacity_in, n_in)[:, None], source, 0)
-    total, _ = _scan_offsets(body, total, (pair_input, pair_output, counts), identity)
+    total = varying_like(jnp.zeros((capacity_target, source.shape[1]), source.dtype), source)
+    total, _ = jax.lax.scan(body, total, (pair_input, pair_output, counts))
     return total
 
 
 def _avg_pool_forward(static, features, pair_input, pair_output, counts, n_in, n_out):
-    capacity_in, capacity_out, identity, chunk = static
+    capacity_in, capacity_out, chunk = static
     dtype = compute_dtype(features.dtype)
-    source = jnp.where(_rows_mask(capacity_in, n_in)[:, None], features, 0).astype(dtype)
-    total = _sum_pairs(static, source, pair_input, pair_output, counts, n_in, capacity_out, False)
-    window = _window_counts(pair_output, identity, n_out, capacity_out, dtype)
+    source = jnp.where(rows_mask(capacity_in, n_in)[:, None], features, 0).astype(dtype)
+    total = _sum_pairs(static, source, pair_input, pair_output, counts, capacity_out, False)
+    window = _window_counts(pair_output, capacity_out, dtype)
     return (total / window).astype(features.dtype), window
 
 
@@ -143,45 +130,48 @@ def _avg_pool_jnp_fwd(static, features, pair_input, pair_output, counts, n_in, n
 
 
 def _avg_pool_jnp_bwd(static, residuals, grad_out):
-    capacity_in, capacity_out, identity, chunk = static
+    capacity_in, capacity_out, chunk = static
     window, pair_input, pair_output, counts, n_in, n_out = residuals
     dtype = compute_dtype(grad_out.dtype)
-    scaled = jnp.where(_rows_mask(capacity_out, n_out)[:, None], grad_out.astype(dtype) / window, 0)
-    grad = _sum_pairs(static, scaled, pair_input, pair_output, counts, n_in, capacity_in, True)
+    scaled = jnp.where(rows_mask(capacity_out, n_out)[:, None], grad_out.astype(dtype) / window, 0)
+    grad = _sum_pairs(static, scaled, pair_input, pair_output, counts, capacity_in, True)
     return grad.astype(grad_out.dtype), None, None, None, None, None
 
 
 _avg_pool_jnp.defvjp(_avg_pool_jnp_fwd, _avg_pool_jnp_bwd)
 
+_JNP = {"max": _max_pool_jnp, "avg": _avg_pool_jnp}
+_CALLBACK = {"max": callback.max_pool, "avg": callback.avg_pool}
+
+
+def _windowed(which: str, features: Any, rulebook: tuple, capacity_out: int, identity_offset: int,
+              kernel_size: tuple[int, ...], chunk: int, impl: str | None) -> Any:
+    pair_input, pair_output, counts, n_in, n_out = rulebook
+    (features,) = common_varying(features, pair_input, counts)
+    if resolve_impl(impl) == "callback":
+        return _CALLBACK[which](features, pair_input, pair_output, counts, n_in, n_out, capacity_out=capacity_out,
+                                identity_offset=identity_offset, kernel_size=kernel_size)
+    return _JNP[which]((features.shape[0], capacity_out, chunk), features, pair_input, pair_output, counts, n_in,
+                       n_out)
+
 
 def max_pool(features: Any, pair_input: Any, pair_output: Any, counts: Any, n_in: Any, n_out: Any, *,
              capacity_out: int, identity_offset: int, kernel_size: tuple[int, ...], chunk: int,
              impl: str | None = None) -> Any:
-    """Max over each output's active inputs (ties: earliest kernel offset); padding rows 0."""
-    (features,) = _common_varying(features, pair_input, counts)
-    if resolve_impl(impl) == "callback":
-        from . import callback
+    """Max over each output's active inputs (ties: earliest kernel offset); padding rows 0.
 
-        return callback.max_pool(features, pair_input, pair_output, counts, n_in, n_out,
-                                 capacity_out=capacity_out, identity_offset=identity_offset,
-                                 kernel_size=kernel_size)
-    return _max_pool_jnp((features.shape[0], capacity_out, identity_offset, chunk), features, pair_input,
-                         pair_output, counts, n_in, n_out)
+    Arguments as `sparsecore.jax.ops.conv` (the pair rows include a subm window's centre).
+    """
+    return _windowed("max", features, (pair_input, pair_output, counts, n_in, n_out), capacity_out,
+                     identity_offset, kernel_size, chunk, impl)
 
 
 def avg_pool(features: Any, pair_input: Any, pair_output: Any, counts: Any, n_in: Any, n_out: Any, *,
              capacity_out: int, identity_offset: int, kernel_size: tuple[int, ...], chunk: int,
              impl: str | None = None) -> Any:
     """Mean over each output's active inputs (not the kernel volume); padding rows 0."""
-    (features,) = _common_varying(features, pair_input, counts)
-    if resolve_impl(impl) == "callback":
-        from . import callback
-
-        return callback.avg_pool(features, pair_input, pair_output, counts, n_in, n_out,
-                                 capacity_out=capacity_out, identity_offset=identity_offset,
-                                 kernel_size=kernel_size)
-    return _avg_pool_jnp((features.shape[0], capacity_out, identity_offset, chunk), features, pair_input,
-                         pair_output, counts, n_in, n_out)
+    return _windowed("avg", features, (pair_input, pair_output, counts, n_in, n_out), capacity_out,
+                     identity_offset, kernel_size, chunk, impl)
 
 
 # ---------------------------------------------------------------------------- global pools
@@ -198,7 +188,7 @@ def global_avg_pool(features: Any, batch: Any, batch_size: int) -> Any:
 def _global_max_forward(batch_size, features, batch):
     capacity, channels = features.shape
     best = jnp.full((batch_size, channels), -jnp.inf, features.dtype).at[batch].max(features, mode="drop")
-    reached = _gather(best, batch, jnp.inf)  # padding rows: +inf, never equal
+    reached = gather_rows(best, batch, jnp.inf)  # padding rows: +inf, never equal
     rows = jnp.arange(capacity, dtype=jnp.int32)[:, None]
     candidate = jnp.where(features == reached, rows, capacity)
     argmax = jnp.full((batch_size, channels), capacity, jnp.int32).at[batch].min(candidate, mode="drop")
@@ -226,6 +216,6 @@ _global_max.defvjp(_global_max_fwd, _global_max_bwd)
 
 def global_max_pool(features: Any, batch: Any, batch_size: int) -> Any:
     """``[B, C]`` max per batch element (0 for an empty element; ties: lowest row)."""
-    return _global_max(batch_size, _varying_like(features, batch), batch)
+    return _global_max(batch_size, varying_like(features, batch), batch)
 
 

@@ -9,6 +9,8 @@ rows should use ``x.mask`` (or the global pools).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -16,9 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import sparsecore as sc
+from sparsecore.interop import (as_batch_size, as_indices, as_spatial_shape, check_indices_in_range,
+                                check_unique_sites, is_jax_tracer, to_core_array)
 
 from .buckets import CapacityError, CapacityPolicy, as_policy
-from .plan import Plan, Sites, SitesInfo, is_tracer, require_concrete
+from .ops import to_dense
+from .plan import Plan, Sites, SitesInfo, require_concrete
 
 __all__ = ["SparseTensor"]
 
@@ -29,22 +34,21 @@ def _check_name(name: str) -> str:
     return name
 
 
-def _check_unique(indices: np.ndarray, spatial_shape: tuple[int, ...], batch_size: int) -> None:
-    if indices.shape[0] < 2:
-        return
-    keys = sc.pack_keys(indices, spatial_shape, batch_size)
-    order = np.argsort(keys, kind="stable")
-    same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
-    if same.shape[0]:
-        first, second = sorted((int(order[same[0]]), int(order[same[0] + 1])))
-        raise ValueError(
-            f"indices contains duplicate sites: rows {first} and {second} are both "
-            f"{indices[first].tolist()}. Each active site must appear once; merge duplicate "
-            "points first (for example with sparsecore.jax.voxelize)."
-        )
+def _read(path: str, doc: str) -> property:
+    """A read-only property following the dotted attribute ``path`` from the tensor (``"sites.count"``)."""
+    names = path.split(".")
+
+    def get(self: Any) -> Any:
+        value = self
+        for name in names:
+            value = getattr(value, name)
+        return value
+
+    return property(get, doc=doc)
 
 
-@jax.tree_util.register_pytree_node_class
+@partial(jax.tree_util.register_dataclass, data_fields=["features", "plan"], meta_fields=["sites_name"])
+@dataclass(frozen=True, eq=False, repr=False)
 class SparseTensor:
     """Features on the active sites of a batched grid, with the plan of its network.
 
@@ -58,15 +62,9 @@ class SparseTensor:
         sites_name: the site set the features live on (static).
     """
 
-    def __init__(self, features: Any, plan: Plan, sites_name: str) -> None:
-        self.features, self.plan, self.sites_name = features, plan, sites_name
-
-    def tree_flatten(self) -> tuple[tuple[Any, Plan], str]:
-        return (self.features, self.plan), self.sites_name
-
-    @classmethod
-    def tree_unflatten(cls, sites_name: str, children: tuple[Any, Plan]) -> "SparseTensor":
-        return cls(children[0], children[1], sites_name)
+    features: Any
+    plan: Plan
+    sites_name: str
 
     # ------------------------------------------------------------------ views
     @property
@@ -74,40 +72,18 @@ class SparseTensor:
         """The `Sites` (padded indices and count) the features live on."""
         return self.plan.site(self.sites_name)
 
-    @property
-    def info(self) -> SitesInfo:
-        return self.sites.info
-
-    @property
-    def indices(self) -> Any:
-        """int32 ``[capacity, 1 + D]``; padding rows have batch index ``batch_size``."""
-        return self.sites.indices
-
-    @property
-    def num_active(self) -> Any:
-        """int32 scalar: the true number of sites (an array: it may vary between clouds)."""
-        return self.sites.count
+    info = _read("sites.info", "The static `SitesInfo` of the site set.")
+    indices = _read("sites.indices", "int32 ``[capacity, 1 + D]``; padding rows have batch index ``batch_size``.")
+    num_active = _read("sites.count", "int32 scalar: the true number of sites (an array: it may vary between clouds).")
+    capacity = _read("sites.info.capacity", "Rows of the padded arrays (static).")
+    spatial_shape = _read("sites.info.spatial_shape", "The grid, ``D`` ints (static).")
+    batch_size = _read("sites.info.batch_size", "Number of batch elements (static).")
+    ndim = _read("sites.info.ndim", "Number of spatial axes (static).")
 
     @property
     def mask(self) -> Any:
         """bool ``[capacity]``: True on true rows."""
         return self.sites.mask()
-
-    @property
-    def capacity(self) -> int:
-        return self.info.capacity
-
-    @property
-    def spatial_shape(self) -> tuple[int, ...]:
-        return self.info.spatial_shape
-
-    @property
-    def batch_size(self) -> int:
-        return self.info.batch_size
-
-    @property
-    def ndim(self) -> int:
-        return len(self.info.spatial_shape)
 
     @property
     def num_channels(self) -> int:
@@ -148,15 +124,13 @@ class SparseTensor:
         if new.capacity > old.capacity:
             features = jnp.pad(features, ((0, new.capacity - old.capacity), (0, 0)))
         elif new.capacity < old.capacity:
-            if not is_tracer(plan.site(self.sites_name).count) and int(plan.site(self.sites_name).count) > new.capacity:
+            if not is_jax_tracer(plan.site(self.sites_name).count) and int(plan.site(self.sites_name).count) > new.capacity:
                 raise CapacityError(self.sites_name, int(plan.site(self.sites_name).count), new.capacity)
             features = features[: new.capacity]
         return SparseTensor(features, plan, self.sites_name)
 
     def dense(self, channels_first: bool = True) -> Any:
         """``[B, C, *spatial]`` (or ``[B, *spatial, C]``); differentiable, works inside jit."""
-        from .ops import to_dense
-
         return to_dense(self.features, self.indices, self.spatial_shape, self.batch_size, channels_first)
 
     def valid_features(self) -> np.ndarray:
@@ -199,13 +173,16 @@ class SparseTensor:
         if not jnp.issubdtype(features.dtype, jnp.floating):
             raise TypeError(f"features must be a float array, got dtype {features.dtype}")
         rows = int(features.shape[0])
-        index_array = np.asarray(sc._dispatch.to_core_array(indices, "indices"))
-        # the core validates shapes, dtypes and ranges (with messages naming the argument)
-        core = sc.SparseTensor(np.zeros((rows, 0), np.float32), index_array, tuple(spatial_shape), batch_size)
-        core_indices = np.asarray(core.indices)
-        _check_unique(core_indices, core.spatial_shape, core.batch_size)
+        # the shared checks of the core, with messages naming the argument
+        shape, batch_size = as_spatial_shape(spatial_shape), as_batch_size(batch_size)
+        core_indices = np.asarray(as_indices(to_core_array(indices, "indices"), len(shape)))
+        if core_indices.shape[0] != rows:
+            raise ValueError(f"features has {rows} rows but {core_indices.shape[0]} are expected: one per active "
+                             "site (features and indices must have one row per site)")
+        check_indices_in_range(core_indices, shape, batch_size)
+        check_unique_sites(core_indices, shape, batch_size)
         cap = policy.capacity(rows, name)
-        info = SitesInfo(name, core.spatial_shape, core.batch_size, cap)
+        info = SitesInfo(name, shape, batch_size, cap)
         sites = Sites.from_numpy(core_indices, info)
         # pad on the host and transfer once: jnp.zeros(...).at[:rows].set(...) would compile an XLA
         # program for every distinct row count, and JAX keeps them all (a leak when streaming clouds)

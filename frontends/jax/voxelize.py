@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import sparsecore as sc
+from sparsecore.interop import is_jax_tracer, to_core_array
 
 from .buckets import CapacityPolicy
-from .plan import is_tracer, require_concrete
+from .plan import require_concrete
 from .tensor import SparseTensor
 
 __all__ = ["voxelize", "voxels_to_points"]
@@ -41,7 +42,7 @@ def voxelize(point_clouds: Any, voxel_size: Sequence[float], coordinate_range: S
     clouds = [point_clouds] if hasattr(point_clouds, "shape") else list(point_clouds)
     for b, cloud in enumerate(clouds):
         require_concrete(cloud, f"point_clouds[{b}]", "sparsecore.jax.voxelize")
-    arrays = [np.asarray(sc._dispatch.to_core_array(cloud, f"point_clouds[{b}]")) for b, cloud in enumerate(clouds)]
+    arrays = [np.asarray(to_core_array(cloud, f"point_clouds[{b}]")) for b, cloud in enumerate(clouds)]
     voxels = sc.voxelize_batch(arrays, voxel_size, coordinate_range, max_num_points_per_voxel, max_num_voxels,
                                empty_mean=empty_mean)
     features = sc.voxel_means(voxels)
@@ -71,13 +72,13 @@ def voxels_to_points(features: Any, point_voxel_id: Any, invalid_value: float = 
     rows, limit = features, None
     if isinstance(features, SparseTensor):
         rows = features.features
-        if not is_tracer(features.num_active):
+        if not is_jax_tracer(features.num_active):
             limit = int(features.num_active)
     count = int(rows.shape[0]) if limit is None else limit
-    ids = point_voxel_id if is_tracer(point_voxel_id) else np.asarray(point_voxel_id)
+    ids = point_voxel_id if is_jax_tracer(point_voxel_id) else np.asarray(point_voxel_id)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"point_voxel_id must be an integer array (voxel rows, -1 for none), got dtype {ids.dtype}")
-    if not is_tracer(ids) and ids.size:
+    if not is_jax_tracer(ids) and ids.size:
         bad = np.flatnonzero((ids < -1) | (ids >= count))
         if bad.size:
             raise ValueError(
@@ -87,7 +88,7 @@ def voxels_to_points(features: Any, point_voxel_id: Any, invalid_value: float = 
             )
     ids = jnp.asarray(ids)
     fill = jnp.asarray(invalid_value, rows.dtype)
-    if is_tracer(ids) and jnp.issubdtype(rows.dtype, jnp.floating):
+    if is_jax_tracer(ids) and jnp.issubdtype(rows.dtype, jnp.floating):
         out_of_range = (ids < -1) | (ids >= count)
         fill_rows = jnp.where(out_of_range, jnp.nan, fill).astype(rows.dtype)
         gathered = jnp.take(rows, jnp.where(ids >= 0, ids, rows.shape[0]), axis=0, mode="fill", fill_value=0)
