@@ -5,8 +5,7 @@ runs once on the example input under an ``fx.Interpreter`` that follows, for
 each graph value, which tensor of the file it is and how the torch model holds
 it (float, int8 with a scale, an int8 tensor dequantized, or a float tensor
 an int8 layer quantizes on reading). Each int8 conv becomes a
-``SparseConvolution`` with libspconv's int8 attributes (see
-/work/shared reference and docs/deployment.md):
+``SparseConvolution`` with libspconv's int8 attributes (see docs/deployment.md):
 
 - ``precision``: ``"int8"`` when its input tensor is int8 in the file, ``"fp16"``
   when it quantizes a float tensor on reading (the first layer);
@@ -49,11 +48,11 @@ from ._export_trace import ConvRecord, ExportError, OpRecord, Trace
 from ._int8_ranges import check_fp16_weight, dynamic_range, dynamic_ranges
 from ._onnx_steps import PlannedConv, PlannedStep
 from .conv import SparseConvolution
-from .spconv_rules import effective_weight
 from .modules import SparseIdentity, SparseReLU
 from .quantization import graph as qgraph
 from .quantization import intrinsic as fused
 from .quantization.quantized import conv as quantized
+from .spconv_rules import effective_weight
 from .tensor import SparseConvTensor
 
 __all__ = ["plan_int8"]
@@ -88,7 +87,6 @@ class _Planner(torch.fx.Interpreter):
         super().__init__(model)
         self.views: dict[torch.fx.Node, _View] = {}
         self.steps: list[_Pending] = []
-        self.tensor_scale: dict[str, float] = {}  # int8 tensors: the scale their producer writes
         self.int8_readers: dict[str, list[str]] = {}
         self.float_readers: dict[str, list[str]] = {}
         self.quantized_reads: dict[str, dict[float, str]] = {}  # float tensors read as int8: scale -> reader
@@ -284,7 +282,6 @@ class _Planner(torch.fx.Interpreter):
         if not module._ADD:
             self.add_step(PlannedConv(record, weight, bias, "relu" if module._RELU else None, conv_output),
                           attributes, int8_output=conv_output)
-            self.tensor_scale[conv_output] = output_scale
             return _View(conv_output, _INT8, output_scale)
         attributes["output_precision"] = "fp16"  # the float sum conv + residual is the add's
         self.add_step(PlannedConv(record, weight, bias, None, conv_output), attributes)
@@ -313,7 +310,6 @@ class _Planner(torch.fx.Interpreter):
             last = self.new_tensor()
             self.add_step(OpRecord("relu", where, (output,), last, (), shape))
             self.steps[-2].int8_output = last  # the Relu's readers decide the add's output type
-        self.tensor_scale[last] = output_scale
         return _View(last, _INT8, output_scale)
 
 
