@@ -233,6 +233,9 @@ def int8_conv(node: ConvNode, value: Union[SparseTensor, Int8Value], scales: Map
     elif fusion is not None:  # a float residual, read through the add's range
         residual_scale = range_scale(fusion.add.input_dynamic_ranges[1])
         residual_values = quantize(residual.core_features, residual_scale)
+    if residual is not None:
+        _check_residual_sites(fusion.add, residual.sites if isinstance(residual, Int8Value) else residual,
+                              rulebook.output_indices, xp)
     out = int8_conv_forward(values, parameters.weight, rulebook, input_scale=input_scale,
                             weight_scales=parameters.weight_scales,
                             output_scale=scales[output] if requantize and fused else None,
@@ -251,6 +254,15 @@ def int8_conv(node: ConvNode, value: Union[SparseTensor, Int8Value], scales: Map
     if requantize:
         return Int8Value(out_sites, out, scales[output])
     return out_sites.replace(out)
+
+
+def _check_residual_sites(add: AddNode, residual: SparseTensor, output_indices: Any, xp: Any) -> None:
+    indices = residual.core_indices
+    if indices is output_indices or (indices.shape == output_indices.shape
+                                     and bool(xp.array_equal(indices, output_indices))):
+        return
+    raise GraphError(f"node {add.name!r} (Add) adds {add.inputs[0]!r} ({output_indices.shape[0]} sites) and "
+                     f"{add.inputs[1]!r} ({indices.shape[0]} sites): libspconv's Add needs the same sites")
 
 
 def read_float(value: Any, scale: Optional[np.float32] = None) -> Any:
