@@ -227,11 +227,17 @@ class Plan:
         return self._with({**self.sites, **sites}, {**self.rulebooks, **rulebooks})
 
     def with_layer(self, sites: str, geometry: sc.ConvGeometry) -> tuple["Plan", str, str]:
-        """This plan with the rulebook of ``geometry`` on ``sites`` and its output sites, built if absent.
+        """This plan with the rulebook of ``geometry`` on ``sites`` and its output sites, found or built.
 
-        The core builds the rulebook from the concrete indices of ``sites``
-        (outside jit); new entries have NumPy leaves (see `device_put`), new
-        output sites a capacity from the plan's policy (``Buckets()`` if none).
+        The plan's rulebooks are its geometry cache, keyed by ``rulebook_key(sites,
+        geometry)``: the string form of the core's canonical key (within a plan the
+        sites name is the identity of the sites; it fixes their grid and batch size),
+        the only index a traced plan can read. A rulebook not there comes from the
+        core's one geometry path, `sparsecore.find_layer_rulebook`, with the sites name
+        as the sites' identity, built from the concrete indices of ``sites`` (outside
+        jit; the padded entries are the cache, so no core cache is kept beside them).
+        It is padded into the plan (NumPy leaves, see `device_put`); new output sites
+        get a capacity from the plan's policy (``Buckets()`` if none).
 
         Returns:
             ``(plan, rulebook key, output sites name)``.
@@ -241,8 +247,10 @@ class Plan:
             return self, key, self.rulebooks[key].info.output_sites
         source = self.site(sites)
         info = source.info
-        rulebook = sc.build_rulebook(source.numpy_indices(), info.spatial_shape, info.batch_size, geometry,
-                                     assume_unique=True)
+        found = sc.find_layer_rulebook(
+            sc.GeometryCache(), sc.InputSites(sites, source.numpy_indices(), info.spatial_shape, info.batch_size,
+                                         checked=True), geometry, layer=f"sparsecore.jax {geometry.describe()}")
+        rulebook = found.rulebook
         new_sites: dict[str, Sites] = {}
         out_name, out_info = sites, info
         if geometry.kind != "subm":
