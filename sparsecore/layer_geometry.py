@@ -18,7 +18,8 @@ equal for tensors that share the very same sites; `sites_identity` makes one
 from a core indices array, JAX passes a sites name), the input ``spatial_shape``
 and ``batch_size``, and the `ConvGeometry`. A layer whose canonical key is in
 the cache reuses that rulebook without a check, whether or not it names an
-``indice_key``. ``indice_key`` is spconv's alias on top of that:
+``indice_key`` (a new key then becomes an alias of it). ``indice_key`` is
+spconv's alias on top of that, with spconv's rules:
 
 - a submanifold layer (conv or pool) whose key is present reuses the rulebook
   under it after `check_rulebook_fits` (same geometry, grid and sites; a
