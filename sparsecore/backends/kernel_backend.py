@@ -264,7 +264,7 @@ class KernelBackend:
         _kernel_pairs.scatter_add_rows(self.device, target, rows, values)
 
     def scatter_add_pairs(self, target: Any, rows: Any, values: Any, run_starts: tuple[int, ...]) -> None:
-        """``target[rows] += values`` over several offsets' pairs with one ``sc_segment_sum_rows``."""
+        """``target[rows] += values`` over several offsets' pairs with ``sc_sum_run_rows`` (`_kernel_pairs`)."""
         _kernel_pairs.scatter_add_pairs(self.device, target, rows, values, run_starts)
 
     def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
