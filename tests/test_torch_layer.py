@@ -1,9 +1,10 @@
 """sparsecore.torch.layer: the Nd layer classes, the layers' repr, and pickling whole models.
 
-The public ``...{n}d`` classes fix their axes in their class header
-(`layer.FixedNdim`); each must build an ``n``-D layer that refuses other
-inputs, keep spconv's constructor defaults, and survive ``pickle`` (a model
-saved with ``torch.save`` loads and computes the same features).
+The public ``...{n}d`` classes are made from their ``...Nd`` base
+(`layer.nd_variants`); each must be named as spconv names it, build an
+``n``-D layer that refuses other inputs, keep spconv's constructor defaults,
+and survive ``pickle`` (a model saved with ``torch.save`` loads and computes
+the same features).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ FAMILIES = ("SparseConv", "SubMConv", "SparseConvTranspose", "SparseInverseConv"
 @pytest.mark.parametrize("ndim", [1, 2, 3, 4])
 def test_nd_classes_build_layers_of_their_dimension(family, ndim):
     cls = getattr(spconv, f"{family}{ndim}d")
-    assert cls.__name__ == f"{family}{ndim}d" and cls.__module__.startswith("sparsecore.torch.")
+    assert cls.__name__ == cls.__qualname__ == f"{family}{ndim}d"
+    assert getattr(__import__(cls.__module__, fromlist=["_"]), cls.__name__) is cls, "pickle finds it by name"
+    assert f"{ndim}-D" in cls.__doc__
     if family.endswith("Pool"):
         module = cls(2)
         assert module.stride == [2] * ndim, "a pool's stride defaults to its kernel size"

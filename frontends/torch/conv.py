@@ -32,7 +32,7 @@ from torch.nn import init
 import sparsecore as sc
 
 from .exportable import export_forward
-from .layer import FixedNdim, SparseModule, geometry_repr, layer_forward
+from .layer import SparseModule, geometry_repr, layer_forward, nd_variants
 from .ops import autocast_inputs, sparse_conv_features
 from .spconv_rules import (
     MAX_NUM_VOXELS_DURING_TRAINING,
@@ -206,7 +206,7 @@ class SparseConvolution(SparseModule):
                 "out_channels": self.out_channels}
 
 
-class _SparseConvNd(FixedNdim, SparseConvolution):
+class _SparseConvNd(SparseConvolution):
     _transposed = False
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
@@ -218,7 +218,7 @@ class _SparseConvNd(FixedNdim, SparseConvolution):
                          large_kernel_fast_algo=large_kernel_fast_algo, name=name)
 
 
-class _SubMConvNd(FixedNdim, SparseConvolution):
+class _SubMConvNd(SparseConvolution):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, indice_key=None, algo=None, fp32_accum=None, large_kernel_fast_algo=False,
                  name=None):
@@ -227,7 +227,7 @@ class _SubMConvNd(FixedNdim, SparseConvolution):
                          large_kernel_fast_algo=large_kernel_fast_algo, name=name)
 
 
-class _SparseInverseConvNd(FixedNdim, SparseConvolution):
+class _SparseInverseConvNd(SparseConvolution):
     def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
                  fp32_accum=None, large_kernel_fast_algo=False, name=None):
         super().__init__(self._ndim, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
@@ -239,65 +239,11 @@ class _SparseConvTransposeNd(_SparseConvNd):
     _transposed = True
 
 
-class SparseConv1d(_SparseConvNd, ndim=1):
-    """1-D regular sparse conv: the dense conv evaluated at the sites any input reaches."""
-
-
-class SparseConv2d(_SparseConvNd, ndim=2):
-    """2-D regular sparse conv."""
-
-
-class SparseConv3d(_SparseConvNd, ndim=3):
-    """3-D regular sparse conv."""
-
-
-class SparseConv4d(_SparseConvNd, ndim=4):
-    """4-D regular sparse conv."""
-
-
-class SubMConv1d(_SubMConvNd, ndim=1):
-    """1-D submanifold sparse conv: output sites = input sites."""
-
-
-class SubMConv2d(_SubMConvNd, ndim=2):
-    """2-D submanifold sparse conv."""
-
-
-class SubMConv3d(_SubMConvNd, ndim=3):
-    """3-D submanifold sparse conv."""
-
-
-class SubMConv4d(_SubMConvNd, ndim=4):
-    """4-D submanifold sparse conv."""
-
-
-class SparseConvTranspose1d(_SparseConvTransposeNd, ndim=1):
-    """1-D transposed sparse conv (``torch.nn.ConvTranspose1d`` at the reached sites)."""
-
-
-class SparseConvTranspose2d(_SparseConvTransposeNd, ndim=2):
-    """2-D transposed sparse conv."""
-
-
-class SparseConvTranspose3d(_SparseConvTransposeNd, ndim=3):
-    """3-D transposed sparse conv."""
-
-
-class SparseConvTranspose4d(_SparseConvTransposeNd, ndim=4):
-    """4-D transposed sparse conv."""
-
-
-class SparseInverseConv1d(_SparseInverseConvNd, ndim=1):
-    """1-D inverse conv: back onto the input sites of the layer saved under ``indice_key``."""
-
-
-class SparseInverseConv2d(_SparseInverseConvNd, ndim=2):
-    """2-D inverse conv."""
-
-
-class SparseInverseConv3d(_SparseInverseConvNd, ndim=3):
-    """3-D inverse conv."""
-
-
-class SparseInverseConv4d(_SparseInverseConvNd, ndim=4):
-    """4-D inverse conv."""
+SparseConv1d, SparseConv2d, SparseConv3d, SparseConv4d = nd_variants(
+    _SparseConvNd, "{ndim}-D regular sparse conv: the dense conv evaluated at the sites any input reaches.")
+SubMConv1d, SubMConv2d, SubMConv3d, SubMConv4d = nd_variants(
+    _SubMConvNd, "{ndim}-D submanifold sparse conv: output sites = input sites.")
+SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d, SparseConvTranspose4d = nd_variants(
+    _SparseConvTransposeNd, "{ndim}-D transposed sparse conv (``torch.nn.ConvTranspose`` at the reached sites).")
+SparseInverseConv1d, SparseInverseConv2d, SparseInverseConv3d, SparseInverseConv4d = nd_variants(
+    _SparseInverseConvNd, "{ndim}-D inverse conv: back onto the input sites of the layer saved under ``indice_key``.")

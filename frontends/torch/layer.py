@@ -10,7 +10,7 @@ the feature pass, record the voxel count, and hand the output its sites and
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from .fx import FxLeafModule
 from .spconv_rules import MAX_NUM_VOXELS_DURING_TRAINING
 from .tensor import IndiceData, SparseConvTensor
 
-__all__ = ["SparseModule", "FixedNdim", "start_benchmark", "layer_forward", "geometry_repr"]
+__all__ = ["SparseModule", "nd_variants", "start_benchmark", "layer_forward", "geometry_repr"]
 
 
 class SparseModule(FxLeafModule, nn.Module):
@@ -36,18 +36,31 @@ class SparseModule(FxLeafModule, nn.Module):
         self._sparse_unique_name = ""
 
 
-class FixedNdim:
-    """Lets a public layer class fix its spatial axes in its header: ``class SubMConv3d(_SubMConvNd, ndim=3)``.
+LayerClass = TypeVar("LayerClass", bound=type)
 
-    The ``...Nd`` base classes take spconv's per-class argument lists and pass ``cls._ndim`` on.
+
+def nd_variants(base: LayerClass, doc: str,
+                **attributes: Any) -> tuple[LayerClass, LayerClass, LayerClass, LayerClass]:
+    """The public 1-D to 4-D classes of a layer class (``_SubMConvNd`` -> ``SubMConv1d`` ... ``SubMConv4d``).
+
+    Each variant is a subclass of ``base`` with ``_ndim`` set (``base``, or an
+    ``__init__`` given in ``attributes``, takes spconv's per-class argument list
+    and passes ``self._ndim`` on), named as spconv names it, documented by
+    ``doc.format(ndim=n)`` and placed in ``base``'s module (where the caller
+    binds the four names, so pickles find them there).
+
+    Args:
+        base: a layer class named ``<Family>`` or ``_<Family>Nd``.
+        doc: the docstring template.
+        **attributes: further class attributes of every variant (e.g. ``__init__``).
+
+    Returns:
+        The classes for 1, 2, 3 and 4 spatial axes.
     """
-
-    _ndim = 3
-
-    def __init_subclass__(cls, ndim: Optional[int] = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if ndim is not None:
-            cls._ndim = ndim
+    family = base.__name__.lstrip("_").removesuffix("Nd")
+    return tuple(type(base)(f"{family}{ndim}d", (base,), {
+        **attributes, "_ndim": ndim, "__doc__": doc.format(ndim=ndim), "__module__": base.__module__,
+        "__qualname__": f"{family}{ndim}d"}) for ndim in range(1, 5))
 
 
 # --------------------------------------------------------------------------- benchmark records

@@ -20,7 +20,7 @@ import sparsecore as sc
 from ._convert import check_same_device
 from ._geometry import check_input
 from .exportable import export_pool_forward
-from .layer import FixedNdim, SparseModule, geometry_repr, layer_forward
+from .layer import SparseModule, geometry_repr, layer_forward, nd_variants
 from .ops import avg_pool_features, global_avg_pool_features, global_max_pool_features, max_pool_features
 from .spconv_rules import MAX_NUM_VOXELS_DURING_TRAINING
 from .tensor import SparseConvTensor, expand_nd
@@ -92,44 +92,11 @@ def _nd_init(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=N
                          algo=algo, record_voxel_count=record_voxel_count, name=name)
 
 
-class _SparseMaxPoolNd(FixedNdim, SparseMaxPool):
-    __init__ = _nd_init
-
-
-class _SparseAvgPoolNd(FixedNdim, SparseAvgPool):
-    __init__ = _nd_init
-
-
-class SparseMaxPool1d(_SparseMaxPoolNd, ndim=1):
-    """1-D sparse max pool (stride defaults to kernel_size)."""
-
-
-class SparseMaxPool2d(_SparseMaxPoolNd, ndim=2):
-    """2-D sparse max pool."""
-
-
-class SparseMaxPool3d(_SparseMaxPoolNd, ndim=3):
-    """3-D sparse max pool."""
-
-
-class SparseMaxPool4d(_SparseMaxPoolNd, ndim=4):
-    """4-D sparse max pool."""
-
-
-class SparseAvgPool1d(_SparseAvgPoolNd, ndim=1):
-    """1-D sparse average pool (mean over active inputs; stride defaults to kernel_size)."""
-
-
-class SparseAvgPool2d(_SparseAvgPoolNd, ndim=2):
-    """2-D sparse average pool."""
-
-
-class SparseAvgPool3d(_SparseAvgPoolNd, ndim=3):
-    """3-D sparse average pool."""
-
-
-class SparseAvgPool4d(_SparseAvgPoolNd, ndim=4):
-    """4-D sparse average pool (spconv has none)."""
+SparseMaxPool1d, SparseMaxPool2d, SparseMaxPool3d, SparseMaxPool4d = nd_variants(
+    SparseMaxPool, "{ndim}-D sparse max pool (stride defaults to kernel_size).", __init__=_nd_init)
+SparseAvgPool1d, SparseAvgPool2d, SparseAvgPool3d, SparseAvgPool4d = nd_variants(
+    SparseAvgPool, "{ndim}-D sparse average pool (mean over active inputs; stride defaults to kernel_size).",
+    __init__=_nd_init)
 
 
 class _SparseGlobalPool(SparseModule):
