@@ -207,7 +207,12 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         return self._features.dtype == torch.qint8
 
     def core_indices(self) -> Any:
-        """The indices as a core (NumPy / CuPy) array, a view cached while ``indices`` is unchanged."""
+        """The indices as a core (NumPy / CuPy) array, a view cached while ``indices`` is unchanged.
+
+        That array object is the identity of the sites for the core's rulebook cache
+        (`sparsecore.layer_geometry.sites_identity`): tensors derived with the same
+        indices, and layer outputs (``_derived(core_indices=...)``), keep it.
+        """
         cached = self._core_indices
         if cached is None or cached[0] is not self.indices:
             with core_context(self.indices.device):
