@@ -12,7 +12,9 @@ Two dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
 matrix and the groups alone, never from the thread count, so results stay
 bitwise identical at every thread count. The thresholds come from interleaved
 A/B runs of both dataflows on the real scan (125,562 voxels, SubMConv3d k3,
-788,888 pairs) at one thread, forward / backward in ms (fused vs per offset):
+788,888 pairs) at one thread on the shared 2-core machine (1-minute load
+average 0.8 for the 16, 32, 64 and strided rows, 2.2-2.8 for the others),
+wall-time medians of 5-7 runs, forward / backward in ms (fused vs per offset):
 
 =================  ===================  ===================
 layer              forward              backward
