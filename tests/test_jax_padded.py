@@ -147,26 +147,6 @@ def test_padded_pools_equal_the_core_on_true_rows(where, kind):
     _check_rows(target.get(padded.avg_pool_backward(target.backend, grad, pairs)), expected, "avg pool backward")
 
 
-@pytest.mark.parametrize("kind", sorted(GEOMETRIES))
-def test_the_stored_layout_is_each_offsets_pairs_then_minus_one(kind):
-    """Offset k's row holds its true pairs (the subm centre's i -> i included), then -1 = no pair, also after repad."""
-    rulebook, padded_rb, capacity_in, capacity_out = _layout(kind, 70, 5)
-    for stored in (padded_rb, padded_rb.repad(capacity_in + 40, capacity_out + 17)):
-        pair_input, pair_output = np.asarray(stored.pair_input), np.asarray(stored.pair_output)
-        assert pair_input.shape == (rulebook.kernel_volume, stored.info.pair_capacity)
-        assert stored.info.pair_capacity % stored.info.chunk == 0
-        np.testing.assert_array_equal(stored.counts, rulebook.offset_counts)
-        for offset in range(rulebook.kernel_volume):
-            rows_in, rows_out = rulebook.pairs(offset)
-            count = rows_in.shape[0]
-            np.testing.assert_array_equal(pair_input[offset, :count], rows_in)
-            np.testing.assert_array_equal(pair_output[offset, :count], rows_out)
-            assert (pair_input[offset, count:] == -1).all() and (pair_output[offset, count:] == -1).all()
-        if rulebook.identity_offset >= 0:
-            centre = pair_input[rulebook.identity_offset, : rulebook.num_input]
-            np.testing.assert_array_equal(centre, np.arange(rulebook.num_input))
-
-
 def test_padded_pair_maps_are_refused_by_the_numpy_backend():
     layout = _layout("subm", 40, 3)
     rulebook, padded_rb, capacity_in, capacity_out = layout

@@ -260,6 +260,25 @@ def test_impl_is_chosen_explicitly_per_layer_or_by_the_plan(monkeypatch):
         x.plan.with_impl("numpy")
 
 
+def test_the_planner_travels_with_the_traced_tensors_only():
+    x, _, _ = _cloud(seed=13)
+    other, _, _ = _cloud(seed=14, name="other")
+    p = _weights()
+    seen = []
+
+    def net(q, t):
+        seen.append(t.plan.planner)
+        sj.subm_conv(other, q["a"])  # a concrete tensor closed over: built eagerly on its own plan
+        return sj.subm_conv(t, q["a"])
+
+    planned = sj.plan(net, p, x)
+    assert seen and seen[0] is not None  # the traced tensor's plan carried the planner explicitly
+    assert planned.planner is None and x.plan.planner is None and other.plan.planner is None
+    assert sorted(planned.sites) == ["input"] and len(planned.rulebooks) == 1
+    with pytest.raises(TypeError, match="policy, impl and planner"):
+        planned.configured(capacity=3)
+
+
 def test_set_default_impl_refuses_module_state():
     sj.set_default_impl(None)  # the automatic choice is what holds: nothing to change
     with pytest.raises(RuntimeError, match=r"no module state.*impl='callback'.*with_impl\('callback'\)"):
@@ -301,7 +320,8 @@ def test_plan_inside_jit_is_refused():
 def test_mismatched_shapes_are_rejected():
     x, indices, features = _cloud(seed=17)
     # the core's weight-layout check and messages (shared with sparsecore and sparsecore.torch)
-    with pytest.raises(ValueError, match=r"last axis must be 3 \(in_channels 3 // groups 1\), got shape \(2, 3, 3, 3, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"last axis must be 3 \(in_channels 3 // groups 1\), got shape \(2, 3, 3, 3, 4\)"):
         sj.subm_conv(x, jnp.ones((2, 3, 3, 3, 4)))
     with pytest.raises(ValueError, match="5 axes for a 3-D conv"):
         sj.subm_conv(x, jnp.ones((2, 3, 3, 3)))

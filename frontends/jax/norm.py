@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from .ops import compute_dtype
+from .primitives import compute_dtype
 from .tensor import SparseTensor
 
 __all__ = ["init_batch_norm", "batch_norm"]

@@ -214,13 +214,24 @@ class Plan:
             raise PlanError(f"the plan has no site set {name!r}; it has {sorted(self.sites)}")
         return self.sites[name]
 
+    def configured(self, **changes: Any) -> "Plan":
+        """This plan, the same entries, with other static configuration: ``policy``, ``impl``, ``planner``.
+
+        Raises:
+            TypeError: for another keyword.
+        """
+        unknown = sorted(set(changes) - {"policy", "impl", "planner"})
+        if unknown:
+            raise TypeError(f"Plan.configured takes policy, impl and planner, got {unknown}")
+        return self._with(self.sites, self.rulebooks, **changes)
+
     def with_impl(self, impl: str | None) -> "Plan":
         """This plan with its layers' default feature-pass implementation set (``None``: `default_impl`).
 
         Raises:
             ValueError: for a name not in `sparsecore.jax.IMPLS`.
         """
-        return self._with(self.sites, self.rulebooks, impl=_check_impl(impl))
+        return self.configured(impl=_check_impl(impl))
 
     def with_entries(self, sites: Mapping[str, Sites] = {}, rulebooks: Mapping[str, PaddedRulebook] = {}) -> "Plan":
         """A new plan with these entries added (this one is unchanged)."""

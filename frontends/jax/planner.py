@@ -37,7 +37,7 @@ class Planner:
     """
 
     def __init__(self, base: Plan, policy: CapacityPolicy | None = None) -> None:
-        self.built = base._with(base.sites, base.rulebooks, policy=policy or base.policy or Buckets(), planner=None)
+        self.built = base.configured(policy=policy or base.policy or Buckets(), planner=None)
 
     def knows(self, sites: str) -> bool:
         return sites in self.built.sites
@@ -65,8 +65,7 @@ def _with_planner(tree: Any, planner: Planner) -> Any:
     """``tree`` with the plan of every `SparseTensor` carrying ``planner``."""
     def attach(leaf: Any) -> Any:
         if isinstance(leaf, SparseTensor):
-            return SparseTensor(leaf.features, leaf.plan._with(leaf.plan.sites, leaf.plan.rulebooks,
-                                                               planner=planner), leaf.sites_name)
+            return SparseTensor(leaf.features, leaf.plan.configured(planner=planner), leaf.sites_name)
         return leaf
 
     return jax.tree_util.tree_map(attach, tree, is_leaf=lambda value: isinstance(value, SparseTensor))
