@@ -21,12 +21,13 @@ state or the environment. Pools are in `pooling`; ``to_dense`` is jnp in both
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from sparsecore.interop import check_dense_size
 
 from . import callback
 from .primitives import (
@@ -201,13 +202,11 @@ def to_dense(features: Any, indices: Any, spatial_shape: tuple[int, ...], batch_
              channels_first: bool = True) -> Any:
     """Scatters padded features into ``[B, C, *spatial]`` (or ``[B, *spatial, C]``); padding rows dropped."""
     shape = (batch_size,) + tuple(spatial_shape) + (features.shape[1],)
-    size = math.prod(shape) * jnp.dtype(features.dtype).itemsize
-    if size >= 2 ** 62:  # XLA aborts the process on a shape whose byte size overflows
-        raise ValueError(
-            f"to_dense: the dense grid [batch_size, *spatial_shape, C] = {list(shape)} would hold "
-            f"{math.prod(shape):.3g} elements ({size / 2 ** 40:.3g} TiB), more than any device can address; "
-            "densify a crop (fewer, smaller axes) or work on the sparse rows (valid_features / valid_indices)"
-        )
+    try:  # XLA aborts the process on a shape whose byte size overflows: refuse it first (the core's check)
+        check_dense_size(batch_size, spatial_shape, features.shape[1], jnp.dtype(features.dtype).itemsize,
+                         limit_bytes=2 ** 62 - 1)
+    except ValueError as error:
+        raise ValueError(f"to_dense: {error}") from None
     index = tuple(indices[:, axis] for axis in range(indices.shape[1]))
     dense = jnp.zeros(shape, features.dtype).at[index].add(features, mode="drop")
     return jnp.moveaxis(dense, -1, 1) if channels_first else dense
