@@ -1,6 +1,6 @@
 """Compiled CPU kernels of the convolution feature passes (numba, compiled on first use).
 
-The NumPy backend's fused dataflow (`sparsecore.conv`) runs on these kernels:
+The NumPy backend's fused dataflow (`sparsecore.cpu_dataflow`) runs on these kernels:
 
 - `neighbour_table`: a rulebook's pairs as a dense int32 table, for each
   destination row ``d`` and offset ``k`` the source row paired with it (or -1),
@@ -15,7 +15,7 @@ The NumPy backend's fused dataflow (`sparsecore.conv`) runs on these kernels:
   every thread count (no atomics, no order that depends on scheduling).
 
 The weight gradient stays on BLAS (one ``gathered_input^T @ gathered_grad``
-per offset, `sparsecore.conv`): a compiled blocked outer-product kernel was
+per offset, `sparsecore.cpu_dataflow`): a compiled blocked outer-product kernel was
 2-4x slower than that at 16 and 64 channels (docs/performance.md).
 
 Channel counts become compile-time constants (one compiled kernel per
