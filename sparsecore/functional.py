@@ -3,7 +3,9 @@
 These are the NumPy/CuPy user's API: find or build the rulebook through the
 one geometry path (`sparsecore.layer_geometry.find_layer_rulebook`, which the
 frontends call too), run the feature pass, wrap the result on the output
-sites, sharing the input's rulebook cache handle.
+sites. The output holds the input's rulebook cache plus the layer's entry
+(copy-on-write: the input and sibling branches do not see the layer's key),
+spconv's ``indice_dict`` rule and the rule of both frontends.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from .conv import check_weight_layout, conv_forward
 from .dense import union_sites
 from .geometry import ConvGeometry, PerAxis
 from .pool import avg_pool_forward, global_avg_pool_forward, global_max_pool_forward, max_pool_forward
-from .layer_geometry import find_layer_rulebook
+from .layer_geometry import FoundRulebook, find_layer_rulebook
 from .rulebook import Rulebook
-from .tensor import SparseTensor
+from .tensor import RulebookCache, SparseTensor
 
 __all__ = [
     "layer_rulebook",
@@ -35,7 +37,9 @@ def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | No
 
     Found in ``x``'s cache (canonically, or under ``indice_key`` after checking it
     fits) or built; the cache `find_layer_rulebook` returns is stored in
-    ``x.rulebooks``, the handle every tensor derived from ``x`` shares. For
+    ``x.rulebooks`` (for callers that run the feature passes themselves on ``x``'s
+    sites, e.g. `sparsecore.runtime`; the layers of this module hand it to their
+    output instead, leaving ``x``'s cache as it is). For
     ``geometry.kind == "inverse"`` the rulebook under ``indice_key`` (a regular
     conv or pool's) is reversed; the key is required.
 
@@ -49,13 +53,22 @@ def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | No
     return found.rulebook
 
 
-def _output(x: SparseTensor, features: Any, rulebook: Rulebook) -> SparseTensor:
-    """The layer's output tensor, its arrays in the library of ``x``'s (torch in, torch out)."""
+def _layer(x: SparseTensor, geometry: ConvGeometry, indice_key: str | None) -> FoundRulebook:
+    """The layer's rulebook and the cache its output holds (the input's cache is left as it is)."""
+    return find_layer_rulebook(x.rulebooks.value, x.sites, geometry, indice_key)
+
+
+def _output(x: SparseTensor, features: Any, found: FoundRulebook) -> SparseTensor:
+    """The layer's output tensor, its arrays in the library of ``x``'s (torch in, torch out),
+    holding a new handle on the cache `find_layer_rulebook` returned (copy-on-write)."""
+    rulebook = found.rulebook
+    cache = x.rulebooks if found.cache is x.rulebooks.value else RulebookCache(found.cache)
     features = from_core_array(features, like=x.features)
     if rulebook.output_indices is x.core_indices:
-        return x.replace(features)
+        return x.replace(features, rulebooks=cache)
     indices = from_core_array(rulebook.output_indices, like=x.indices)
-    return x.with_sites(features, indices, rulebook.output_spatial_shape, core_indices=rulebook.output_indices)
+    return x.with_sites(features, indices, rulebook.output_spatial_shape, core_indices=rulebook.output_indices,
+                        rulebooks=cache)
 
 
 def sparse_conv(x: SparseTensor, weight: Any, bias: Any | None = None, *, kind: str = "regular",
@@ -89,32 +102,32 @@ def sparse_conv(x: SparseTensor, weight: Any, bias: Any | None = None, *, kind: 
     else:
         geometry = ConvGeometry.create(x.ndim, kernel_size, stride, padding, dilation,
                                        output_padding, kind=kind)
-    rulebook = layer_rulebook(x, geometry, indice_key)
-    return _output(x, conv_forward(x.core_features, weight, rulebook, bias=bias, groups=groups), rulebook)
+    found = _layer(x, geometry, indice_key)
+    return _output(x, conv_forward(x.core_features, weight, found.rulebook, bias=bias, groups=groups), found)
 
 
 def _pool_rulebook(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None, padding: PerAxis,
-                   dilation: PerAxis, subm: bool, indice_key: str | None) -> Rulebook:
+                   dilation: PerAxis, subm: bool, indice_key: str | None) -> FoundRulebook:
     geometry = ConvGeometry.create(x.ndim, kernel_size, kernel_size if stride is None else stride,
                                    padding, dilation, kind="subm" if subm else "regular")
-    return layer_rulebook(x, geometry, indice_key)
+    return _layer(x, geometry, indice_key)
 
 
 def sparse_max_pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None = None,
                     padding: PerAxis = 0, dilation: PerAxis = 1, *, subm: bool = False,
                     indice_key: str | None = None) -> SparseTensor:
     """Max over the active sites of each window (stride defaults to the kernel size)."""
-    rulebook = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
-    out, _ = max_pool_forward(x.core_features, rulebook)
-    return _output(x, out, rulebook)
+    found = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
+    out, _ = max_pool_forward(x.core_features, found.rulebook)
+    return _output(x, out, found)
 
 
 def sparse_avg_pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | None = None,
                     padding: PerAxis = 0, dilation: PerAxis = 1, *, subm: bool = False,
                     indice_key: str | None = None) -> SparseTensor:
     """Mean over the active sites of each window (stride defaults to the kernel size)."""
-    rulebook = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
-    return _output(x, avg_pool_forward(x.core_features, rulebook), rulebook)
+    found = _pool_rulebook(x, kernel_size, stride, padding, dilation, subm, indice_key)
+    return _output(x, avg_pool_forward(x.core_features, found.rulebook), found)
 
 
 def global_max_pool(x: SparseTensor) -> Any:

@@ -30,16 +30,17 @@ def in_library_of(core: Any, given: Any) -> Any:
 
 
 class RulebookCache:
-    """Rulebooks by ``indice_key``, shared by every tensor derived from one input.
+    """Rulebooks by ``indice_key``: a tensor's handle on an immutable
+    `sparsecore.layer_geometry.GeometryCache` (``value``).
 
-    A handle on an immutable `sparsecore.layer_geometry.GeometryCache` (``value``):
-    `sparsecore.functional` passes the value to `find_layer_rulebook` and stores
-    the value it returns back here, so every tensor holding this handle (the
-    input and everything derived from it) sees the layer's ``indice_key`` and
-    its canonical entry. A later submanifold layer with the same key reuses the
-    rulebook, and an inverse conv with the same key reverses it (spconv's
-    ``indice_dict``). ``sparsecore.torch`` holds the value itself instead, per
-    tensor, copy-on-write (spconv's behaviour; see `sparsecore.layer_geometry`).
+    The sharing rule is the one of every frontend (spconv's ``indice_dict``): a
+    layer's output holds a new handle on the cache `find_layer_rulebook` returns
+    (the input's entries plus the layer's, copy-on-write), so a key made on one
+    branch is not seen by the input or by a sibling branch; ``replace`` (new
+    features on the same sites) shares the handle. A later submanifold layer with
+    the same key reuses the rulebook, and an inverse conv with the same key
+    reverses it. `put` and `sparsecore.functional.layer_rulebook` store into the
+    handle itself, for callers that drive the feature passes themselves.
     """
 
     def __init__(self, value: GeometryCache | None = None) -> None:
@@ -140,24 +141,26 @@ class SparseTensor:
         """Feature channels ``C``."""
         return int(self.features.shape[1])
 
-    def replace(self, features: Any) -> "SparseTensor":
-        """The same sites and rulebook cache with new features ``[N, C']``."""
+    def replace(self, features: Any, *, rulebooks: RulebookCache | None = None) -> "SparseTensor":
+        """The same sites with new features ``[N, C']``, sharing this tensor's rulebook cache
+        (spconv's ``replace_feature``) unless ``rulebooks`` gives the one to hold."""
         out = SparseTensor(features, self.indices, self.spatial_shape, self.batch_size,
-                           self.rulebooks, _checked=self._checked)
+                           self.rulebooks if rulebooks is None else rulebooks, _checked=self._checked)
         if out.indices is self.indices:  # one core view of the sites: cached rulebooks match by identity
             object.__setattr__(out, "core_indices", self.core_indices)
         return out
 
     def with_sites(self, features: Any, indices: Any, spatial_shape: Sequence[int],
-                   core_indices: Any = None) -> "SparseTensor":
-        """A tensor on new sites the library produced, sharing this tensor's cache.
+                   core_indices: Any = None, *, rulebooks: RulebookCache | None = None) -> "SparseTensor":
+        """A tensor on new sites the library produced, sharing this tensor's cache unless
+        ``rulebooks`` gives the one to hold.
 
         ``core_indices``: the core array ``indices`` views (a rulebook's output
         sites), kept as the new tensor's ``core_indices`` so that the rulebooks
         built on it are found by identity (`sites`).
         """
         out = SparseTensor(features, indices, tuple(spatial_shape), self.batch_size,
-                           self.rulebooks, _checked=True)
+                           self.rulebooks if rulebooks is None else rulebooks, _checked=True)
         if core_indices is not None and tuple(core_indices.shape) == tuple(out.core_indices.shape):
             object.__setattr__(out, "core_indices", core_indices)
         return out

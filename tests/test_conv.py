@@ -393,11 +393,13 @@ def test_indice_key_subm_reuse_and_mismatch():
     w2 = do.random_weight(rng, 2, (3, 3, 3), 4)
     x = sc.SparseTensor(features, indices, case.spatial_shape, case.batch_size)
     y = sc.sparse_conv(x, w1, kind="subm", indice_key="subm1")
-    assert "subm1" in x.rulebooks
-    assert y.rulebooks is x.rulebooks, "derived tensors share the rulebook cache"
-    cached = x.rulebooks.get("subm1")
+    # spconv's indice_dict rule: the output holds the input's entries plus the layer's; the input is unchanged
+    assert "subm1" in y.rulebooks and "subm1" not in x.rulebooks
+    cached = y.rulebooks.get("subm1")
     z = sc.sparse_conv(y, w2, kind="subm", indice_key="subm1")
-    assert x.rulebooks.get("subm1") is cached, "a fitting rulebook is reused, not rebuilt"
+    assert z.rulebooks.get("subm1") is cached, "a fitting rulebook is reused, not rebuilt"
+    sibling = sc.sparse_conv(x, w1, kind="subm")
+    assert "subm1" not in sibling.rulebooks, "a sibling branch does not see the other branch's key"
     do.assert_sites(z.indices, indices)
     pad = do.subm_padding((3, 3, 3), 1, 3)
 
