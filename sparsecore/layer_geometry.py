@@ -40,9 +40,9 @@ same sites (``replace_feature``, ``shadow_copy``, ``replace``) share its cache
 value. This is spconv's observable behaviour: each layer gives its output a
 copy of the input's ``indice_dict`` with its own key added, so running a model
 twice on one input starts afresh, and two branches from one tensor do not see
-each other's keys. (The core `sparsecore.SparseTensor` keeps its documented
-`RulebookCache` *handle*, shared by every tensor derived from one input, into
-which `sparsecore.functional` stores the returned value: see that class.)
+each other's keys. The core `sparsecore.SparseTensor` (through
+`sparsecore.functional`), ``sparsecore.torch`` and ``sparsecore.jax`` all keep
+this rule.
 """
 
 from __future__ import annotations
