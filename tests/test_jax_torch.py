@@ -126,3 +126,42 @@ def test_same_layers_same_numbers_in_jax_and_torch(impl):
         np.testing.assert_allclose(np.asarray(grads[name]), want, rtol=1e-10, atol=1e-10, err_msg=name)
     np.testing.assert_allclose(np.asarray(grad_features[: indices.shape[0]]), t_features.grad.numpy(),
                                rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "callback"])
+def test_checkpoint_with_1x1_layers_computes_as_in_torch(impl):
+    """spconv reads a 1x1 layer's stored weight as ``view(in, out)`` (sparsecore.torch follows it,
+    tested against spconv itself); a checkpoint loaded into JAX must compute the same numbers."""
+    torch.manual_seed(5)
+    mods = torch.nn.ModuleDict({
+        "a": spt.SubMConv3d(3, 5, 3, bias=True, indice_key="s"),
+        "project": spt.SubMConv3d(5, 7, 1, bias=True),
+        "pointwise": spt.SparseConv3d(7, 4, 1, bias=False),
+    }).double()
+    rng = np.random.default_rng(41)
+    shape, batch = (7, 8, 9), 2
+    indices = random_sites(rng, shape, batch, 120)
+    features = random_features(rng, indices.shape[0], 3)
+    x = spt.SparseConvTensor(torch.tensor(features), torch.tensor(indices, dtype=torch.int32), list(shape), batch)
+    want = mods["pointwise"](mods["project"](mods["a"](x)))
+
+    tree = sj.params_from_state_dict(mods.state_dict())
+
+    def forward(p, t):
+        t = sj.subm_conv(t, p["a"]["weight"], p["a"]["bias"], impl=impl)
+        t = sj.subm_conv(t, p["project"]["weight"], p["project"]["bias"], impl=impl)
+        return sj.sparse_conv(t, p["pointwise"]["weight"], impl=impl)
+
+    jx = sj.SparseTensor.from_arrays(features, indices, shape, batch)
+    jx = jx.with_plan(sj.plan(forward, tree, jx))
+    got = jax.jit(forward)(tree, jx)
+    n = int(got.num_active)
+    got_rows, got_sites = _rows_by_site(got.features[:n], got.indices[:n])
+    want_rows, want_sites = _rows_by_site(want.features.detach().numpy(), want.indices.numpy())
+    np.testing.assert_array_equal(got_sites, want_sites)
+    np.testing.assert_allclose(got_rows, want_rows, rtol=1e-11, atol=1e-11)
+
+    # the layout reading (spconv_1x1=False) computes something else on these non-square 1x1 layers
+    plain = sj.params_from_state_dict(mods.state_dict(), spconv_1x1=False)
+    assert not np.allclose(np.asarray(plain["project"]["weight"]), np.asarray(tree["project"]["weight"]))
+    np.testing.assert_array_equal(np.asarray(plain["a"]["weight"]), np.asarray(tree["a"]["weight"]))

@@ -40,7 +40,7 @@ from .functional import (
 from .norm import batch_norm, init_batch_norm
 from .ops import IMPLS, default_impl, set_default_impl
 from .parallel import data_parallel_grad, local, repad, stack
-from .params import conv_weight_shape, init_conv, params_from_state_dict
+from .params import conv_weight_shape, init_conv, params_from_state_dict, spconv_1x1_weight
 from .plan import PaddedRulebook, Plan, PlanError, Recipe, RulebookInfo, Sites, SitesInfo
 from .planner import plan
 from .tensor import SparseTensor
@@ -72,6 +72,7 @@ __all__ = [
     "inverse_conv",
     "local",
     "params_from_state_dict",
+    "spconv_1x1_weight",
     "plan",
     "repad",
     "set_default_impl",

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["init_conv", "conv_weight_shape", "params_from_state_dict"]
+__all__ = ["init_conv", "conv_weight_shape", "params_from_state_dict", "spconv_1x1_weight"]
 
 
 def conv_weight_shape(in_channels: int, out_channels: int, kernel_size: int | Sequence[int], ndim: int = 3,
@@ -60,11 +60,43 @@ def _as_array(value: Any) -> Any:
     return jnp.asarray(np.asarray(value))
 
 
-def params_from_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+def _is_one_by_one_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """A sparse conv weight ``[out, 1, ..., 1, in]`` (1 to 4 spatial axes) under a ``*.weight`` key."""
+    return name.endswith("weight") and 3 <= len(shape) <= 6 and all(size == 1 for size in shape[1:-1])
+
+
+def spconv_1x1_weight(weight: Any) -> Any:
+    """The weight that computes spconv's 1x1 product with a stored ``[out, 1, ..., 1, in]`` tensor.
+
+    spconv 2.x (and ``sparsecore.torch``, which follows it) computes a layer of
+    kernel volume 1 as ``features @ weight.view(in, out)``, reading the stored
+    bytes in another order than its ``[out, *kernel, in]`` layout says;
+    ``sparsecore.jax`` computes every layer as the layout says. This returns
+    ``weight.reshape(in, out).T`` laid out as ``[out, 1, ..., 1, in]``, so the JAX
+    layer computes what the checkpoint computed in spconv.
+
+    Args:
+        weight: ``[out, 1, ..., 1, in]`` array (NumPy or JAX).
+
+    Returns:
+        A ``jnp`` array of the same shape and dtype.
+    """
+    weight = jnp.asarray(weight)
+    out_channels, in_channels = int(weight.shape[0]), int(weight.shape[-1])
+    return weight.reshape(in_channels, out_channels).T.reshape(weight.shape)
+
+
+def params_from_state_dict(state_dict: Mapping[str, Any], *, spconv_1x1: bool = True) -> dict[str, Any]:
     """A nested dict of jnp arrays from a flat ``state_dict`` (keys split on ``"."``).
 
     ``{"net.0.weight": t}`` becomes ``{"net": {"0": {"weight": array}}}``; torch
-    tensors and NumPy arrays are accepted. Weights keep their layout.
+    tensors and NumPy arrays are accepted. Weights keep their layout, except the
+    weights of kernel volume 1 (``[out, 1, ..., 1, in]`` under a ``*.weight`` key):
+    spconv and ``sparsecore.torch`` read those as ``view(in, out)``, so with
+    ``spconv_1x1=True`` (the default) they are rewritten by `spconv_1x1_weight`
+    and the JAX layers compute what the checkpoint computed. Pass
+    ``spconv_1x1=False`` for a dict whose 1x1 weights already follow the layout
+    (e.g. one saved from JAX parameters).
     """
     tree: dict[str, Any] = {}
     for name, value in state_dict.items():
@@ -74,5 +106,8 @@ def params_from_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"state_dict key {name!r} clashes with a tensor at {part!r}")
-        node[parts[-1]] = _as_array(value)
+        array = _as_array(value)
+        if spconv_1x1 and _is_one_by_one_weight(str(name), tuple(array.shape)):
+            array = spconv_1x1_weight(array)
+        node[parts[-1]] = array
     return tree
