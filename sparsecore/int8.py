@@ -24,7 +24,8 @@ fused into an FMA), in this order::
 `quantize` (defined with `dequantize` and `requant_parameters` in
 `sparsecore.int8_scales`, re-exported here) uses that same last step, so a
 requantized output equals ``quantize(y, output_scale)``. The NumPy backend (int32 sums in a compiled
-numba kernel, or exact float32 GEMMs without numba, see
+numba kernel, or the float32 conv pass on values whose sums it proves exact, chosen per layer by
+`sparsecore.int8_cpu_dataflow`; exact float32 GEMMs with int32 spills past ``2^24``, see
 `sparsecore.backends._numpy_int8`) and the GPU kernel (``kernels_cu/int8.cu``:
 ``__dp4a`` with int32 sums, the epilogue with ``__fmul_rn`` / ``__fadd_rn`` /
 ``__fdiv_rn``) give the same bits; one exception, on the GPU only: CuPy
@@ -45,8 +46,9 @@ import numpy as np
 
 from ._dispatch import check_same_device, to_core_array
 from ._chunks import check_padded_pairs
-from .backends import ArrayBackend, backend_for
+from .backends import ArrayBackend, NumpyBackend, backend_for
 from .backends._numpy_int8 import Int8Epilogue
+from .int8_cpu_dataflow import int8_conv_on_cpu
 from .int8_scales import (
     RequantParameters,
     as_bias,
@@ -172,6 +174,8 @@ def int8_conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, 
         relu=bool(relu),
         output_scale=None if output_scale is None else as_scale(output_scale, "output_scale"),
     )
+    if isinstance(backend, NumpyBackend):  # the compiled int8 kernel or the exact float32 pass, by layer
+        return int8_conv_on_cpu(backend, features, weight, rulebook, groups, epilogue)
     return backend.int8_conv_pairs(features, weight, rulebook.pair_input, rulebook.pair_output,
                                    tuple(rulebook.offset_starts), rulebook.num_output,
                                    rulebook.identity_offset, groups, epilogue)

@@ -8,12 +8,14 @@ once from the dense float64 oracle (`dense_oracle`).
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import sparsecore as sc
 from sparsecore import int8 as q8
+from sparsecore import int8_cpu_dataflow
 from sparsecore.backends import NumpyBackend, _int8_cpu_kernels, _numpy_int8
 
 from int8_reference import (
@@ -43,11 +45,24 @@ class _Engine:
         return _numpy_int8.conv_pairs(self.inner, *args, engine=self.engine)
 
 
-ENGINES = {"compiled": _Engine("compiled"), "blas": _Engine("blas")}
+class _Route(NumpyBackend):
+    """The plain NumPy backend with `sparsecore.int8_cpu_dataflow`'s route forced ("float_pass"), or its
+    own per-layer choice ("auto")."""
+
+    def __init__(self, route: str) -> None:
+        self.route = route
+
+
+ENGINES = {"compiled": _Engine("compiled"), "blas": _Engine("blas"), "float_pass": _Route("float_pass"),
+           "auto": _Route("auto")}
 
 
 def _forward(engine: str, *args, **kwargs):
-    return q8.int8_conv_forward(*args, backend=ENGINES[engine], **kwargs)
+    backend = ENGINES[engine]
+    if isinstance(backend, _Route) and backend.route == "float_pass":
+        with mock.patch.object(int8_cpu_dataflow, "compiled_on_cpu", lambda *sizes: False):
+            return q8.int8_conv_forward(*args, backend=backend, **kwargs)
+    return q8.int8_conv_forward(*args, backend=backend, **kwargs)
 
 
 def _rng(*seed: int) -> np.random.Generator:

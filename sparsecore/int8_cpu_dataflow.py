@@ -1,0 +1,117 @@
+"""Which dataflow runs an int8 conv on the CPU: the compiled int8 kernel, or the float32 pass on exact values.
+
+Two routes give the same bits on the NumPy backend (`sparsecore.int8`'s
+int32 sum, then its float32 epilogue):
+
+- the compiled int8 kernel (`sparsecore.backends._int8_cpu_kernels`, numba):
+  output-stationary, int8 x int16 products summed in int32, the epilogue fused;
+- the float32 pass (`float_pass`): the int8 values widened to float32 and run
+  through `sparsecore.conv_forward`, which picks the float layer's own
+  dataflow (per-offset gathers, BLAS GEMMs and scatter-adds for narrow layers,
+  its fused kernel for wider ones, on `sparsecore.threads`' thread count), then
+  the epilogue (`_numpy_int8.apply_epilogue`). Every product of two int8 values
+  is an integer of magnitude at most ``2^14``, and float32 holds every integer
+  up to ``2^24``, so while ``max|x| * max_c sum_{k,i} |W[c, k, i]|`` stays
+  within ``2^24`` every partial sum, in any order, with or without FMA, is an
+  exact integer: the float32 result is ``float32(acc)`` exactly. Layers over
+  that bound (checked per call, from the data) run the backend's int8 pass.
+
+`compiled_on_cpu` chooses by the channel counts only (never the thread count
+or the data), from interleaved runs of both routes on the layers of
+``examples/quantize_int8.py``'s U-Net and the SECOND backbone of
+``python -m sparsecore.benchmark runtime --int8`` on the real scan (125,562
+voxels), one thread, shared 2-core machine (1-minute load average 3-5, so
++-20 %), medians of 3, ms, compiled int8 kernel vs float32 pass:
+
+==========================  =========  ==========
+layer (pairs)               compiled   float pass
+==========================  =========  ==========
+subm 4 -> 16 (789k)         25-37      19-44
+subm 16 -> 16 (789k)        95-152     30-57
+strided 16 -> 32 (423k)     96-189     27-45
+subm 32 -> 32 (1.89M)       762-1139   140-241
+strided 32 -> 64 (458k)     42-61      47-72
+subm 64 -> 64 (1.04M)       163-256    190-276
+inverse 64 -> 32 (458k)     352        241
+inverse 32 -> 16 (423k)     143        40
+==========================  =========  ==========
+
+The compiled kernel wins only where each output row sums many wide
+products (at least `COMPILED_MIN_IN_PER_GROUP` inputs into
+`COMPILED_MIN_OUT_PER_GROUP` outputs per group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .backends import NumpyBackend
+from .backends import _int8_cpu_kernels
+from .backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue, apply_epilogue
+from .conv import conv_forward
+from .rulebook import PairMap, Rulebook
+
+__all__ = ["COMPILED_MIN_IN_PER_GROUP", "COMPILED_MIN_OUT_PER_GROUP", "ROUTES", "compiled_on_cpu",
+           "float_pass_is_exact", "int8_conv_on_cpu"]
+
+COMPILED_MIN_IN_PER_GROUP = 32
+"""Input channels per group from which the compiled int8 kernel runs a layer (with `COMPILED_MIN_OUT_PER_GROUP`)."""
+
+COMPILED_MIN_OUT_PER_GROUP = 64
+"""Output channels per group from which the compiled int8 kernel runs a layer."""
+
+ROUTES = ("auto", "compiled", "float_pass")
+
+
+def compiled_on_cpu(in_per_group: int, out_per_group: int) -> bool:
+    """Whether the compiled int8 kernel runs a layer (when numba imports) rather than the float32 pass."""
+    return (_int8_cpu_kernels.available() and in_per_group >= COMPILED_MIN_IN_PER_GROUP
+            and out_per_group >= COMPILED_MIN_OUT_PER_GROUP)
+
+
+def float_pass_is_exact(features: np.ndarray, weight: np.ndarray) -> bool:
+    """Whether every partial sum of the conv stays an integer within ``2^24`` (see the module docstring).
+
+    Args:
+        features: int8 ``[N, C_in]``.
+        weight: int8 ``[C_out, *kernel_size, C_in // groups]``.
+    """
+    if features.size == 0 or weight.size == 0:
+        return True
+    largest_input = max(-int(features.min()), int(features.max()))
+    row_sums = np.abs(weight.reshape(weight.shape[0], -1).astype(np.int32)).sum(axis=1, dtype=np.int64)
+    return largest_input * int(row_sums.max()) <= EXACT_FLOAT32_LIMIT
+
+
+def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.ndarray, rulebook: Rulebook | PairMap,
+                     groups: int, epilogue: Int8Epilogue, route: str = "auto") -> np.ndarray:
+    """The int8 conv of `sparsecore.int8.int8_conv_forward` on NumPy arrays (checked arguments).
+
+    Args:
+        backend: the NumPy backend.
+        features: int8 ``[N_in, C_in]``.
+        weight: int8 ``[C_out, *kernel_size, C_in // groups]``.
+        rulebook: the layer's rulebook.
+        groups: channel groups.
+        epilogue: the float32 steps after the sum.
+        route: ``"auto"`` (`compiled_on_cpu` decides), ``"compiled"`` (the backend's int8
+            pass), or ``"float_pass"`` (the float32 pass when `float_pass_is_exact`, else
+            the backend's int8 pass). Every route gives the same bits.
+
+    Returns:
+        int8 ``[N_out, C_out]`` with ``epilogue.output_scale``, else float32.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    in_per_group, out_per_group = weight.shape[-1], weight.shape[0] // groups
+    if route == "auto":
+        route = "compiled" if compiled_on_cpu(in_per_group, out_per_group) else "float_pass"
+    if route == "float_pass" and float_pass_is_exact(features, weight):
+        sums = conv_forward(features.astype(np.float32), weight.astype(np.float32), rulebook, groups=groups,
+                            backend=backend)
+        return apply_epilogue(np, sums, epilogue)
+    return backend.int8_conv_pairs(features, weight, rulebook.pair_input, rulebook.pair_output,
+                                   tuple(rulebook.offset_starts), rulebook.num_output, rulebook.identity_offset,
+                                   groups, epilogue)

@@ -1,0 +1,116 @@
+"""sparsecore.int8_cpu_dataflow: the per-layer CPU route of the int8 conv, bit-exact against the integer reference.
+
+The oracle is `int8_reference` (int64 loops over the pairs, then the documented
+float32 epilogue). The float32 pass must be taken exactly when its sums are
+provably exact (and then give the same bits), and left otherwise.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+
+import sparsecore as sc
+from sparsecore import int8_cpu_dataflow as dataflow
+from sparsecore.backends import NumpyBackend, _int8_cpu_kernels
+from sparsecore.backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue
+
+from int8_reference import integer_sums, random_int8, reference_int8_conv, same_bits
+
+SHAPE = (9, 8, 7)
+
+
+def _rulebook(rng: np.random.Generator, count: int, kind: str = "subm") -> sc.Rulebook:
+    cells = rng.choice(int(np.prod(SHAPE)), size=count, replace=False)
+    indices = np.stack([np.zeros(count, np.int64), *np.unravel_index(cells, SHAPE)], axis=1).astype(np.int32)
+    if kind == "subm":
+        return sc.build_rulebook(indices, SHAPE, 1, sc.ConvGeometry.create(3, 3, kind="subm"))
+    regular = sc.build_rulebook(indices, SHAPE, 1, sc.ConvGeometry.create(3, 3, stride=2, padding=1, kind="regular"))
+    return regular if kind == "regular" else sc.inverse_rulebook(regular)
+
+
+def _epilogue(out_channels: int, rng: np.random.Generator, output_scale: float | None) -> Int8Epilogue:
+    multiplier = np.float32(0.05) * rng.uniform(2e-3, 2e-2, out_channels).astype(np.float32)
+    return Int8Epilogue(multiplier=multiplier.astype(np.float32), bias=None, residual=None,
+                        residual_scale=np.float32(1), relu=False,
+                        output_scale=None if output_scale is None else np.float32(output_scale))
+
+
+def test_exactness_bound_is_the_largest_input_times_the_largest_weight_row_sum() -> None:
+    weight = np.zeros((2, 3, 3, 3, 4), np.int8)
+    weight[1, 0, 0, 0, :] = 127  # row sum 508, the largest
+    weight[0, 1, 1, 1, 0] = -100
+    limit_input = EXACT_FLOAT32_LIMIT // 508  # 33,025 > 127: exact for every int8 input
+    assert limit_input > 128
+    features = np.array([[-128, 0, 3, 1]], np.int8)
+    assert dataflow.float_pass_is_exact(features, weight)
+    wide = np.full((1, 3, 3, 3, 1100), 127, np.int8)  # 27 * 1100 * 127 * 127 > 2^24
+    assert not dataflow.float_pass_is_exact(np.full((1, 1100), 127, np.int8), wide)
+    assert dataflow.float_pass_is_exact(np.zeros((1, 1100), np.int8), wide)  # all-zero inputs: sums are 0
+    assert dataflow.float_pass_is_exact(np.zeros((0, 1100), np.int8), wide)  # no inputs
+
+
+@pytest.mark.parametrize("kind", ["subm", "regular", "inverse"])
+@pytest.mark.parametrize("in_channels, out_channels, groups", [(4, 16, 1), (16, 16, 1), (32, 64, 1), (12, 8, 2)])
+@pytest.mark.parametrize("output_scale", [None, 0.3])
+def test_float_pass_is_taken_and_matches_the_integer_reference(kind: str, in_channels: int, out_channels: int,
+                                                               groups: int, output_scale: float | None) -> None:
+    rng = np.random.default_rng([12, len(kind), in_channels, out_channels, groups])
+    rulebook = _rulebook(rng, 60, kind)
+    features = random_int8(rng, (rulebook.num_input, in_channels), -40, 40)
+    weight = random_int8(rng, (out_channels, 3, 3, 3, in_channels // groups), -30, 30)
+    epilogue = _epilogue(out_channels, rng, output_scale)
+    assert dataflow.float_pass_is_exact(features, weight)
+    with mock.patch.object(dataflow, "conv_forward", wraps=dataflow.conv_forward) as float_pass:
+        actual = dataflow.int8_conv_on_cpu(NumpyBackend(), features, weight, rulebook, groups, epilogue,
+                                           route="float_pass")
+    assert float_pass.call_count == 1
+    # the documented epilogue (multiply, then round half to even and saturate) on the int64 sums
+    sums = integer_sums(features, weight, rulebook, groups).astype(np.int32).astype(np.float32)
+    expected = sums * epilogue.multiplier
+    if output_scale is not None:
+        expected = np.clip(np.rint(expected / np.float32(output_scale)), -128, 127).astype(np.int8)
+    same_bits(actual, expected, f"{kind} {in_channels}->{out_channels} groups={groups}")
+
+
+def test_inexact_sums_leave_the_float_pass() -> None:
+    rng = np.random.default_rng(1203)
+    rulebook = _rulebook(rng, 50)
+    features = random_int8(rng, (rulebook.num_input, 400), 100, 127)
+    weight = random_int8(rng, (3, 3, 3, 3, 400), 100, 127)  # 27 * 400 * 100 * 100 > 2^24
+    epilogue = Int8Epilogue(multiplier=np.ones(3, np.float32), bias=None, residual=None,
+                            residual_scale=np.float32(1), relu=False, output_scale=None)
+    assert not dataflow.float_pass_is_exact(features, weight)
+    with mock.patch.object(dataflow, "conv_forward", wraps=dataflow.conv_forward) as float_pass:
+        actual = dataflow.int8_conv_on_cpu(NumpyBackend(), features, weight, rulebook, 1, epilogue,
+                                           route="float_pass")
+    assert float_pass.call_count == 0
+    acc = integer_sums(features, weight, rulebook, 1)
+    assert np.abs(acc).max() > 2**24
+    same_bits(actual, acc.astype(np.int32).astype(np.float32), "float32(acc) past 2^24")
+
+
+def test_auto_route_by_channels_and_the_public_entry_point() -> None:
+    compiled = _int8_cpu_kernels.available()
+    assert dataflow.compiled_on_cpu(64, 64) == compiled and dataflow.compiled_on_cpu(32, 64) == compiled
+    assert not dataflow.compiled_on_cpu(16, 16) and not dataflow.compiled_on_cpu(64, 32)
+    rng = np.random.default_rng(1204)
+    rulebook = _rulebook(rng, 70)
+    features, weight = random_int8(rng, (rulebook.num_input, 16)), random_int8(rng, (16, 3, 3, 3, 16))
+    scales, bias = rng.uniform(2e-3, 2e-2, 16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    common = dict(input_scale=0.05, weight_scales=scales, bias=bias, relu=True, output_scale=0.2)
+    with mock.patch.object(dataflow, "conv_forward", wraps=dataflow.conv_forward) as float_pass:
+        actual = sc.int8_conv_forward(features, weight, rulebook, **common)
+    assert float_pass.call_count == 1  # a 16 -> 16 layer of int8 values runs the float32 pass
+    same_bits(actual, reference_int8_conv(features, weight, rulebook, **common), "auto route, 16 -> 16")
+
+
+def test_unknown_route_is_refused() -> None:
+    rng = np.random.default_rng(1205)
+    rulebook = _rulebook(rng, 10)
+    with pytest.raises(ValueError, match="route must be one of"):
+        dataflow.int8_conv_on_cpu(NumpyBackend(), random_int8(rng, (rulebook.num_input, 2)),
+                                  random_int8(rng, (2, 3, 3, 3, 2)), rulebook, 1, _epilogue(2, rng, None),
+                                  route="fast")
