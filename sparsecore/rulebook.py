@@ -56,6 +56,10 @@ class PairMap:
             ``skips_negative_rows`` is true (the GPU kernels) accept it.
         trusted: the pairs come from a rulebook the library built, so the range
             check of the rows is skipped (no host synchronisation on the GPU).
+        derived: a per-map cache of layouts computed from the pairs alone (the CPU
+            neighbour tables of `sparsecore.cpu_dataflow`), filled on first use so
+            every pass and every layer sharing the map builds them once; not part
+            of the value.
 
     Raises:
         ValueError: offsets that do not match the kernel or the pair arrays, or
@@ -73,6 +77,7 @@ class PairMap:
     identity_offset: int = -1
     padded: bool = False
     trusted: bool = dataclasses.field(default=False, repr=False)
+    derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         volume = 1

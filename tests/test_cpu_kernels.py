@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sparsecore as sc
-from sparsecore import conv
+from sparsecore import conv, cpu_dataflow
 from sparsecore.backends import NUMPY_BACKEND, _cpu_kernels
 
 import dense_oracle as do  # noqa: E402  (tests/ is on the path)
@@ -59,13 +59,17 @@ def test_neighbour_table_empty():
     assert (table == -1).all()
 
 
-@pytest.mark.parametrize("specialised", [False, True])
+@pytest.mark.parametrize("specialised, groups, in_per_group, out_per_group",
+                         [(False, 2, 3, 5), (True, 2, 3, 5), (False, 1, 16, 16), (False, 1, 16, 32),
+                          (False, 1, 32, 16), (False, 1, 24, 20)],
+                         ids=["generic", "specialised", "narrow16x16", "narrow16x32", "narrow32x16", "narrow24x20"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_accumulate_rows_against_pair_loop(specialised, dtype, monkeypatch):
+def test_accumulate_rows_against_pair_loop(specialised, groups, in_per_group, out_per_group, dtype, monkeypatch):
     if specialised:  # compile the channel counts in even for this small layer
         monkeypatch.setattr(_cpu_kernels, "SPECIALISE_MIN_PAIR_FLOPS", 0)
+    assert _cpu_kernels.is_narrow(groups, in_per_group, out_per_group) == (in_per_group >= 16)
     rng = np.random.default_rng(1402)
-    volume, num_source, num_destination, groups, in_per_group, out_per_group = 5, 150, 170, 2, 3, 5
+    volume, num_source, num_destination = 5, 150, 170
     pair_input, pair_output, starts = _random_pairs(rng, volume, num_source, num_destination)
     source = rng.standard_normal((num_source, groups * in_per_group)).astype(dtype)
     matrices = rng.standard_normal((volume, groups, in_per_group, out_per_group)).astype(dtype)
@@ -85,14 +89,19 @@ def test_accumulate_rows_against_pair_loop(specialised, dtype, monkeypatch):
 
 
 def test_fused_rule_follows_the_measurements():
-    # ungrouped: the forward runs fused above 32 x 32 up to 64 x 64; the backward never
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 16, 16, 1)
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 32, 32, 1)
+    # ungrouped: the forward runs fused from 16 x 16 (the narrow kernel up to 32 channels) up to
+    # 64 x 64; the backward only on the narrow kernel, when the outputs are no wider than the inputs
+    assert not conv.fused_on_cpu(NUMPY_BACKEND, 8, 8, 1)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 16, 16, 1)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 16, 32, 1)
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 32, 32, 1)
     assert conv.fused_on_cpu(NUMPY_BACKEND, 48, 48, 1)
     assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 1)
     assert not conv.fused_on_cpu(NUMPY_BACKEND, 128, 128, 1)
-    for channels in (16, 32, 64):
-        assert not conv.fused_on_cpu(NUMPY_BACKEND, channels, channels, 1, "backward")
+    for channels_in, channels_out in ((16, 16), (32, 32), (32, 16)):
+        assert conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, 1, "backward")
+    for channels_in, channels_out in ((16, 32), (48, 48), (64, 64)):
+        assert not conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, 1, "backward")
     # grouped: the forward up to 64 x 64 per group, the backward up to 8 x 8 per group
     assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 64)
     assert conv.fused_on_cpu(NUMPY_BACKEND, 256, 256, 4)
@@ -124,7 +133,8 @@ def _layer_case(seed: int, kind: str, channels_in: int, channels_out: int, group
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "blas"])
 @pytest.mark.parametrize("kind, channels_in, channels_out, groups",
-                         [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4)])
+                         [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4), ("subm", 16, 16, 1),
+                          ("regular", 32, 16, 1), ("subm", 16, 32, 1)])
 def test_both_cpu_dataflows_match_the_dense_oracle(fused, kind, channels_in, channels_out, groups, monkeypatch):
     calls = []
 
@@ -140,6 +150,43 @@ def test_both_cpu_dataflows_match_the_dense_oracle(fused, kind, channels_in, cha
     do.assert_close(grad_features, oracle.grad_features, "grad_features")
     do.assert_close(grad_weight, oracle.grad_weight, "grad_weight")
     assert len(calls) == 2  # the forward and the backward each asked once
+
+
+def test_narrow_kernel_sums_as_the_generic_kernel():
+    # same sums in the same order, only the loops turned: the narrow kernel equals the generic one
+    rng = np.random.default_rng(1406)
+    pair_input, pair_output, starts = _random_pairs(rng, 27, 400, 300)
+    source = rng.standard_normal((400, 16)).astype(np.float32)
+    matrices = rng.standard_normal((27, 1, 16, 32)).astype(np.float32)
+    initial = rng.standard_normal((300, 32)).astype(np.float32)
+    table = _cpu_kernels.neighbour_table(pair_output, pair_input, starts, 300)
+    narrow, generic = initial.copy(), initial.copy()
+    _cpu_kernels.accumulate_rows(source, table, matrices, narrow, int(starts[-1]))
+    _cpu_kernels._rows_kernel(1, 16, 32)(source, table, matrices, generic)
+    np.testing.assert_allclose(narrow, generic, rtol=1e-6, atol=1e-6)
+
+
+def test_neighbour_tables_are_built_once_per_rulebook(monkeypatch):
+    features, weight, rulebook, grad_output, _ = _layer_case(1407, "subm", 16, 16, 1)
+    built = []
+    build = _cpu_kernels.neighbour_table
+
+    def counting(*arguments):
+        built.append(arguments[-1])
+        return build(*arguments)
+
+    monkeypatch.setattr(_cpu_kernels, "neighbour_table", counting)
+    first = sc.conv_forward(features, weight, rulebook)
+    sc.conv_backward(grad_output, features, weight, rulebook)
+    second = sc.conv_forward(features, weight * 2, rulebook)  # a second layer on the same rulebook
+    sc.conv_backward(grad_output, features, weight, rulebook)
+    assert built == [rulebook.num_output, rulebook.num_input]  # one forward and one backward table
+    np.testing.assert_allclose(second, 2 * first, rtol=1e-5, atol=1e-5)
+    table = cpu_dataflow.neighbour_table(rulebook, "forward")
+    assert table is cpu_dataflow.neighbour_table(rulebook.pair_map, "forward")  # one slot for both forms
+    assert not table.flags.writeable
+    with pytest.raises(ValueError, match="direction must be 'forward' or 'backward', got 'sideways'"):
+        cpu_dataflow.neighbour_table(rulebook, "sideways")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

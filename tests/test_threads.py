@@ -42,9 +42,10 @@ SCRIPT = textwrap.dedent(
     out = {"indices": indices.tolist(), "features": features.tolist()}
     wide = rng.standard_normal((len(indices), 80)).astype(np.float32)
     out["wide_features"] = wide.tolist()
+    narrow = np.ascontiguousarray(features[:, :16])  # 16 -> 16: the narrow fused kernel, forward and backward
     for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2), ("wide", "subm", 1),
-                               ("grouped", "subm", 1)):
-        source = wide if name == "wide" else features  # 80 channels: the per-offset BLAS dataflow
+                               ("grouped", "subm", 1), ("narrow", "subm", 1)):
+        source = {"wide": wide, "narrow": narrow}.get(name, features)  # wide, 80: the per-offset BLAS dataflow
         groups = 8 if name == "grouped" else 1  # 6 x 6 per group: fused forward and backward
         weight = rng.standard_normal((source.shape[1], 3, 3, 3, source.shape[1] // groups)).astype(np.float32)
         geometry = sc.ConvGeometry.create(3, 3, stride=stride, padding=1, kind=kind)
@@ -83,7 +84,9 @@ def _run(threads: int) -> dict:
 def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
     shape, batch = (12, 40, 40), 2
     indices = torch.tensor(run["indices"], dtype=torch.long)
-    source = run["wide_features" if name == "wide" else "features"]
+    source = np.asarray(run["wide_features" if name == "wide" else "features"])
+    if name == "narrow":
+        source = source[:, :16]
     features = torch.tensor(source, dtype=torch.float64, requires_grad=True)
     weight = torch.tensor(run[name]["weight"], dtype=torch.float64, requires_grad=True)
     dense = torch.zeros((batch,) + shape + (features.shape[1],), dtype=torch.float64)
@@ -101,7 +104,7 @@ def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
 def test_conv_correct_at_thread_count(threads: int) -> None:
     run = _run(threads)
     assert run["threads"] == threads
-    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1)):
+    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1), ("narrow", 1)):
         expected_y, expected_grad_features, expected_grad_weight = _dense_oracle(run, name, stride, 1)
         np.testing.assert_allclose(run[name]["y"], expected_y, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(run[name]["grad_features"], expected_grad_features, rtol=1e-4, atol=1e-3)
@@ -111,7 +114,7 @@ def test_conv_correct_at_thread_count(threads: int) -> None:
 def test_bitwise_identical_at_1_2_and_4_threads() -> None:
     runs = {threads: _run(threads) for threads in (1, 2, 4)}
     assert [run["threads"] for run in runs.values()] == [1, 2, 4]
-    for name in ("subm", "regular", "wide", "grouped"):
+    for name in ("subm", "regular", "wide", "grouped", "narrow"):
         for field in ("y", "grad_features", "grad_weight"):
             reference = np.asarray(runs[1][name][field], dtype=np.float32)
             for threads in (2, 4):
