@@ -597,9 +597,9 @@ def test_subm_key_holding_a_strided_rulebook_raises():
                        batch_size=1, spatial_shape=(6, 6), density=0.3)
     x = _tensor(case)
     w = do.random_weight(do.make_rng(4), 2, (3, 3), 2)
-    sc.sparse_conv(x, w, kind="regular", stride=1, padding=1, indice_key="shared")
-    with pytest.raises(ValueError, match="shared"):
-        sc.sparse_conv(x, w, kind="subm", indice_key="shared")
+    y = sc.sparse_conv(x, w, kind="regular", stride=1, padding=1, indice_key="shared")
+    with pytest.raises(ValueError, match="shared"):  # the key travels with the output (spconv's rule)
+        sc.sparse_conv(y, w, kind="subm", indice_key="shared")
 
 
 @pytest.mark.parametrize("kind", ["regular", "subm", "transposed"])
