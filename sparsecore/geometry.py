@@ -49,7 +49,7 @@ def normalize_per_axis(value: PerAxis, ndim: int, name: str, minimum: int) -> tu
             ) from None
         if len(values) != ndim:
             raise ValueError(
-                f"{name} must have one entry per spatial axis ({ndim}), got {len(values)} "
+                f"{name} must have {ndim} entries (one per spatial axis), got {len(values)} "
                 f"entries: {value!r}"
             )
         for entry in values:

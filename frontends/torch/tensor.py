@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from sparsecore.geometry import normalize_per_axis
 from sparsecore.interop import as_batch_size
 
 from ._convert import as_int32_indices, core_context, core_view
@@ -34,16 +35,9 @@ _FEATURES_MESSAGE = (
 
 
 def expand_nd(ndim: int, value: Union[int, Sequence[int], np.ndarray], name: str = "value") -> list[int]:
-    """An int or a sequence of ``ndim`` ints as a list of ``ndim`` Python ints (spconv ``expand_nd``)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return [int(value)] * ndim
-    try:
-        values = [int(v) for v in value]
-    except TypeError:
-        raise ValueError(f"{name} must be an int or a sequence of {ndim} ints, got {value!r}") from None
-    if len(values) != ndim:
-        raise ValueError(f"{name} must have {ndim} entries (one per spatial axis), got {value!r}")
-    return values
+    """An int or a sequence of ``ndim`` ints as a list of ``ndim`` Python ints (spconv ``expand_nd``):
+    the core's `sparsecore.geometry.normalize_per_axis` (its checks and messages), as a list."""
+    return list(normalize_per_axis(value, ndim, name, minimum=-(2**31)))
 
 
 class SparseConvTensor(metaclass=ProxyableSparseMeta):
