@@ -198,3 +198,55 @@ def test_conv_output_size_helpers():
     assert spconv.ops.get_conv_output_size([10, 12, 14], [3, 1, 1], [2, 1, 1], [1, 0, 0], 1) == [5, 12, 14]
     assert spconv.ops.get_deconv_output_size([10, 12, 14], 3, 2, 1, 1) == [19, 23, 27]
     assert np.all(np.asarray(spconv.ops.get_deconv_output_size([10, 12, 14], 2, 2, 0, 1)) == [20, 24, 28])
+
+
+def test_ops_reuse_the_library_pair_map_and_its_tables(monkeypatch):
+    from sparsecore.backends import _cpu_kernels
+    from sparsecore.torch import ops
+    from sparsecore.torch.indice_data import library_pair_map
+
+    rng, indices = _sites(7, shape=(8, 9, 10), density=0.4)
+    features = torch.from_numpy(do.random_features(rng, indices.shape[0], 16))
+    layers = [spconv.SubMConv3d(16, 16, 3, indice_key="k", bias=False) for _ in range(2)]
+
+    def run():
+        x = _tensor(features.clone().requires_grad_(), indices, (8, 9, 10))
+        y = layers[1](layers[0](x))
+        y.features.square().sum().backward()
+        return y, x.features.grad, [layer.weight.grad.clone() for layer in layers]
+
+    built = []
+    build = _cpu_kernels.neighbour_table
+    monkeypatch.setattr(_cpu_kernels, "neighbour_table", lambda *a: built.append(a[-1]) or build(*a))
+    y, grad, weight_grads = run()
+    assert len(built) == 2  # one forward and one backward table for both layers' four passes
+    data = y.indice_dict["k"]
+    assert library_pair_map(data.pair_input, data.pair_output) is data.rulebook.pair_map
+    for layer in layers:
+        layer.weight.grad = None
+    # the op's own checked map gives the same values (same dataflow, same order)
+    monkeypatch.setattr(ops, "library_pair_map", lambda *a: None)
+    y_checked, grad_checked, weight_grads_checked = run()
+    assert torch.equal(y.features, y_checked.features) and torch.equal(grad, grad_checked)
+    assert all(torch.equal(a, b) for a, b in zip(weight_grads, weight_grads_checked))
+    assert len(built) == 2 + 4  # without the shared map every pass builds its table
+
+
+def test_ops_check_pair_tensors_written_in_place_or_mismatched():
+    from sparsecore.torch.indice_data import library_pair_map
+
+    rng, indices = _sites(8)
+    features = torch.from_numpy(do.random_features(rng, indices.shape[0], 4))
+    layer = spconv.SubMConv3d(4, 4, 3, indice_key="k")
+    data = layer(_tensor(features, indices)).indice_dict["k"]
+    weight, bias = layer.weight.detach(), layer.bias.detach()
+    arguments = (data.offset_starts, data.num_output, data.kernel_size, data.identity_offset, 1)
+    # another sizes than the map's: a fresh map, checked (its rows do not fit one output row)
+    with pytest.raises(ValueError, match="pair_output holds row"):
+        torch.ops.sparsecore.conv_forward(features, weight, bias, data.pair_input, data.pair_output,
+                                          data.offset_starts, 1, *arguments[2:])
+    pair_output = data.pair_output
+    pair_output[0] = data.num_output + 5  # written in place: no longer the map's view
+    assert library_pair_map(data.pair_input, pair_output) is None
+    with pytest.raises(ValueError, match="pair_output holds row"):
+        torch.ops.sparsecore.conv_forward(features, weight, bias, data.pair_input, pair_output, *arguments)

@@ -134,7 +134,7 @@ def _kernel(spec: OpSpec, names: tuple[str, ...]) -> Callable[..., Any]:
         with core_context(_device_of(values)):
             views = {name: core_float_view(value, name) if isinstance(value, Tensor) else value
                      for name, value in arguments.items()}
-            results = spec.compute(SimpleNamespace(**views))
+            results = spec.compute(SimpleNamespace(**views, torch_arguments=arguments))
             if len(spec.outputs) == 1:
                 results = (results,)
             tensors = tuple(to_torch(result, _output_dtype(output, arguments))

@@ -30,7 +30,7 @@ from sparsecore.layer_geometry import GeometryCache
 
 from ._convert import to_torch
 
-__all__ = ["IndiceData", "IndiceDict", "canonical_cache"]
+__all__ = ["IndiceData", "IndiceDict", "canonical_cache", "library_pair_map"]
 
 
 def _read(path: str, doc: str, convert: Callable[[Any], Any] = lambda value: value) -> property:
@@ -87,12 +87,12 @@ class IndiceData:
     @cached_property
     def pair_input(self) -> torch.Tensor:
         """Input rows of the pairs, int32 ``[P]``, grouped by kernel offset."""
-        return to_torch(self.rulebook.pair_input)
+        return _marked(to_torch(self.rulebook.pair_input), self.rulebook.pair_map, "input")
 
     @cached_property
     def pair_output(self) -> torch.Tensor:
         """Output rows of the pairs, int32 ``[P]``, grouped by kernel offset."""
-        return to_torch(self.rulebook.pair_output)
+        return _marked(to_torch(self.rulebook.pair_output), self.rulebook.pair_map, "output")
 
     @cached_property
     def indice_pairs(self) -> torch.Tensor:
@@ -147,6 +147,34 @@ class IndiceData:
     def __repr__(self) -> str:
         return (f"IndiceData({self.rulebook.geometry.describe()}, {self.num_input} -> {self.num_output} "
                 f"sites, {self.rulebook.num_pairs} pairs)")
+
+
+_PAIR_MAP_MARK = "_sparsecore_pair_map"
+
+
+def _marked(tensor: torch.Tensor, pair_map: sc.PairMap, role: str) -> torch.Tensor:
+    """``tensor``, marked as the ``role`` pair view of ``pair_map`` at its current version."""
+    setattr(tensor, _PAIR_MAP_MARK, (pair_map, role, tensor._version))
+    return tensor
+
+
+def library_pair_map(pair_input: Any, pair_output: Any) -> Optional[sc.PairMap]:
+    """The core `sparsecore.PairMap` whose pair views these two tensors are, or None.
+
+    The custom ops receive a rulebook as its pair tensors; when both are the
+    untouched views an `IndiceData` made of one library-built map, the op can
+    use that map itself (its pairs already checked, the CPU neighbour tables it
+    memoises shared by every pass and layer) instead of a fresh one. A tensor
+    written in place since (its version moved), or any other tensor, gives None.
+    """
+    marks = [getattr(tensor, _PAIR_MAP_MARK, None) for tensor in (pair_input, pair_output)]
+    if any(mark is None for mark in marks):
+        return None
+    (input_map, input_role, input_version), (output_map, output_role, output_version) = marks
+    if (input_map is not output_map or (input_role, output_role) != ("input", "output")
+            or input_version != pair_input._version or output_version != pair_output._version):
+        return None
+    return input_map
 
 
 class IndiceDict(dict):

@@ -42,6 +42,7 @@ from torch import Tensor
 import sparsecore as sc
 
 from ._op_table import Backward, OpSpec, Output, declare_ops
+from .indice_data import library_pair_map
 
 if TYPE_CHECKING:
     from .tensor import IndiceData
@@ -60,9 +61,24 @@ __all__ = [
 
 
 def _pairs(a: SimpleNamespace, num_input: int, num_output: int) -> sc.PairMap:
-    """The core `sparsecore.PairMap` of an op's rulebook arguments (core views and ints)."""
-    return sc.PairMap(a.pair_input, a.pair_output, tuple(int(s) for s in a.offset_starts), int(num_input),
-                      int(num_output), tuple(int(k) for k in a.kernel_size), int(getattr(a, "identity_offset", -1)))
+    """The core `sparsecore.PairMap` of an op's rulebook arguments (core views and ints).
+
+    When the pair tensors are an `IndiceData`'s untouched views of a library-built map
+    that agrees with every other argument, that map itself (`library_pair_map`: its
+    rows checked once, its CPU neighbour tables shared by every pass); else a new one,
+    checked.
+    """
+    starts = tuple(int(s) for s in a.offset_starts)
+    kernel_size = tuple(int(k) for k in a.kernel_size)
+    identity_offset = int(getattr(a, "identity_offset", -1))
+    tensors = getattr(a, "torch_arguments", {})
+    known = library_pair_map(tensors.get("pair_input"), tensors.get("pair_output"))
+    if (known is not None and tuple(known.offset_starts) == starts and known.num_input == int(num_input)
+            and known.num_output == int(num_output) and tuple(known.kernel_size) == kernel_size
+            and known.identity_offset == identity_offset):
+        return known
+    return sc.PairMap(a.pair_input, a.pair_output, starts, int(num_input), int(num_output), kernel_size,
+                      identity_offset)
 
 
 def _conv_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
