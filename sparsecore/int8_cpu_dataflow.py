@@ -9,7 +9,8 @@ int32 sum, then its float32 epilogue):
   through `sparsecore.conv_forward`, which picks the float layer's own
   dataflow (per-offset gathers, BLAS GEMMs and scatter-adds for narrow layers,
   its fused kernel for wider ones, on `sparsecore.threads`' thread count), then
-  the epilogue (`_numpy_int8.apply_epilogue`). Every product of two int8 values
+  the epilogue in one compiled pass (`_int8_cpu_kernels.epilogue`; its NumPy
+  twin `_numpy_int8.apply_epilogue` without numba). Every product of two int8 values
   is an integer of magnitude at most ``2^14``, and float32 holds every integer
   up to ``2^24``, so while ``max|x| * max_c sum_{k,i} |W[c, k, i]|`` stays
   within ``2^24`` every partial sum, in any order, with or without FMA, is an
@@ -111,6 +112,8 @@ def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.nda
     if route == "float_pass" and float_pass_is_exact(features, weight):
         sums = conv_forward(features.astype(np.float32), weight.astype(np.float32), rulebook, groups=groups,
                             backend=backend)
+        if _int8_cpu_kernels.available():  # one compiled pass; the same bits as NumPy's steps
+            return _int8_cpu_kernels.epilogue(sums, epilogue)
         return apply_epilogue(np, sums, epilogue)
     return backend.int8_conv_pairs(features, weight, rulebook.pair_input, rulebook.pair_output,
                                    tuple(rulebook.offset_starts), rulebook.num_output, rulebook.identity_offset,

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["fill_table", "layer_sizes", "make_rows_kernel", "make_narrow_rows_kernel", "make_int8_rows_kernel"]
+__all__ = ["fill_table", "layer_sizes", "make_rows_kernel", "make_narrow_rows_kernel", "make_int8_rows_kernel",
+           "int8_epilogue_row"]
 
 _OPTIONS = {"parallel": True, "cache": True, "fastmath": {"contract"}, "nogil": True}
 
@@ -148,7 +149,6 @@ def make_int8_rows_kernel(groups_constant: int, in_constant: int, out_constant: 
         groups, in_per_group, out_per_group, volume, rows = layer_sizes(groups_constant, in_constant, out_constant,
                                                                         table, matrices, out)
         width = groups * out_per_group
-        zero = np.float32(0)
         for item in prange((rows + block - 1) // block):
             accumulator = np.empty(width, dtype=np.int32)
             for row in range(item * block, min(rows, (item + 1) * block)):
@@ -164,24 +164,36 @@ def make_int8_rows_kernel(groups_constant: int, in_constant: int, out_constant: 
                             for column in range(out_per_group):
                                 accumulator[group * out_per_group + column] += (
                                     value * np.int32(matrices[offset, group, channel, column]))
-                # the epilogue of sparsecore.int8, float32 steps each rounded once (no fast-math,
-                # so no FMA contraction)
-                for column in range(width):
-                    y = np.float32(accumulator[column]) * multiplier[column]
-                    if has_bias:
-                        y = y + bias[column]
-                    if has_residual:
-                        y = y + np.float32(residual[row, column]) * residual_scale
-                    if relu and y < zero:
-                        y = zero
-                    if quantize:
-                        q = np.rint(y / output_scale)
-                        if q < -128:
-                            q = -128
-                        elif q > 127:
-                            q = 127
-                        out[row, column] = np.int8(q)
-                    else:
-                        out[row, column] = y
+                int8_epilogue_row(accumulator, row, multiplier, bias, has_bias, residual, has_residual,
+                                  residual_scale, relu, output_scale, quantize, out)
 
     return njit(parallel=True, cache=True, nogil=True)(accumulate)
+
+
+@njit(inline="always")
+def int8_epilogue_row(sums: Any, row: int, multiplier: Any, bias: Any, has_bias: bool, residual: Any,
+                      has_residual: bool, residual_scale: Any, relu: bool, output_scale: Any, quantize: bool,
+                      out: Any) -> None:
+    """The epilogue of `sparsecore.int8` on one row's sums (int32 or exact float32), written to ``out[row]``.
+
+    Float32 steps each rounded once: its callers compile without fast-math, so no FMA contraction.
+    Inlined into the int8 row kernel and into `_int8_cpu_kernels`' stand-alone epilogue.
+    """
+    zero = np.float32(0)
+    for column in range(out.shape[1]):
+        y = np.float32(sums[column]) * multiplier[column]
+        if has_bias:
+            y = y + bias[column]
+        if has_residual:
+            y = y + np.float32(residual[row, column]) * residual_scale
+        if relu and y < zero:
+            y = zero
+        if quantize:
+            q = np.rint(y / output_scale)
+            if q < -128:
+                q = -128
+            elif q > 127:
+                q = 127
+            out[row, column] = np.int8(q)
+        else:
+            out[row, column] = y

@@ -9,7 +9,9 @@ exact (the int32 bound is checked by `sparsecore.int8`), bitwise identical at
 every thread count (a row is one thread's; ``prange`` over fixed blocks of rows).
 Channel counts become compile-time constants for layers of at least
 `SPECIALISE_MIN_PAIR_MACS` multiply-adds, where they let LLVM keep a row's
-sums in vector registers; smaller layers share one generic kernel. Kernels
+sums in vector registers; smaller layers share one generic kernel. `epilogue` runs
+that same epilogue alone, in one pass, on float32 sums computed elsewhere (the
+exact float32 pass of `sparsecore.int8_cpu_dataflow`). Kernels
 use numba's on-disk cache. numba is imported only when a kernel is first
 needed; `available` says whether it can be. Threads: numba's pool, as set by
 `sparsecore.set_num_threads` (the result does not depend on it).
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ROW_BLOCK", "SPECIALISE_MIN_PAIR_MACS", "available", "neighbour_table", "int8_rows"]
+__all__ = ["ROW_BLOCK", "SPECIALISE_MIN_PAIR_MACS", "available", "neighbour_table", "int8_rows", "epilogue"]
 
 ROW_BLOCK = 64
 """Output rows per ``prange`` work item (a fixed split, independent of the thread count)."""
@@ -96,4 +98,38 @@ def int8_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, pairs
            np.ascontiguousarray(epilogue.residual if has_residual else np.zeros((1, 1)), dtype=np.int8),
            has_residual, np.float32(epilogue.residual_scale), bool(epilogue.relu),
            np.float32(epilogue.output_scale if quantize else 1), out)
+    return out
+
+
+def _epilogue_kernel() -> Any:
+    from ..threads import numba_module
+
+    numba_module()  # sizes numba's thread pool before the kernel's module imports numba
+    from ._int8_epilogue_source import int8_epilogue
+
+    return int8_epilogue
+
+
+def epilogue(values: np.ndarray, epilogue_steps: Any) -> np.ndarray:
+    """The epilogue of `sparsecore.int8` on float32 sums, one compiled pass (the twin: `_numpy_int8.apply_epilogue`).
+
+    Args:
+        values: float32 ``[M, C_out]``, ``float32(acc)`` (an exact integer sum, rounded once).
+        epilogue_steps: a `_numpy_int8.Int8Epilogue` on NumPy arrays.
+
+    Returns:
+        int8 ``[M, C_out]`` with ``epilogue_steps.output_scale``, else float32 (``values``, overwritten).
+    """
+    quantize = epilogue_steps.output_scale is not None
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    out = np.empty(values.shape, dtype=np.int8) if quantize else values
+    if values.size == 0:
+        return out
+    has_bias, has_residual = epilogue_steps.bias is not None, epilogue_steps.residual is not None
+    _epilogue_kernel()(
+        values, np.ascontiguousarray(epilogue_steps.multiplier, dtype=np.float32),
+        np.ascontiguousarray(epilogue_steps.bias if has_bias else np.zeros(1), dtype=np.float32), has_bias,
+        np.ascontiguousarray(epilogue_steps.residual if has_residual else np.zeros((1, 1)), dtype=np.int8),
+        has_residual, np.float32(epilogue_steps.residual_scale), bool(epilogue_steps.relu),
+        np.float32(epilogue_steps.output_scale if quantize else 1), quantize, out)
     return out
