@@ -17,7 +17,9 @@ itself) is a plain GEMM that initialises the output. Products run in
 
 On the CPU (NumPy backend), `sparsecore.cpu_dataflow` chooses per layer and
 stage between that dataflow and a fused compiled one (`fused_on_cpu`, from
-measurements: wide ungrouped forwards and grouped layers run fused), and
+measurements: ungrouped forwards from 16 x 16 to 64 x 64, narrow ungrouped
+backwards and grouped layers run fused; the neighbour tables the fused passes
+read are built once per rulebook), and
 runs the per-offset products side by side on `sparsecore.threads`' thread
 count, summed in offset order: results are bitwise identical at every thread
 count.

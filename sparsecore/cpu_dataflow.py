@@ -12,16 +12,24 @@ Two dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
 matrix and the groups alone, never from the thread count, so results stay
 bitwise identical at every thread count. The thresholds come from interleaved
 A/B runs of both dataflows on the real scan (125,562 voxels, SubMConv3d k3,
-788,888 pairs) at one thread on the shared 2-core machine (1-minute load
-average 0.8 for the 16, 32, 64 and strided rows, 2.2-2.8 for the others),
-wall-time medians of 5-7 runs, forward / backward in ms (fused vs per offset):
+788,888 pairs; the s2 rows SparseConv3d k3 s2 p1, 422,946 pairs) at one thread
+on the shared 2-core machine, wall-time medians of 5-7 runs, forward /
+backward in ms (fused vs per offset). The narrow rows (16 and 32 channels) were
+measured at 14:13 UTC on 2026-12-03 (1-minute load average 3.3-3.5) with the
+narrow kernel and the neighbour tables memoised per rulebook (`neighbour_table`);
+the other rows earlier that day (load average 0.8 for the 64 rows, 2.2-2.8 for
+the 4, 48 and grouped rows), with the table rebuilt by every fused pass
+(8-13 ms of each fused time there):
 
 =================  ===================  ===================
 layer              forward              backward
 =================  ===================  ===================
 4 -> 4             61 vs 20             69 vs 31
-16 -> 16           54 vs 28             81 vs 49
-32 -> 32           201 vs 61            259 vs 121
+16 -> 16           20 vs 31             49 vs 60
+16 -> 32           28 vs 51             75 vs 80
+32 -> 16           33 vs 48             81 vs 108
+32 -> 32           57 vs 86             133 vs 148
+32 -> 32 s2        50 vs 48             88 vs 77
 48 -> 48           155 vs 221           342 vs 348
 64 -> 64           174 vs 183           391 vs 351
 64 -> 64 s2        111 vs 96            195 vs 190
@@ -32,11 +40,17 @@ layer              forward              backward
 128, 2 groups      378 vs 620           1142 vs 1028
 =================  ===================  ===================
 
-Ungrouped layers are bound by the gathers and scatters, which NumPy and BLAS
-do well up to 32 channels; grouped layers run one small batched GEMM per
-offset on the per-offset dataflow, which the fused loop beats. On the CPU,
-BLAS runs on one thread inside a pass and the per-offset products run side by
-side on `sparsecore.threads`' thread count, summed in offset order.
+Ungrouped layers of 16 to 32 channels run the narrow kernel
+(`_cpu_kernels.is_narrow`), which keeps each output column's sum in a register:
+it beats the per-offset gathers, GEMMs and scatters in the forward, and in the
+backward's d-features when the layer does not widen (16 -> 32 backward was a tie,
+75-140 vs 80-122 ms over two runs; the strided 32 -> 32 rows moved either way
+between runs, 58 vs 65 and 111 vs 114 ms in the first). Below 16 x 16 the
+generic kernel loses to the per-offset dataflow (4 -> 4). Grouped layers run one
+small batched GEMM per offset on the per-offset dataflow, which the fused loop
+beats. On the CPU, BLAS runs on one thread inside a pass and the per-offset
+products run side by side on `sparsecore.threads`' thread count, summed in
+offset order.
 """
 
 from __future__ import annotations
@@ -70,22 +84,25 @@ FUSED_MAX_MATRIX = 64 * 64
 larger ones run per-offset BLAS GEMMs."""
 
 FUSED_FORWARD_MIN_MATRIX = 32 * 32
-"""An ungrouped layer's forward runs fused only above this matrix (up to `FUSED_MAX_MATRIX`):
-at and below it the per-offset gathers, GEMMs and scatters were 2-3x faster (16 -> 16: 28 ms
-against 54 ms on the real scan, one thread)."""
+"""An ungrouped layer's forward runs the generic or specialised fused kernel above this matrix
+(up to `FUSED_MAX_MATRIX`); at and below it only the narrow kernel (`_cpu_kernels.is_narrow`)
+runs fused, narrower layers run per offset (4 -> 4: 20 ms per offset against 61 ms fused on
+the real scan, one thread)."""
 
 FUSED_GROUPED_BACKWARD_MAX_MATRIX = 8 * 8
 """A grouped layer's backward runs fused up to this per-group matrix; an ungrouped layer's backward
-never does (the per-offset backward was as fast or faster at every width measured)."""
+only on the narrow kernel (the per-offset backward was as fast or faster above 32 channels)."""
 
 
 def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int,
                  stage: str = "forward") -> bool:
     """Whether a layer's pass runs the fused CPU dataflow (`sparsecore.backends._cpu_kernels`) rather than BLAS.
 
-    Forward: grouped layers up to `FUSED_MAX_MATRIX` per group, ungrouped ones above
-    `FUSED_FORWARD_MIN_MATRIX` and up to `FUSED_MAX_MATRIX`. Backward: grouped
-    layers up to `FUSED_GROUPED_BACKWARD_MAX_MATRIX` per group. The choice depends on
+    Forward: grouped layers up to `FUSED_MAX_MATRIX` per group, ungrouped narrow ones
+    (`_cpu_kernels.is_narrow`: 16 x 16 up to 32 x 32) and ungrouped ones above
+    `FUSED_FORWARD_MIN_MATRIX` and up to `FUSED_MAX_MATRIX`. Backward: ungrouped
+    narrow layers whose outputs are no wider than their inputs, and grouped layers up
+    to `FUSED_GROUPED_BACKWARD_MAX_MATRIX` per group. The choice depends on
     sizes only, never on the thread count, so results stay bitwise identical at every
     thread count (the measurements are in this module's docstring).
 
@@ -222,6 +239,8 @@ def fused_backward(backend: ArrayBackend, source: Any, grad: Any, matrices: Any,
     grad_matrices = xp.zeros(matrices.shape, dtype=source.dtype)
 
     def outer(offset: int) -> Any:
+        if offset == rulebook.identity_offset:  # every row to itself: no gathers
+            return grouped_outer(backend, source, grad, groups)
         start, stop = starts[offset], starts[offset + 1]
         gathered_source = backend.gather_rows(source, rulebook.pair_input[start:stop])
         gathered_grad = backend.gather_rows(grad, rulebook.pair_output[start:stop])
