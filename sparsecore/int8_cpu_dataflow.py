@@ -50,12 +50,12 @@ import numpy as np
 
 from .backends import NumpyBackend
 from .backends import _int8_cpu_kernels
-from .backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue, apply_epilogue
+from .backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue, apply_epilogue, compiled_conv
 from .conv import conv_forward
 from .rulebook import PairMap, Rulebook
 
 __all__ = ["COMPILED_MIN_IN_PER_GROUP", "COMPILED_MIN_OUT_PER_GROUP", "ROUTES", "compiled_on_cpu",
-           "float_pass_is_exact", "int8_conv_on_cpu"]
+           "float_pass_is_exact", "int8_neighbour_table", "int8_conv_on_cpu"]
 
 COMPILED_MIN_IN_PER_GROUP = 32
 """Input channels per group from which the compiled int8 kernel runs a layer (with `COMPILED_MIN_OUT_PER_GROUP`)."""
@@ -86,6 +86,25 @@ def float_pass_is_exact(features: np.ndarray, weight: np.ndarray) -> bool:
     return largest_input * int(row_sums.max()) <= EXACT_FLOAT32_LIMIT
 
 
+def int8_neighbour_table(rulebook: Rulebook | PairMap) -> np.ndarray:
+    """The compiled int8 kernel's table (`_int8_cpu_kernels.neighbour_table`), built once per rulebook.
+
+    Memoised, read only, in the map's ``derived`` slot (as `sparsecore.cpu_dataflow.neighbour_table`
+    memoises the float kernels' tables): every int8 layer sharing a rulebook builds it once.
+
+    Returns:
+        int32 ``[num_output, K]``: the input row paired with each output row through each offset, or -1.
+    """
+    pair_map = rulebook.pair_map if isinstance(rulebook, Rulebook) else rulebook
+    table = pair_map.derived.get("int8_neighbour_table")
+    if table is None:
+        table = _int8_cpu_kernels.neighbour_table(pair_map.pair_input, pair_map.pair_output,
+                                                  tuple(pair_map.offset_starts), pair_map.num_output)
+        table.setflags(write=False)
+        pair_map.derived["int8_neighbour_table"] = table
+    return table
+
+
 def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.ndarray, rulebook: Rulebook | PairMap,
                      groups: int, epilogue: Int8Epilogue, route: str = "auto") -> np.ndarray:
     """The int8 conv of `sparsecore.int8.int8_conv_forward` on NumPy arrays (checked arguments).
@@ -97,8 +116,9 @@ def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.nda
         rulebook: the layer's rulebook.
         groups: channel groups.
         epilogue: the float32 steps after the sum.
-        route: ``"auto"`` (`compiled_on_cpu` decides), ``"compiled"`` (the backend's int8
-            pass), or ``"float_pass"`` (the float32 pass when `float_pass_is_exact`, else
+        route: ``"auto"`` (`compiled_on_cpu` decides), ``"compiled"`` (the compiled int8
+            kernel over the memoised `int8_neighbour_table`; the backend's int8 pass without
+            numba), or ``"float_pass"`` (the float32 pass when `float_pass_is_exact`, else
             the backend's int8 pass). Every route gives the same bits.
 
     Returns:
@@ -115,6 +135,8 @@ def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.nda
         if _int8_cpu_kernels.available():  # one compiled pass; the same bits as NumPy's steps
             return _int8_cpu_kernels.epilogue(sums, epilogue)
         return apply_epilogue(np, sums, epilogue)
+    if route == "compiled" and _int8_cpu_kernels.available():
+        return compiled_conv(features, weight, int8_neighbour_table(rulebook), rulebook.num_pairs, groups, epilogue)
     return backend.int8_conv_pairs(features, weight, rulebook.pair_input, rulebook.pair_output,
                                    tuple(rulebook.offset_starts), rulebook.num_output, rulebook.identity_offset,
                                    groups, epilogue)

@@ -114,3 +114,24 @@ def test_unknown_route_is_refused() -> None:
         dataflow.int8_conv_on_cpu(NumpyBackend(), random_int8(rng, (rulebook.num_input, 2)),
                                   random_int8(rng, (2, 3, 3, 3, 2)), rulebook, 1, _epilogue(2, rng, None),
                                   route="fast")
+
+
+@pytest.mark.skipif(not _int8_cpu_kernels.available(), reason="numba is not installed")
+def test_compiled_route_builds_its_table_once_per_rulebook() -> None:
+    rng = np.random.default_rng(1206)
+    rulebook = _rulebook(rng, 80)
+    features = random_int8(rng, (rulebook.num_input, 32))
+    common = dict(input_scale=0.05, relu=True, output_scale=0.3)
+    with mock.patch.object(_int8_cpu_kernels, "neighbour_table", wraps=_int8_cpu_kernels.neighbour_table) as build:
+        for seed in range(2):  # two layers sharing the rulebook (one indice_key)
+            weight = random_int8(rng, (64, 3, 3, 3, 32))
+            scales = rng.uniform(2e-3, 2e-2, 64).astype(np.float32)
+            epilogue = Int8Epilogue(multiplier=np.float32(0.05) * scales, bias=None, residual=None,
+                                    residual_scale=np.float32(1), relu=True, output_scale=np.float32(0.3))
+            actual = dataflow.int8_conv_on_cpu(NumpyBackend(), features, weight, rulebook, 1, epilogue,
+                                               route="compiled")
+            same_bits(actual, reference_int8_conv(features, weight, rulebook, weight_scales=scales, **common),
+                      f"compiled route, layer {seed}")
+    assert build.call_count == 1
+    table = dataflow.int8_neighbour_table(rulebook)
+    assert not table.flags.writeable and table.shape == (rulebook.num_output, 27)

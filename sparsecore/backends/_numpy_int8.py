@@ -34,7 +34,7 @@ import numpy as np
 from . import _int8_cpu_kernels
 from ._pair_runs import offset_runs
 
-__all__ = ["Int8Epilogue", "apply_epilogue", "requantize", "conv_pairs", "max_pool_pairs", "EXACT_FLOAT32_LIMIT"]
+__all__ = ["Int8Epilogue", "apply_epilogue", "requantize", "conv_pairs", "compiled_conv", "max_pool_pairs", "EXACT_FLOAT32_LIMIT"]
 
 EXACT_FLOAT32_LIMIT = 1 << 24  # every integer of magnitude up to this is a float32
 
@@ -177,14 +177,28 @@ def conv_pairs(backend: Any, features: np.ndarray, weight: np.ndarray, pair_inpu
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "compiled" or (engine == "auto" and _int8_cpu_kernels.available()):
-        out_channels, in_per_group = weight.shape[0], weight.shape[-1]
-        matrices = weight.reshape(groups, out_channels // groups, len(run_starts) - 1, in_per_group)
-        matrices = np.ascontiguousarray(matrices.transpose(2, 0, 3, 1), dtype=np.int16)  # [K, g, a, b]
         table = _int8_cpu_kernels.neighbour_table(pair_input, pair_output, run_starts, num_output)
-        return _int8_cpu_kernels.int8_rows(np.ascontiguousarray(features), table, matrices, run_starts[-1],
-                                           epilogue)
+        return compiled_conv(features, weight, table, run_starts[-1], groups, epilogue)
     return _blas_conv_pairs(backend, features, weight, pair_input, pair_output, run_starts, num_output,
                             identity_offset, groups, epilogue)
+
+
+def compiled_conv(features: np.ndarray, weight: np.ndarray, table: np.ndarray, pairs: int, groups: int,
+                  epilogue: Int8Epilogue) -> np.ndarray:
+    """The int8 conv in the compiled row kernel over a neighbour table (`_int8_cpu_kernels.int8_rows`).
+
+    Args:
+        features: int8 ``[N_in, C_in]``.
+        weight: int8 ``[C_out, *kernel_size, C_in // groups]``.
+        table: int32 ``[N_out, K]`` from `_int8_cpu_kernels.neighbour_table`.
+        pairs: the rulebook's pair count.
+        groups: channel groups.
+        epilogue: the float32 steps after the sums.
+    """
+    out_channels, in_per_group = weight.shape[0], weight.shape[-1]
+    matrices = weight.reshape(groups, out_channels // groups, table.shape[1], in_per_group)
+    matrices = np.ascontiguousarray(matrices.transpose(2, 0, 3, 1), dtype=np.int16)  # [K, g, a, b]
+    return _int8_cpu_kernels.int8_rows(np.ascontiguousarray(features), table, matrices, pairs, epilogue)
 
 
 def _blas_conv_pairs(backend: Any, features: np.ndarray, weight: np.ndarray, pair_input: np.ndarray,
