@@ -96,6 +96,10 @@ class PairMap:
         if not self.trusted:
             self._check_rows()
 
+    def __getstate__(self) -> dict:
+        # a copy or a pickle starts with an empty cache (the layouts are rebuilt on use)
+        return {**self.__dict__, "derived": {}}
+
     def _check_rows(self) -> None:
         starts = tuple(self.offset_starts)
         if starts[0] != 0 or any(b < a for a, b in zip(starts[:-1], starts[1:])):

@@ -250,3 +250,22 @@ def test_ops_check_pair_tensors_written_in_place_or_mismatched():
     assert library_pair_map(data.pair_input, pair_output) is None
     with pytest.raises(ValueError, match="pair_output holds row"):
         torch.ops.sparsecore.conv_forward(features, weight, bias, data.pair_input, pair_output, *arguments)
+
+
+def test_pair_tensor_copies_and_pickles_carry_no_pair_map():
+    import copy
+    import pickle
+
+    from sparsecore.torch.indice_data import library_pair_map
+
+    rng, indices = _sites(9)
+    features = torch.from_numpy(do.random_features(rng, indices.shape[0], 16))
+    data = spconv.SubMConv3d(16, 16, 3, indice_key="k")(_tensor(features, indices)).indice_dict["k"]
+    data.rulebook.pair_map.derived["probe"] = np.zeros(3)
+    assert library_pair_map(data.pair_input, data.pair_output) is data.rulebook.pair_map
+    for clone in (copy.deepcopy, lambda tensor: pickle.loads(pickle.dumps(tensor))):
+        pair_input, pair_output = clone(data.pair_input), clone(data.pair_output)
+        assert torch.equal(pair_input, data.pair_input)
+        assert library_pair_map(pair_input, pair_output) is None
+    restored = pickle.loads(pickle.dumps(data.rulebook.pair_map))
+    assert restored.derived == {} and np.array_equal(restored.pair_input, data.rulebook.pair_input)

@@ -152,9 +152,25 @@ class IndiceData:
 _PAIR_MAP_MARK = "_sparsecore_pair_map"
 
 
+class _PairMapMark:
+    """What a pair tensor made by `IndiceData` carries: its map, its role and its version then.
+
+    A copy or a pickle of the tensor carries an empty mark (``pair_map`` None): the map
+    stays with the tensors made from it, and a checkpoint does not grow by it.
+    """
+
+    __slots__ = ("pair_map", "role", "version")
+
+    def __init__(self, pair_map: Optional[sc.PairMap] = None, role: str = "", version: int = -1) -> None:
+        self.pair_map, self.role, self.version = pair_map, role, version
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_PairMapMark, ())
+
+
 def _marked(tensor: torch.Tensor, pair_map: sc.PairMap, role: str) -> torch.Tensor:
     """``tensor``, marked as the ``role`` pair view of ``pair_map`` at its current version."""
-    setattr(tensor, _PAIR_MAP_MARK, (pair_map, role, tensor._version))
+    setattr(tensor, _PAIR_MAP_MARK, _PairMapMark(pair_map, role, tensor._version))
     return tensor
 
 
@@ -168,13 +184,13 @@ def library_pair_map(pair_input: Any, pair_output: Any) -> Optional[sc.PairMap]:
     written in place since (its version moved), or any other tensor, gives None.
     """
     marks = [getattr(tensor, _PAIR_MAP_MARK, None) for tensor in (pair_input, pair_output)]
-    if any(mark is None for mark in marks):
+    if not all(isinstance(mark, _PairMapMark) and mark.pair_map is not None for mark in marks):
         return None
-    (input_map, input_role, input_version), (output_map, output_role, output_version) = marks
-    if (input_map is not output_map or (input_role, output_role) != ("input", "output")
-            or input_version != pair_input._version or output_version != pair_output._version):
+    input_mark, output_mark = marks
+    if (input_mark.pair_map is not output_mark.pair_map or (input_mark.role, output_mark.role) != ("input", "output")
+            or input_mark.version != pair_input._version or output_mark.version != pair_output._version):
         return None
-    return input_map
+    return input_mark.pair_map
 
 
 class IndiceDict(dict):
