@@ -52,7 +52,7 @@ def int8_features(layer: str, input: SparseConvTensor) -> tuple[torch.Tensor, fl
     if features.q_zero_point() != 0:
         raise ValueError(f"{layer} needs symmetric qint8 features (zero point 0), got zero point "
                          f"{features.q_zero_point()}")
-    return features.int_repr(), float(features.q_scale())
+    return features.view(torch.int8), float(features.q_scale())  # the int8 storage itself: no copy
 
 
 def check_int8_input(layer: str, input: SparseConvTensor, values: torch.Tensor, in_channels: Optional[int],
