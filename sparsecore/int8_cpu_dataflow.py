@@ -18,24 +18,25 @@ int32 sum, then its float32 epilogue):
   that bound (checked per call, from the data) run the backend's int8 pass.
 
 `compiled_on_cpu` chooses by the channel counts only (never the thread count
-or the data), from interleaved runs of both routes on the layers of
-``examples/quantize_int8.py``'s U-Net and the SECOND backbone of
-``python -m sparsecore.benchmark runtime --int8`` on the real scan (125,562
-voxels), one thread, shared 2-core machine (1-minute load average 3-5, so
-+-20 %), medians of 3, ms, compiled int8 kernel vs float32 pass:
+or the data), from interleaved runs of both routes on the 16 layers of
+``examples/quantize_int8.py``'s U-Net on the real scan (125,562 voxels), one
+thread, shared 2-core machine, 2026-12-03 14:16 UTC, 1-minute load average
+1.8-2.0, medians of 3, ms (the float32 `conv_forward` of the same layer for
+comparison; the float pass costs it plus the widening and the epilogue):
 
-==========================  =========  ==========
-layer (pairs)               compiled   float pass
-==========================  =========  ==========
-subm 4 -> 16 (789k)         25-37      19-44
-subm 16 -> 16 (789k)        95-152     30-57
-strided 16 -> 32 (423k)     96-189     27-45
-subm 32 -> 32 (1.89M)       762-1139   140-241
-strided 32 -> 64 (458k)     42-61      47-72
-subm 64 -> 64 (1.04M)       163-256    190-276
-inverse 64 -> 32 (458k)     352        241
-inverse 32 -> 16 (423k)     143        40
-==========================  =========  ==========
+==========================  ========  ==========  =======
+layer (pairs)               compiled  float pass  float32
+==========================  ========  ==========  =======
+subm 4 -> 16 (789k)         18        17          15
+subm 16 -> 16 (789k)        84        23          22
+strided 16 -> 32 (423k)     84        21          19
+subm 32 -> 32 (1.89M)       698-724   69-76       67-83
+strided 32 -> 64 (458k)     38        50          49
+subm 64 -> 64 (1.04M)       149-153   168-169     164-170
+inverse 64 -> 32 (458k)     296       190         187
+inverse 32 -> 16 (423k)     102       25          24
+subm 1x1 16 -> 3 (126k)     5.0       1.8         1.0
+==========================  ========  ==========  =======
 
 The compiled kernel wins only where each output row sums many wide
 products (at least `COMPILED_MIN_IN_PER_GROUP` inputs into
