@@ -2,9 +2,11 @@
 
 Two engines give the same bits. The default, when numba imports, is the
 compiled output-stationary kernel of `_int8_cpu_kernels` (int8 x int16
-products summed in int32, each output row once, no intermediate arrays: the
-fastest option measured, see docs/benchmarks.md). Without numba, the sums run
-through float32 GEMMs, as follows.
+products summed in int32, each output row once, no intermediate arrays).
+Without numba, the sums run through float32 GEMMs, as follows. (Through
+`sparsecore.int8_conv_forward`, `sparsecore.int8_cpu_dataflow` runs narrow
+layers on the float32 conv pass instead, when their sums are provably exact
+there, and wide ones on `compiled_conv`; see docs/quantization.md.)
 
 NumPy has no integer BLAS (its int32 ``matmul`` is a plain loop, ~10x slower
 than float32 BLAS here), so the int8 products run as float32 GEMMs and stay
