@@ -7,9 +7,11 @@ items that write disjoint outputs, so results do not depend on the number of
 threads or their scheduling (the int8 kernel has no fast-math at all: its
 float32 epilogue rounds every step). The float and int8 row kernels are made
 by factories (`make_rows_kernel`, `make_int8_rows_kernel`, both sizing
-through `layer_sizes`; `make_narrow_rows_kernel` for one group of narrow channels): their size arguments, when non-zero, are closure
+through `layer_sizes`): their size arguments, when non-zero, are closure
 constants that numba compiles in (and its on-disk cache keys on); zero reads
-the sizes from the arrays.
+the sizes from the arrays. `make_narrow_rows_kernel` makes the float kernel of
+one group of 16 to 32 channels, both always compiled in, its loops turned so
+each output column's sum stays in a register.
 """
 
 from __future__ import annotations
