@@ -36,18 +36,21 @@ def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_si
     check_unique_sites(indices, shape, batch)  # a dense grid holds one feature vector per site
     xp = array_module(features)
     size = check_dense_size(batch, shape, features.shape[1], features.dtype.itemsize, memory_limit(xp))
+    channels = features.shape[1]
     try:
-        dense = xp.zeros((batch,) + shape + (features.shape[1],), dtype=features.dtype)
+        dense = xp.zeros((batch, channels) + shape if channels_first else (batch,) + shape + (channels,),
+                         dtype=features.dtype)
     except (MemoryError, ValueError) as error:
         raise ValueError(
             f"cannot allocate the dense grid of batch_size {batch} x spatial_shape {shape} x "
             f"{features.shape[1]} channels ({size / 2**30:.3g} GiB): {error}. Densify a cropped "
             "region or a coarser grid, or stay sparse"
         ) from None
-    sites = tuple(indices[:, axis] for axis in range(indices.shape[1]))
-    dense[sites] = features
-    if channels_first:
-        dense = xp.ascontiguousarray(xp.moveaxis(dense, -1, 1))
+    columns = [indices[:, axis] for axis in range(indices.shape[1])]
+    if channels_first:  # scattered straight into [B, C, *spatial]: no transposing copy of the grid
+        dense[(columns[0], slice(None), *columns[1:])] = features
+    else:
+        dense[tuple(columns)] = features
     return dense
 
 

@@ -286,12 +286,12 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         """
         self._ensure_valid()
         channels = self._features.shape[1]
-        out = dense_zeros(self._features, self.batch_size, self.spatial_shape)
+        out = dense_zeros(self._features, self.batch_size, self.spatial_shape, channels_first_memory=channels_first)
         index = self.indices.to(self._features.device).long()
-        out = out.index_put(tuple(index.unbind(1)), self._features)
+        out = out.index_put(tuple(index.unbind(1)), self._features)  # keeps the zeros' memory layout
         if not channels_first:
             return out
-        return out.movedim(-1, 1).contiguous()
+        return out.movedim(-1, 1).contiguous()  # already contiguous: no copy
 
     @classmethod
     def from_dense(cls, x: torch.Tensor) -> "SparseConvTensor":

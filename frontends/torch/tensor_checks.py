@@ -60,8 +60,11 @@ def check_selection(valid_indices: Any, rows: int) -> None:
                              f"[-{rows}, {rows}) for this tensor's {rows} sites")
 
 
-def dense_zeros(features: torch.Tensor, batch_size: int, spatial_shape: list[int]) -> torch.Tensor:
-    """Zeros ``[B, *spatial, C]`` like ``features``, sized before allocating."""
+def dense_zeros(features: torch.Tensor, batch_size: int, spatial_shape: list[int],
+                channels_first_memory: bool = False) -> torch.Tensor:
+    """Zeros ``[B, *spatial, C]`` like ``features``, sized before allocating; with
+    ``channels_first_memory`` a view of ``[B, C, *spatial]`` memory (so a scatter into it
+    and ``movedim(-1, 1)`` give the channels-first grid without a transposing copy)."""
     channels = features.shape[1]
     if features.device.type == "cuda":
         limit = torch.cuda.mem_get_info(features.device)[1]
@@ -69,6 +72,8 @@ def dense_zeros(features: torch.Tensor, batch_size: int, spatial_shape: list[int
         limit = memory_limit(np)
     size = check_dense_size(batch_size, spatial_shape, channels, features.element_size(), limit)
     try:
+        if channels_first_memory:
+            return features.new_zeros((batch_size, channels, *spatial_shape)).movedim(1, -1)
         return features.new_zeros((batch_size, *spatial_shape, channels))
     except (RuntimeError, MemoryError) as error:
         raise ValueError(
