@@ -83,4 +83,6 @@ __all__ = [
     "SparseSyncBatchNorm", "SubMConv1d", "SubMConv2d", "SubMConv3d", "SubMConv4d", "ToDense",
     "assign_name_for_sparse_modules", "conv", "core", "functional", "hash", "modules", "ops", "pool", "tables",
     "utils",
+    # sparsecore's additions (not in spconv.pytorch): deployment (docs/deployment.md)
+    "ExportError", "export_onnx",
 ]
