@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _numpy_int8
+from . import _numpy_int8, _rulebook_kernels
 from ._pair_runs import offset_runs
-from ._sorting import unique_inverse
 
 __all__ = ["NumpyBackend", "SortedTable"]
 
@@ -56,11 +55,10 @@ class NumpyBackend:
 
     def hash_build(self, keys: np.ndarray, values: np.ndarray,
                    check_duplicates: bool = True) -> tuple[SortedTable, tuple[int, int] | None]:
-        # keys are unique once duplicates are rejected, so stability is not needed
-        # and NumPy's (SIMD) introsort is 4-5x faster than its stable sort
-        order = np.argsort(keys)
+        # a stable radix sort (compiled): 4-8x NumPy's argsort on packed keys
+        packed, order = _sort_keys(keys)
         sorted_keys = np.empty(keys.shape[0] + 1, dtype=np.int64)
-        np.take(keys, order, out=sorted_keys[:-1])
+        sorted_keys[:-1] = packed
         sorted_keys[-1] = _SENTINEL
         sorted_values = np.empty(keys.shape[0] + 1, dtype=np.int64)
         np.take(values, order, out=sorted_values[:-1])
@@ -104,7 +102,20 @@ class NumpyBackend:
         return table.keys[:-1], table.values[:-1]
 
     def unique_inverse(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return unique_inverse(np, keys)
+        return _rulebook_kernels.unique_inverse(keys)
+
+    def submanifold_pairs(self, table: SortedTable,
+                          deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+        """A subm rulebook's pairs in their final layout (see `_rulebook_kernels.submanifold_pairs`).
+
+        Args:
+            table: the `SortedTable` of the sites' packed keys (with the kernel's margin).
+            deltas: int64 ``[K // 2]`` key differences of the offsets before the centre.
+
+        Returns:
+            ``(pair_input int32, pair_output int32, offset_starts)``, as the generic builder's.
+        """
+        return _rulebook_kernels.submanifold_pairs(table.keys, table.values[:-1], deltas)
 
     def compact_pairs(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
         num_rows, row_length = table.shape
@@ -117,29 +128,7 @@ class NumpyBackend:
 
     def conv_candidate_pairs(self, indices: np.ndarray, geometry: Any,
                              output_spatial_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-        # Expands one axis at a time, keeping only the valid (row, partial key)
-        # candidates, so work follows the valid pairs rather than N * K: the list
-        # index after the last axis is the row-major flattened kernel offset.
-        strides = [1] * (len(output_spatial_shape) + 1)
-        for axis in range(len(output_spatial_shape) - 1, -1, -1):
-            strides[axis] = strides[axis + 1] * int(output_spatial_shape[axis])
-        candidates = [(np.arange(indices.shape[0], dtype=np.int32), indices[:, 0].astype(np.int64) * strides[0])]
-        for axis in range(geometry.ndim):
-            coordinate = indices[:, axis + 1].astype(np.int64)
-            expanded = []
-            for rows, keys in candidates:
-                coordinate_rows = coordinate[rows]
-                for k in range(geometry.kernel_size[axis]):
-                    out, valid = _axis_candidate(coordinate_rows, geometry, axis, k, output_spatial_shape[axis])
-                    selected = np.flatnonzero(valid)
-                    expanded.append((rows[selected], keys[selected] + out[selected] * strides[axis + 1]))
-            candidates = expanded
-        starts = [0]
-        for rows, _ in candidates:
-            starts.append(starts[-1] + int(rows.shape[0]))
-        input_rows = np.concatenate([rows for rows, _ in candidates])
-        keys = np.concatenate([keys for _, keys in candidates])
-        return input_rows, keys, tuple(starts)
+        return _rulebook_kernels.strided_candidates(indices, geometry, output_spatial_shape)
 
     def gather_rows(self, source: np.ndarray, rows: np.ndarray) -> np.ndarray:
         # take() with intp indices is ~2.5x faster than with int32 ones, conversion included
@@ -237,17 +226,13 @@ def _window_counts(pair_output: np.ndarray, num_output: int, dtype: np.dtype) ->
     return np.maximum(counts, 1).astype(dtype).reshape(-1, 1)
 
 
-def _axis_candidate(coordinate: np.ndarray, geometry: Any, axis: int, k: int,
-                    output_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Output coordinates (int64) reached through kernel index ``k`` on one axis, and their validity."""
-    s, p, d = geometry.stride[axis], geometry.padding[axis], geometry.dilation[axis]
-    if geometry.kind == "regular":
-        numerator = coordinate + (p - k * d)
-        out = numerator // s
-        valid = (numerator >= 0) & (out < output_size)
-        if s > 1:
-            valid &= numerator - out * s == 0
-    else:
-        out = coordinate * s + (k * d - p)
-        valid = (out >= 0) & (out < output_size)
-    return out, valid
+_RADIX_MIN_KEYS = 2048
+"""Fewest keys sorted by the compiled radix sort; fewer take NumPy's stable sort (the same order)."""
+
+
+def _sort_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys[order], order)``, ``order`` the stable ascending order of int64 ``keys``."""
+    if keys.shape[0] >= _RADIX_MIN_KEYS:
+        return _rulebook_kernels.argsort_keys(keys)
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order

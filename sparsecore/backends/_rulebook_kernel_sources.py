@@ -1,0 +1,183 @@
+"""The numba kernels behind `sparsecore.backends._rulebook_kernels` (imported on first use).
+
+Plain loops compiled with ``cache=True``. The radix sort is serial; the pair
+kernels run ``prange`` over kernel offsets, each offset writing its own
+segment of the outputs, so results do not depend on the number of threads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ["radix_sort", "unique_inverse_sorted", "subm_found", "subm_fill", "axis_outputs", "strided_count", "strided_fill"]
+
+_SERIAL = {"cache": True, "nogil": True}
+_PARALLEL = {"cache": True, "nogil": True, "parallel": True}
+_DIGIT_BITS = 11
+
+
+@njit(**_SERIAL)
+def radix_sort(keys: Any, bits: int) -> tuple[Any, Any]:
+    """Stable LSD radix sort of non-negative int64 ``keys`` below ``2 ** bits``: ``(sorted_keys, order)``."""
+    count = keys.shape[0]
+    current_keys = keys.copy()
+    current_order = np.arange(count)
+    other_keys = np.empty_like(current_keys)
+    other_order = np.empty_like(current_order)
+    mask = (1 << _DIGIT_BITS) - 1
+    shift = 0
+    while shift < bits:
+        histogram = np.zeros(mask + 2, dtype=np.int64)
+        for index in range(count):
+            histogram[((current_keys[index] >> shift) & mask) + 1] += 1
+        if histogram.max() == count:  # one digit value only: this pass moves nothing
+            shift += _DIGIT_BITS
+            continue
+        for digit in range(1, mask + 2):
+            histogram[digit] += histogram[digit - 1]
+        for index in range(count):
+            key = current_keys[index]
+            digit = (key >> shift) & mask
+            position = histogram[digit]
+            histogram[digit] = position + 1
+            other_keys[position] = key
+            other_order[position] = current_order[index]
+        current_keys, other_keys = other_keys, current_keys
+        current_order, other_order = other_order, current_order
+        shift += _DIGIT_BITS
+    return current_keys, current_order
+
+
+@njit(**_SERIAL)
+def unique_inverse_sorted(sorted_keys: Any, order: Any) -> tuple[Any, Any]:
+    """Unique keys and inverse from keys sorted by ``order`` (``sorted_keys = keys[order]``)."""
+    count = sorted_keys.shape[0]
+    inverse = np.empty(count, dtype=np.int64)
+    unique = np.empty(count, dtype=np.int64)
+    rank = -1
+    previous = 0
+    for index in range(count):
+        key = sorted_keys[index]
+        if rank < 0 or key != previous:
+            rank += 1
+            unique[rank] = key
+            previous = key
+        inverse[order[index]] = rank
+    return unique[:rank + 1], inverse
+
+
+@njit(**_PARALLEL)
+def subm_found(sorted_keys: Any, sorted_rows: Any, deltas: Any, found: Any, counts: Any) -> None:
+    """``found[k, i]``: the row of key ``sorted_keys[i] + deltas[k]``, or -1 (a merge walk per offset).
+
+    ``sorted_keys`` ends in a sentinel larger than every query.
+    """
+    count = found.shape[1]
+    for offset in prange(deltas.shape[0]):
+        delta = deltas[offset]
+        position = 0
+        matched = 0
+        for index in range(count):
+            query = sorted_keys[index] + delta
+            while sorted_keys[position] < query:
+                position += 1
+            if sorted_keys[position] == query:
+                found[offset, index] = sorted_rows[position]
+                matched += 1
+            else:
+                found[offset, index] = -1
+        counts[offset] = matched
+
+
+@njit(**_PARALLEL)
+def subm_fill(found: Any, sorted_rows: Any, starts: Any, pair_input: Any, pair_output: Any) -> None:
+    """Writes offset ``k < centre`` as ``(found, sorted row)`` pairs, its mirror ``K - 1 - k`` swapped,
+    and the centre as the identity."""
+    centre = found.shape[0]
+    volume = 2 * centre + 1
+    count = found.shape[1]
+    for offset in prange(centre + 1):
+        if offset == centre:
+            start = starts[centre]
+            for index in range(count):
+                pair_input[start + index] = index
+                pair_output[start + index] = index
+            continue
+        position = starts[offset]
+        mirror = starts[volume - 1 - offset]
+        for index in range(count):
+            row = found[offset, index]
+            if row >= 0:
+                pair_input[position] = row
+                pair_output[position] = sorted_rows[index]
+                pair_input[mirror] = sorted_rows[index]
+                pair_output[mirror] = row
+                position += 1
+                mirror += 1
+
+
+@njit(**_PARALLEL)
+def axis_outputs(indices: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any, out_shape: Any,
+                 transposed: bool, outputs: Any) -> None:
+    """``outputs[axis, k, row]``: the output coordinate of ``row`` through kernel index ``k`` on
+    ``axis``, or -1 (one division per row, axis and kernel index)."""
+    for row in prange(indices.shape[0]):
+        for axis in range(out_shape.shape[0]):
+            coordinate = indices[row, axis + 1]
+            step, pad, spacing, size = stride[axis], padding[axis], dilation[axis], out_shape[axis]
+            for kernel_index in range(kernel_size[axis]):
+                out = -1
+                if transposed:
+                    candidate = coordinate * step + kernel_index * spacing - pad
+                    if 0 <= candidate < size:
+                        out = candidate
+                else:
+                    numerator = coordinate + pad - kernel_index * spacing
+                    if numerator >= 0:
+                        candidate = numerator // step
+                        if candidate * step == numerator and candidate < size:
+                            out = candidate
+                outputs[axis, kernel_index, row] = out
+
+
+@njit(inline="always")
+def _offset_mask(outputs: Any, kernel_indices: Any, offset: int, mask: Any) -> None:
+    """``mask[row] < 0`` unless ``row`` has an output through ``offset`` on every axis (-1 has every bit)."""
+    mask[:] = outputs[0, kernel_indices[offset, 0]]
+    for axis in range(1, outputs.shape[0]):
+        column = outputs[axis, kernel_indices[offset, axis]]
+        for row in range(mask.shape[0]):
+            mask[row] |= column[row]
+
+
+@njit(**_PARALLEL)
+def strided_count(outputs: Any, kernel_indices: Any, counts: Any) -> None:
+    """``counts[k]``: the sites with a valid output through kernel offset ``k``."""
+    for offset in prange(kernel_indices.shape[0]):
+        mask = np.empty(outputs.shape[2], dtype=np.int32)
+        _offset_mask(outputs, kernel_indices, offset, mask)
+        matched = 0
+        for row in range(mask.shape[0]):
+            matched += mask[row] >= 0
+        counts[offset] = matched
+
+
+@njit(**_PARALLEL)
+def strided_fill(batch: Any, outputs: Any, kernel_indices: Any, starts: Any, key_strides: Any,
+                 pair_input: Any, keys: Any) -> None:
+    """Each offset's (input row, output key) candidates, rows ascending, at ``starts[k]``."""
+    for offset in prange(kernel_indices.shape[0]):
+        mask = np.empty(outputs.shape[2], dtype=np.int32)
+        _offset_mask(outputs, kernel_indices, offset, mask)
+        position = starts[offset]
+        for row in range(mask.shape[0]):
+            if mask[row] >= 0:
+                key = batch[row] * key_strides[0]
+                for axis in range(outputs.shape[0]):
+                    key += outputs[axis, kernel_indices[offset, axis], row] * key_strides[axis + 1]
+                pair_input[position] = row
+                keys[position] = key
+                position += 1

@@ -1,0 +1,128 @@
+"""Compiled CPU kernels of the rulebook builders (numba, compiled on first use, cached on disk).
+
+The NumPy backend's rulebook primitives run on these:
+
+- `argsort_keys`: a stable LSD radix sort of non-negative int64 keys (11-bit
+  digits, passes skipped where every key shares the digit), 4-8x NumPy's
+  ``argsort`` on the packed keys of a scan.
+- `unique_inverse`: sorted unique keys and the inverse, from that sort.
+- `submanifold_pairs`: a subm rulebook's pairs in their final layout, from
+  the sorted keys: one merge walk per kernel offset before the centre (the
+  queries ``key + delta`` of sorted keys are sorted too), the mirror offsets
+  written swapped, the centre as the identity.
+- `strided_candidates`: a regular or transposed layer's (input row, output
+  key) candidates grouped by kernel offset, rows ascending within each.
+
+Kernels that run ``prange`` do so over kernel offsets, each writing its own
+segment, so every result is identical at every thread count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..threads import numba_module
+
+__all__ = ["argsort_keys", "unique_inverse", "submanifold_pairs", "strided_candidates"]
+
+
+def _sources() -> Any:
+    numba_module()
+    from . import _rulebook_kernel_sources
+
+    return _rulebook_kernel_sources
+
+
+def argsort_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys[order], order)`` with ``order`` the stable ascending order of int64 ``keys``.
+
+    Non-negative keys (every packed key) take the radix sort; others NumPy's stable sort.
+    """
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    if keys.shape[0] == 0:
+        return keys.copy(), np.zeros(0, dtype=np.int64)
+    if int(keys.min()) < 0:
+        order = np.argsort(keys, kind="stable")
+        return keys[order], order
+    return _sources().radix_sort(keys, max(1, int(keys.max()).bit_length()))
+
+
+def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique int64 keys ``[U]`` and the int64 ``[M]`` inverse (``unique[inverse] == keys``)."""
+    if keys.shape[0] == 0:
+        return np.asarray(keys, dtype=np.int64).copy(), np.zeros(0, dtype=np.int64)
+    sorted_keys, order = argsort_keys(keys)
+    return _sources().unique_inverse_sorted(sorted_keys, order)
+
+
+def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray,
+                      deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """The pairs of a subm rulebook of ``K = 2 * len(deltas) + 1`` offsets.
+
+    Args:
+        sorted_keys: int64 ``[N + 1]`` unique packed keys, increasing, ending in a sentinel above
+            every ``key + delta``.
+        sorted_rows: int64 ``[N]`` the row of each key.
+        deltas: int64 ``[centre]`` key differences of the offsets before the centre.
+
+    Returns:
+        ``(pair_input int32 [P], pair_output int32 [P], offset_starts)``: offset ``k < centre`` pairs
+        ``(row of key + delta_k, row of key)`` in key order, offset ``K - 1 - k`` the same pairs
+        swapped, the centre ``i -> i``.
+    """
+    count = sorted_rows.shape[0]
+    centre = deltas.shape[0]
+    sources = _sources()
+    found = np.empty((centre, count), dtype=np.int32)
+    counts = np.zeros(centre, dtype=np.int64)
+    rows32 = sorted_rows.astype(np.int32)
+    if centre and count:
+        sources.subm_found(sorted_keys, rows32, np.ascontiguousarray(deltas, dtype=np.int64), found, counts)
+    sizes = counts.tolist() + [count] + counts.tolist()[::-1]
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    pair_input = np.empty(int(starts[-1]), dtype=np.int32)
+    pair_output = np.empty(int(starts[-1]), dtype=np.int32)
+    if count:
+        sources.subm_fill(found, rows32, starts, pair_input, pair_output)
+    return pair_input, pair_output, tuple(starts.tolist())
+
+
+def strided_candidates(indices: np.ndarray, geometry: Any,
+                       output_spatial_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """Every (input row, output key) pair of a regular or transposed layer, grouped by offset.
+
+    Args:
+        indices: integer ``[N, 1 + D]`` sites in range.
+        geometry: the layer's `ConvGeometry` (kind ``"regular"`` or ``"transposed"``).
+        output_spatial_shape: the output grid.
+
+    Returns:
+        ``(input_rows int32 [P], keys int64 [P], offset_starts)``: keys pack ``(batch, output
+        coordinates)`` row-major over the output grid (no margin); rows ascend within each offset.
+    """
+    sources = _sources()
+    ndim = geometry.ndim
+    sites = np.ascontiguousarray(indices, dtype=np.int32)
+    kernel_indices = np.ascontiguousarray(geometry.kernel_offsets(), dtype=np.int64).reshape(-1, ndim)
+    per_axis = [np.asarray(value, dtype=np.int64) for value in
+                (geometry.kernel_size, geometry.stride, geometry.padding, geometry.dilation, output_spatial_shape)]
+    strides = np.ones(ndim + 1, dtype=np.int64)
+    for axis in range(ndim - 1, -1, -1):
+        strides[axis] = strides[axis + 1] * int(output_spatial_shape[axis])
+    # output coordinates fit int32 (the builder checks the output grid)
+    outputs = np.empty((ndim, max(geometry.kernel_size, default=0), sites.shape[0]), dtype=np.int32)
+    counts = np.zeros(kernel_indices.shape[0], dtype=np.int64)
+    if sites.shape[0]:
+        sources.axis_outputs(sites, *per_axis, geometry.kind == "transposed", outputs)
+        sources.strided_count(outputs, kernel_indices, counts)
+    starts = np.zeros(kernel_indices.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    input_rows = np.empty(int(starts[-1]), dtype=np.int32)
+    keys = np.empty(int(starts[-1]), dtype=np.int64)
+    if starts[-1]:
+        sources.strided_fill(np.ascontiguousarray(sites[:, 0]), outputs, kernel_indices, starts, strides,
+                             input_rows, keys)
+    return input_rows, keys, tuple(starts.tolist())
