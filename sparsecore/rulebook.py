@@ -261,12 +261,13 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
     deltas = [int(sum(int(o) * s for o, s in zip(offset, strides))) for offset in offsets]
     volume = geometry.kernel_volume
     centre = volume // 2
+    last_size, last_step = geometry.kernel_size[-1], geometry.dilation[-1]
     fused = getattr(backend, "submanifold_pairs", None)
-    if fused is not None:  # the NumPy backend: one compiled pass, the same pairs in the same order
-        pair_input, pair_output, starts = fused(table, xp.asarray(deltas[:centre], dtype=xp.int64))
+    if fused is not None:  # the NumPy backend: compiled passes, the same pairs in the same order
+        pair_input, pair_output, starts = fused(table, xp.asarray(deltas[:centre], dtype=xp.int64),
+                                                last_size, last_step)
         return _made_rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
                               starts, identity_offset=centre)
-    last_size, last_step = geometry.kernel_size[-1], geometry.dilation[-1]
     # Offsets before the centre, looked up a run of the last kernel axis at a
     # time (offsets that share all but the last axis are one windowed lookup),
     # into one [centre, N] table of input rows, compacted in one pass.

@@ -70,53 +70,62 @@ def unique_inverse_sorted(sorted_keys: Any, order: Any) -> tuple[Any, Any]:
 
 
 @njit(**_PARALLEL)
-def subm_found(sorted_keys: Any, sorted_rows: Any, deltas: Any, found: Any, counts: Any) -> None:
-    """``found[k, i]``: the row of key ``sorted_keys[i] + deltas[k]``, or -1 (a merge walk per offset).
+def subm_found(sorted_keys: Any, sorted_rows: Any, run_deltas: Any, run_firsts: Any, run_widths: Any, step: int,
+               chunk: int, found: Any, chunk_counts: Any) -> None:
+    """``found[k, i]``: the row of key ``sorted_keys[i] + delta_k``, or -1.
 
+    Offsets come in runs (``run_widths[r]`` offsets from ``run_firsts[r]``, deltas ``run_deltas[r]``
+    plus multiples of ``step``): one merge walk per run over sorted queries. Work items are fixed
+    chunks of ``chunk`` queries; ``chunk_counts[c, k]`` counts chunk ``c``'s matches through ``k``.
     ``sorted_keys`` ends in a sentinel larger than every query.
     """
     count = found.shape[1]
-    for offset in prange(deltas.shape[0]):
-        delta = deltas[offset]
-        position = 0
-        matched = 0
-        for index in range(count):
-            query = sorted_keys[index] + delta
-            while sorted_keys[position] < query:
-                position += 1
-            if sorted_keys[position] == query:
-                found[offset, index] = sorted_rows[position]
-                matched += 1
-            else:
-                found[offset, index] = -1
-        counts[offset] = matched
+    for item in prange((count + chunk - 1) // chunk):
+        low = item * chunk
+        high = min(count, low + chunk)
+        for run in range(run_deltas.shape[0]):
+            delta, first, width = run_deltas[run], run_firsts[run], run_widths[run]
+            position = np.searchsorted(sorted_keys, sorted_keys[low] + delta)
+            for index in range(low, high):
+                query = sorted_keys[index] + delta
+                while sorted_keys[position] < query:
+                    position += 1
+                probe = position
+                for column in range(width):
+                    target = query + column * step
+                    while sorted_keys[probe] < target:
+                        probe += 1
+                    if sorted_keys[probe] == target:
+                        found[first + column, index] = sorted_rows[probe]
+                        chunk_counts[item, first + column] += 1
+                    else:
+                        found[first + column, index] = -1
 
 
 @njit(**_PARALLEL)
-def subm_fill(found: Any, sorted_rows: Any, starts: Any, pair_input: Any, pair_output: Any) -> None:
-    """Writes offset ``k < centre`` as ``(found, sorted row)`` pairs, its mirror ``K - 1 - k`` swapped,
-    and the centre as the identity."""
-    centre = found.shape[0]
-    volume = 2 * centre + 1
+def subm_fill(found: Any, sorted_rows: Any, chunk: int, chunk_starts: Any, mirror_starts: Any, centre_start: int,
+              pair_input: Any, pair_output: Any) -> None:
+    """Writes, per chunk of keys, offset ``k < centre`` as ``(found, sorted row)`` pairs at
+    ``chunk_starts[c, k]``, its mirror swapped at ``mirror_starts[c, k]``, and the centre ``i -> i``."""
     count = found.shape[1]
-    for offset in prange(centre + 1):
-        if offset == centre:
-            start = starts[centre]
-            for index in range(count):
-                pair_input[start + index] = index
-                pair_output[start + index] = index
-            continue
-        position = starts[offset]
-        mirror = starts[volume - 1 - offset]
-        for index in range(count):
-            row = found[offset, index]
-            if row >= 0:
-                pair_input[position] = row
-                pair_output[position] = sorted_rows[index]
-                pair_input[mirror] = sorted_rows[index]
-                pair_output[mirror] = row
-                position += 1
-                mirror += 1
+    for item in prange((count + chunk - 1) // chunk):
+        low = item * chunk
+        high = min(count, low + chunk)
+        for index in range(low, high):
+            pair_input[centre_start + index] = index
+            pair_output[centre_start + index] = index
+        for offset in range(found.shape[0]):
+            position = chunk_starts[item, offset]
+            mirror = mirror_starts[item, offset]
+            for index in range(low, high):
+                row = found[offset, index]
+                if row >= 0:
+                    pair_input[position] = row
+                    pair_output[position] = sorted_rows[index]
+                    pair_input[mirror] = sorted_rows[index]
+                    pair_output[mirror] = row
+                    position += 1
+                    mirror += 1
 
 
 @njit(**_PARALLEL)

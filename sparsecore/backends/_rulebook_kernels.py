@@ -28,6 +28,10 @@ from ..threads import numba_module
 __all__ = ["argsort_keys", "unique_inverse", "submanifold_pairs", "strided_candidates"]
 
 
+_CHUNK = 16384
+"""Keys per work item of the subm kernels (a fixed split: the same pairs at any thread count)."""
+
+
 def _sources() -> Any:
     numba_module()
     from . import _rulebook_kernel_sources
@@ -57,15 +61,18 @@ def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _sources().unique_inverse_sorted(sorted_keys, order)
 
 
-def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray,
-                      deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: np.ndarray, run_length: int,
+                      step: int) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """The pairs of a subm rulebook of ``K = 2 * len(deltas) + 1`` offsets.
 
     Args:
         sorted_keys: int64 ``[N + 1]`` unique packed keys, increasing, ending in a sentinel above
             every ``key + delta``.
         sorted_rows: int64 ``[N]`` the row of each key.
-        deltas: int64 ``[centre]`` key differences of the offsets before the centre.
+        deltas: int64 ``[centre]`` key differences of the offsets before the centre, in runs of
+            ``run_length`` (the last kernel axis) whose deltas grow by ``step``.
+        run_length: offsets per run (the last axis' kernel size).
+        step: delta between neighbours of a run (the last axis' dilation).
 
     Returns:
         ``(pair_input int32 [P], pair_output int32 [P], offset_starts)``: offset ``k < centre`` pairs
@@ -74,19 +81,28 @@ def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray,
     """
     count = sorted_rows.shape[0]
     centre = deltas.shape[0]
-    sources = _sources()
+    firsts = np.arange(0, centre, max(1, run_length), dtype=np.int64)
+    widths = np.minimum(max(1, run_length), centre - firsts)
+    chunks = max(1, -(-count // _CHUNK))
     found = np.empty((centre, count), dtype=np.int32)
-    counts = np.zeros(centre, dtype=np.int64)
+    chunk_counts = np.zeros((chunks, centre), dtype=np.int64)
     rows32 = sorted_rows.astype(np.int32)
+    sources = _sources()
     if centre and count:
-        sources.subm_found(sorted_keys, rows32, np.ascontiguousarray(deltas, dtype=np.int64), found, counts)
+        sources.subm_found(sorted_keys, rows32, np.ascontiguousarray(deltas[firsts], dtype=np.int64), firsts,
+                           widths, int(step), _CHUNK, found, chunk_counts)
+    counts = chunk_counts.sum(axis=0)
     sizes = counts.tolist() + [count] + counts.tolist()[::-1]
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=starts[1:])
+    before = np.cumsum(chunk_counts, axis=0) - chunk_counts  # pairs of earlier chunks, per offset
+    chunk_starts = np.ascontiguousarray(starts[:centre] + before)
+    mirror_starts = np.ascontiguousarray(starts[2 * centre - np.arange(centre)] + before)
     pair_input = np.empty(int(starts[-1]), dtype=np.int32)
     pair_output = np.empty(int(starts[-1]), dtype=np.int32)
     if count:
-        sources.subm_fill(found, rows32, starts, pair_input, pair_output)
+        sources.subm_fill(found, rows32, _CHUNK, chunk_starts, mirror_starts, int(starts[centre]),
+                          pair_input, pair_output)
     return pair_input, pair_output, tuple(starts.tolist())
 
 

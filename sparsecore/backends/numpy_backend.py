@@ -104,18 +104,20 @@ class NumpyBackend:
     def unique_inverse(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return _rulebook_kernels.unique_inverse(keys)
 
-    def submanifold_pairs(self, table: SortedTable,
-                          deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    def submanifold_pairs(self, table: SortedTable, deltas: np.ndarray, run_length: int,
+                          step: int) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
         """A subm rulebook's pairs in their final layout (see `_rulebook_kernels.submanifold_pairs`).
 
         Args:
             table: the `SortedTable` of the sites' packed keys (with the kernel's margin).
             deltas: int64 ``[K // 2]`` key differences of the offsets before the centre.
+            run_length: the last axis' kernel size (offsets per run of deltas).
+            step: the last axis' dilation (delta between neighbours of a run).
 
         Returns:
             ``(pair_input int32, pair_output int32, offset_starts)``, as the generic builder's.
         """
-        return _rulebook_kernels.submanifold_pairs(table.keys, table.values[:-1], deltas)
+        return _rulebook_kernels.submanifold_pairs(table.keys, table.values[:-1], deltas, run_length, step)
 
     def compact_pairs(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
         num_rows, row_length = table.shape
