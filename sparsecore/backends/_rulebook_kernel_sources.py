@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["radix_sort", "unique_inverse_sorted", "subm_found", "subm_fill", "axis_outputs", "strided_count", "strided_fill"]
+__all__ = ["radix_sort", "radix_sort_packed", "unique_inverse_sorted", "subm_found", "subm_fill", "axis_tables", "axis_outputs", "strided_count", "strided_fill"]
 
 _SERIAL = {"cache": True, "nogil": True}
 _PARALLEL = {"cache": True, "nogil": True, "parallel": True}
@@ -49,6 +49,43 @@ def radix_sort(keys: Any, bits: int) -> tuple[Any, Any]:
         current_order, other_order = other_order, current_order
         shift += _DIGIT_BITS
     return current_keys, current_order
+
+
+@njit(**_SERIAL)
+def radix_sort_packed(keys: Any, index_bits: int, bits: int) -> tuple[Any, Any]:
+    """`radix_sort` of keys packed with their index as ``key << index_bits | index`` (``bits`` in all,
+    at most 63): one array moves per pass, about 5x the two-array sort on a scan's candidate keys."""
+    count = keys.shape[0]
+    current = np.empty(count, dtype=np.int64)
+    for index in range(count):
+        current[index] = (keys[index] << index_bits) | index
+    other = np.empty_like(current)
+    mask = (1 << _DIGIT_BITS) - 1
+    shift = 0
+    while shift < bits:
+        histogram = np.zeros(mask + 2, dtype=np.int64)
+        for index in range(count):
+            histogram[((current[index] >> shift) & mask) + 1] += 1
+        if histogram.max() == count:
+            shift += _DIGIT_BITS
+            continue
+        for digit in range(1, mask + 2):
+            histogram[digit] += histogram[digit - 1]
+        for index in range(count):
+            value = current[index]
+            digit = (value >> shift) & mask
+            position = histogram[digit]
+            histogram[digit] = position + 1
+            other[position] = value
+        current, other = other, current
+        shift += _DIGIT_BITS
+    index_mask = (1 << index_bits) - 1
+    order = np.empty(count, dtype=np.int64)
+    for index in range(count):
+        value = current[index]
+        order[index] = value & index_mask
+        current[index] = value >> index_bits
+    return current, order
 
 
 @njit(**_SERIAL)
@@ -128,16 +165,15 @@ def subm_fill(found: Any, sorted_rows: Any, chunk: int, chunk_starts: Any, mirro
                     mirror += 1
 
 
-@njit(**_PARALLEL)
-def axis_outputs(indices: Any, kernel_size: Any, stride: Any, padding: Any, dilation: Any, out_shape: Any,
-                 transposed: bool, outputs: Any) -> None:
-    """``outputs[axis, k, row]``: the output coordinate of ``row`` through kernel index ``k`` on
-    ``axis``, or -1 (one division per row, axis and kernel index)."""
-    for row in prange(indices.shape[0]):
-        for axis in range(out_shape.shape[0]):
-            coordinate = indices[row, axis + 1]
-            step, pad, spacing, size = stride[axis], padding[axis], dilation[axis], out_shape[axis]
-            for kernel_index in range(kernel_size[axis]):
+@njit(**_SERIAL)
+def axis_tables(kernel_size: Any, stride: Any, padding: Any, dilation: Any, in_shape: Any, out_shape: Any,
+                transposed: bool, tables: Any) -> None:
+    """``tables[axis, k, c]``: the output coordinate of input coordinate ``c`` through kernel index ``k``
+    on ``axis``, or -1 (every division of a layer done once per grid coordinate, not per site)."""
+    for axis in range(out_shape.shape[0]):
+        step, pad, spacing, size = stride[axis], padding[axis], dilation[axis], out_shape[axis]
+        for kernel_index in range(kernel_size[axis]):
+            for coordinate in range(in_shape[axis]):
                 out = -1
                 if transposed:
                     candidate = coordinate * step + kernel_index * spacing - pad
@@ -149,7 +185,18 @@ def axis_outputs(indices: Any, kernel_size: Any, stride: Any, padding: Any, dila
                         candidate = numerator // step
                         if candidate * step == numerator and candidate < size:
                             out = candidate
-                outputs[axis, kernel_index, row] = out
+                tables[axis, kernel_index, coordinate] = out
+
+
+@njit(**_PARALLEL)
+def axis_outputs(indices: Any, tables: Any, kernel_size: Any, outputs: Any) -> None:
+    """``outputs[axis, k, row] = tables[axis, k, indices[row, axis + 1]]``."""
+    for axis in prange(outputs.shape[0]):
+        for kernel_index in range(kernel_size[axis]):
+            table = tables[axis, kernel_index]
+            column = outputs[axis, kernel_index]
+            for row in range(indices.shape[0]):
+                column[row] = table[indices[row, axis + 1]]
 
 
 @njit(inline="always")
@@ -177,16 +224,30 @@ def strided_count(outputs: Any, kernel_indices: Any, counts: Any) -> None:
 @njit(**_PARALLEL)
 def strided_fill(batch: Any, outputs: Any, kernel_indices: Any, starts: Any, key_strides: Any,
                  pair_input: Any, keys: Any) -> None:
-    """Each offset's (input row, output key) candidates, rows ascending, at ``starts[k]``."""
+    """Each offset's (input row, output key) candidates, rows ascending, at ``starts[k]``.
+
+    Keys are computed for every row and compacted without branches into per-offset buffers.
+    """
+    count = outputs.shape[2]
     for offset in prange(kernel_indices.shape[0]):
-        mask = np.empty(outputs.shape[2], dtype=np.int32)
+        mask = np.empty(count, dtype=np.int32)
         _offset_mask(outputs, kernel_indices, offset, mask)
-        position = starts[offset]
-        for row in range(mask.shape[0]):
-            if mask[row] >= 0:
-                key = batch[row] * key_strides[0]
-                for axis in range(outputs.shape[0]):
-                    key += outputs[axis, kernel_indices[offset, axis], row] * key_strides[axis + 1]
-                pair_input[position] = row
-                keys[position] = key
-                position += 1
+        row_keys = np.empty(count, dtype=np.int64)
+        for row in range(count):
+            row_keys[row] = batch[row] * key_strides[0]
+        for axis in range(outputs.shape[0]):
+            column = outputs[axis, kernel_indices[offset, axis]]
+            scale = key_strides[axis + 1]
+            for row in range(count):
+                row_keys[row] += column[row] * scale
+        kept_rows = np.empty(count + 1, dtype=np.int32)
+        kept_keys = np.empty(count + 1, dtype=np.int64)
+        kept = 0
+        for row in range(count):
+            kept_rows[kept] = row
+            kept_keys[kept] = row_keys[row]
+            kept += mask[row] >= 0
+        start = starts[offset]
+        for index in range(kept):
+            pair_input[start + index] = kept_rows[index]
+            keys[start + index] = kept_keys[index]

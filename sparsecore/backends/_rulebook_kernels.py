@@ -3,8 +3,9 @@
 The NumPy backend's rulebook primitives run on these:
 
 - `argsort_keys`: a stable LSD radix sort of non-negative int64 keys (11-bit
-  digits, passes skipped where every key shares the digit), 4-8x NumPy's
-  ``argsort`` on the packed keys of a scan.
+  digits, passes skipped where every key shares the digit; each key packed
+  with its index into one int64 where the bits allow, so one array moves per
+  pass), 5-7x NumPy's ``argsort`` on the keys of a scan.
 - `unique_inverse`: sorted unique keys and the inverse, from that sort.
 - `submanifold_pairs`: a subm rulebook's pairs in their final layout, from
   the sorted keys: one merge walk per kernel offset before the centre (the
@@ -32,6 +33,11 @@ _CHUNK = 16384
 """Keys per work item of the subm kernels (a fixed split: the same pairs at any thread count)."""
 
 
+_TABLE_MIN_EXTENT = 1 << 16
+"""Grid extents up to which output coordinates are read from per-coordinate tables whatever the
+number of sites (beyond it, only up to 4 entries per site)."""
+
+
 def _sources() -> Any:
     numba_module()
     from . import _rulebook_kernel_sources
@@ -50,7 +56,11 @@ def argsort_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if int(keys.min()) < 0:
         order = np.argsort(keys, kind="stable")
         return keys[order], order
-    return _sources().radix_sort(keys, max(1, int(keys.max()).bit_length()))
+    key_bits = max(1, int(keys.max()).bit_length())
+    index_bits = max(1, int(keys.shape[0] - 1).bit_length())
+    if key_bits + index_bits <= 63:
+        return _sources().radix_sort_packed(keys, index_bits, key_bits + index_bits)
+    return _sources().radix_sort(keys, key_bits)
 
 
 def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,16 +133,24 @@ def strided_candidates(indices: np.ndarray, geometry: Any,
     ndim = geometry.ndim
     sites = np.ascontiguousarray(indices, dtype=np.int32)
     kernel_indices = np.ascontiguousarray(geometry.kernel_offsets(), dtype=np.int64).reshape(-1, ndim)
-    per_axis = [np.asarray(value, dtype=np.int64) for value in
-                (geometry.kernel_size, geometry.stride, geometry.padding, geometry.dilation, output_spatial_shape)]
+    kernel_size = np.asarray(geometry.kernel_size, dtype=np.int64)
+    in_shape = np.asarray(np.max(sites[:, 1:], axis=0) + 1 if sites.shape[0] else np.zeros(ndim), dtype=np.int64)
     strides = np.ones(ndim + 1, dtype=np.int64)
     for axis in range(ndim - 1, -1, -1):
         strides[axis] = strides[axis + 1] * int(output_spatial_shape[axis])
-    # output coordinates fit int32 (the builder checks the output grid)
-    outputs = np.empty((ndim, max(geometry.kernel_size, default=0), sites.shape[0]), dtype=np.int32)
     counts = np.zeros(kernel_indices.shape[0], dtype=np.int64)
+    # output coordinates fit int32 (the builder checks the output grid)
+    outputs = np.empty((ndim, int(kernel_size.max(initial=0)), sites.shape[0]), dtype=np.int32)
+    if sites.shape[0] and int(in_shape.max()) <= max(_TABLE_MIN_EXTENT, 4 * sites.shape[0]):
+        # one table entry per grid coordinate the sites reach: the divisions done once per coordinate
+        tables = np.empty((ndim, outputs.shape[1], int(in_shape.max())), dtype=np.int32)
+        sources.axis_tables(kernel_size, *[np.asarray(value, dtype=np.int64) for value in (
+            geometry.stride, geometry.padding, geometry.dilation)], in_shape,
+            np.asarray(output_spatial_shape, dtype=np.int64), geometry.kind == "transposed", tables)
+        sources.axis_outputs(sites, tables, kernel_size, outputs)
+    elif sites.shape[0]:  # few sites on a vast grid: the divisions once per site
+        _axis_outputs(sites, geometry, output_spatial_shape, outputs)
     if sites.shape[0]:
-        sources.axis_outputs(sites, *per_axis, geometry.kind == "transposed", outputs)
         sources.strided_count(outputs, kernel_indices, counts)
     starts = np.zeros(kernel_indices.shape[0] + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
@@ -142,3 +160,21 @@ def strided_candidates(indices: np.ndarray, geometry: Any,
         sources.strided_fill(np.ascontiguousarray(sites[:, 0]), outputs, kernel_indices, starts, strides,
                              input_rows, keys)
     return input_rows, keys, tuple(starts.tolist())
+
+
+def _axis_outputs(sites: np.ndarray, geometry: Any, output_spatial_shape: tuple[int, ...],
+                  outputs: np.ndarray) -> None:
+    """``outputs[axis, k, row]``: the output coordinate of ``row`` through kernel index ``k``, or -1."""
+    for axis in range(geometry.ndim):
+        coordinate = sites[:, axis + 1].astype(np.int64)
+        step, pad, spacing = geometry.stride[axis], geometry.padding[axis], geometry.dilation[axis]
+        size = int(output_spatial_shape[axis])
+        for kernel_index in range(geometry.kernel_size[axis]):
+            if geometry.kind == "transposed":
+                out = coordinate * step + (kernel_index * spacing - pad)
+                valid = (out >= 0) & (out < size)
+            else:
+                numerator = coordinate + (pad - kernel_index * spacing)
+                out = numerator // step
+                valid = (numerator >= 0) & (out < size) & (numerator - out * step == 0)
+            outputs[axis, kernel_index] = np.where(valid, out, -1)
