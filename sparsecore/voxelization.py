@@ -39,8 +39,10 @@ Semantics
 * **Back to points.** :func:`voxel_means` gives each voxel's mean stored point;
   :func:`gather_voxel_features` hands any per-voxel rows back to the points
   through ``point_voxel_id`` (dropped points get ``invalid_value``).
-* **Memory** is O(points): voxels are found by sorting packed int64 keys,
-  never by allocating a dense grid of ``prod(grid_size)`` cells (spconv's CPU
+* **Memory** is O(points): voxels are found through a hash table of packed
+  int64 keys on the CPU (one serial numba pass, `sparsecore._voxel_hashing`)
+  and by sorting the keys on the GPU (`sparsecore._voxel_math`), never by
+  allocating a dense grid of ``prod(grid_size)`` cells (spconv's CPU
   build allocates one, 781 MiB for a 0.1 m grid over 160 m x 160 m x 8 m).
   ``batch_size * prod(grid_size)`` must fit in int64 and every axis in int32.
 * **Empty input** (no points, or none in range) gives ``M = 0`` outputs of the
@@ -56,7 +58,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from . import _voxel_math
+from . import _voxel_hashing, _voxel_math
 from .voxels import BatchedVoxels, Voxels, gather_voxel_features, voxel_means
 from .interop import INT32_MAX, INT64_MAX, array_module, check_same_device, to_core_array
 
@@ -224,6 +226,14 @@ def _prepare(voxel_size: Any, coordinate_range: Any, max_num_points_per_voxel: A
     return grid, max_points, max_voxels
 
 
+def _voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: VoxelGrid, max_points: int,
+                     max_voxels: int, empty_mean: bool) -> _voxel_math.VoxelArrays:
+    # Host arrays take the hash-table pass (no sort); CUDA arrays the xp-generic sorting pass.
+    if xp.__name__ == "numpy":
+        return _voxel_hashing.voxelize_points(points, cloud_sizes, grid, max_points, max_voxels, empty_mean)
+    return _voxel_math.voxelize_points(xp, points, cloud_sizes, grid, max_points, max_voxels, empty_mean)
+
+
 def voxelize(points: Any, voxel_size: Sequence[float], coordinate_range: Sequence[float],
              max_num_points_per_voxel: int, max_num_voxels: int, *, empty_mean: bool = False) -> Voxels:
     """Groups the points of one cloud into voxels (spconv ``PointToVoxel.generate_voxel_with_id``).
@@ -248,7 +258,7 @@ def voxelize(points: Any, voxel_size: Sequence[float], coordinate_range: Sequenc
     )
     array = _as_points(points, grid.ndim, "points")
     grid.check_key_capacity(1)
-    result = _voxel_math.voxelize_points(
+    result = _voxelize_points(
         array_module(array), array, (int(array.shape[0]),), grid, max_points, max_voxels, bool(empty_mean)
     )
     return Voxels(
@@ -296,7 +306,7 @@ def voxelize_batch(point_clouds: Sequence[Any], voxel_size: Sequence[float],
     xp = array_module(first)
     points = first if batch_size == 1 else xp.concatenate(clouds, axis=0)
     sizes = tuple(int(cloud.shape[0]) for cloud in clouds)
-    result = _voxel_math.voxelize_points(xp, points, sizes, grid, max_points, max_voxels, bool(empty_mean))
+    result = _voxelize_points(xp, points, sizes, grid, max_points, max_voxels, bool(empty_mean))
     indices = xp.concatenate([result.batch[:, None], result.indices], axis=1)
     bounds = [0]
     for size in sizes:

@@ -1,0 +1,136 @@
+"""The numba kernels behind `sparsecore._voxel_hashing` (imported on first use, after numba loads).
+
+Serial loops over the points in input order (``cache=True``, no threads, no
+fast-math, arithmetic in the points' dtype): the result is the same whatever
+numba's thread setting, and the in-range test and cell of every point are
+those of `sparsecore._voxel_math.in_range_points` and ``voxel_keys``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+__all__ = ["HASH_MULTIPLIER", "point_keys", "assign_voxels", "store_points"]
+
+HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+"""Fibonacci hashing: ``(key * 2^64 / golden ratio) >> (64 - bits)`` spreads grid keys over the table."""
+
+
+@njit(cache=True, nogil=True)
+def point_keys(points: Any, lower: Any, upper: Any, voxel_size: Any, cells: Any, grid: Any, test_upper: Any,
+               cloud_ends: Any, cloud_cells: int, keys: Any) -> None:
+    """Each point's voxel key, or -1 when it is outside the grid.
+
+    A point is inside when, on every axis (xyz), ``x >= lower`` and either ``x < upper``
+    (``test_upper``) or ``offset < cells``, with ``offset = (x - lower) / voxel_size``
+    in the points' dtype; its cell is the truncated offset, and its key
+    ``cloud * cloud_cells + row_major(z, y, x)``.
+
+    Args:
+        points: ``[P, F]`` float32/float64 (any strides); columns ``0..D-1`` are xyz.
+        lower, upper, voxel_size, cells: ``[D]`` of the points' dtype, xyz.
+        grid: int64 ``[D]`` cells per axis, xyz (``cells`` exactly).
+        test_upper: bool ``[D]``: which test bounds each axis from above (see above).
+        cloud_ends: int64 ``[B]`` end position of each cloud.
+        cloud_cells: cells of one cloud's grid.
+        keys: int64 ``[P]``, gets the keys.
+    """
+    ndim = lower.shape[0]
+    start = 0
+    for cloud in range(cloud_ends.shape[0]):
+        for position in range(start, cloud_ends[cloud]):
+            key = cloud * cloud_cells
+            stride = 1
+            for axis in range(ndim):  # row-major (z, y, x): x varies fastest
+                value = points[position, axis]
+                offset = (value - lower[axis]) / voxel_size[axis]
+                below = value < upper[axis] if test_upper[axis] else offset < cells[axis]
+                if not (value >= lower[axis] and below):
+                    key = -1
+                    break
+                key += np.int64(offset) * stride
+                stride *= grid[axis]
+            keys[position] = key
+        start = cloud_ends[cloud]
+
+
+@njit(cache=True, nogil=True)
+def assign_voxels(keys: Any, cloud_ends: Any, max_voxels: int, shift: Any, table: Any, point_voxel_id: Any,
+                  point_slot: Any, group_voxel: Any, group_count: Any, group_first: Any) -> tuple[int, int]:
+    """Numbers voxels first-seen through an open-addressing hash table of the keys.
+
+    Args:
+        keys: int64 ``[P]`` from `point_keys` (-1: outside).
+        cloud_ends: int64 ``[B]`` end position of each cloud.
+        max_voxels: voxels kept per cloud, first-seen.
+        shift: uint64 ``64 - log2(T)``.
+        table: int64 ``[T, 2]`` (``T`` a power of two ``> P``), all -1 on entry: a key and
+            its group side by side (one cache line per probe; two separate arrays were 3x slower).
+        point_voxel_id: int64 ``[P]``, -1 on entry; gets each point's voxel row.
+        point_slot: int32 ``[P]``: gets each kept point's place among its key's points.
+        group_voxel, group_count, group_first: int64 ``[P]``: get, per distinct key
+            (first-seen), its voxel row (-1 when dropped), its point count, its first point.
+
+    Returns:
+        ``(num_groups, num_voxels)``.
+    """
+    mask = table.shape[0] - 1
+    num_groups = 0
+    num_voxels = 0
+    start = 0
+    for cloud in range(cloud_ends.shape[0]):
+        cloud_voxels = 0
+        for position in range(start, cloud_ends[cloud]):
+            key = keys[position]
+            if key < 0:
+                continue
+            slot = np.int64((np.uint64(key) * HASH_MULTIPLIER) >> shift)
+            while True:
+                stored = table[slot, 0]
+                if stored == key:
+                    group = table[slot, 1]
+                    break
+                if stored < 0:
+                    group = num_groups
+                    num_groups += 1
+                    table[slot, 0] = key
+                    table[slot, 1] = group
+                    group_first[group] = position
+                    group_count[group] = 0
+                    if cloud_voxels < max_voxels:
+                        group_voxel[group] = num_voxels
+                        num_voxels += 1
+                        cloud_voxels += 1
+                    else:
+                        group_voxel[group] = -1
+                    break
+                slot = (slot + 1) & mask
+            count = group_count[group]
+            group_count[group] = count + 1
+            point_slot[position] = min(count, 2**31 - 1)
+            point_voxel_id[position] = group_voxel[group]
+        start = cloud_ends[cloud]
+    return num_groups, num_voxels
+
+
+@njit(cache=True, nogil=True)
+def store_points(points: Any, point_voxel_id: Any, point_slot: Any, voxels: Any) -> None:
+    """``voxels[id, slot] = points[p]`` for each point ``p`` of a kept voxel with ``slot < max_points``.
+
+    Args:
+        points: ``[P, F]`` float (any strides).
+        point_voxel_id, point_slot: as left by `assign_voxels`.
+        voxels: ``[M, max_points, F]`` of the points' dtype, zeros on entry.
+    """
+    max_points = voxels.shape[1]
+    num_features = voxels.shape[2]
+    for position in range(points.shape[0]):
+        voxel = point_voxel_id[position]
+        if voxel >= 0:
+            slot = point_slot[position]
+            if slot < max_points:
+                for feature in range(num_features):
+                    voxels[voxel, slot, feature] = points[position, feature]
