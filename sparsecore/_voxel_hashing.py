@@ -61,32 +61,37 @@ def voxelize_points(points: np.ndarray, cloud_sizes: tuple[int, ...], grid: Any,
     if num_points == 0:
         return _voxel_math.empty_result(np, num_points, num_features, ndim, max_points, points.dtype)
     table_bits = max(4, (2 * num_points - 1).bit_length())  # load factor at most 1/2
-    # Every temporary comes from one huge-page block: on fresh small arrays the page
-    # faults inside the loop cost twice the loop itself. Sized for the worst case
-    # (every point its own voxel); untouched pages cost nothing.
-    scratch = Scratch(np, (2 << table_bits) * 8 + num_points * (4 + 4 * 8) + 7 * 64)
-    table = scratch.empty(2 << table_bits, np.int64).reshape(1 << table_bits, 2)
+    cells = _voxel_math.cell_count(grid.grid_size)
+    group_bits = max(1, (num_points - 1).bit_length())
+    if (len(cloud_sizes) * cells - 1).bit_length() + group_bits > 63:
+        group_bits = 0  # key and group do not fit one int64: store them side by side
+    group_dtype = np.dtype(np.int32 if num_points < 2**31 else np.int64)
+    table_width = 1 if group_bits else 2
+    # Every temporary comes from one huge-page block (page faults on fresh small arrays
+    # cost as much as the loops). Sized for the worst case (every point its own
+    # voxel); untouched pages cost nothing.
+    scratch = Scratch(np, (table_width << table_bits) * 8 + num_points * (4 + 8 + 3 * group_dtype.itemsize) + 4 * 64)
+    table = scratch.empty(table_width << table_bits, np.int64).reshape(1 << table_bits, table_width)
     table[...] = -1
-    point_slot = scratch.empty(num_points, np.int32)
     keys = scratch.empty(num_points, np.int64)
-    group_voxel, group_count, group_first = (scratch.empty(num_points, np.int64) for _ in range(3))
+    point_slot = scratch.empty(num_points, np.int32)
+    groups = scratch.empty(3 * num_points, group_dtype).reshape(num_points, 3)
     point_voxel_id = np.full((num_points,), -1, dtype=np.int64)
     cloud_ends = np.cumsum(np.asarray(cloud_sizes, dtype=np.int64))
     kernels = _kernels()
-    kernels.point_keys(points, *_axis_bounds(grid, points.dtype), cloud_ends,
-                       _voxel_math.cell_count(grid.grid_size), keys)
+    kernels.point_keys(points, *_axis_bounds(grid, points.dtype), cloud_ends, cells, keys)
     num_groups, num_voxels = kernels.assign_voxels(
-        keys, cloud_ends, max_voxels, np.uint64(64 - table_bits), table, point_voxel_id, point_slot,
-        group_voxel, group_count, group_first,
+        keys, cloud_ends, max_voxels, np.uint64(64 - table_bits), group_bits, table, point_voxel_id,
+        point_slot, groups,
     )
     if num_groups == 0:
         return _voxel_math.empty_result(np, num_points, num_features, ndim, max_points, points.dtype)
-    counts = group_count[:num_groups]
+    counts = groups[:num_groups, 1]
     if num_voxels == num_groups:
-        voxel_first, voxel_count = group_first[:num_groups], counts
+        voxel_first, voxel_count = groups[:num_groups, 2], counts
     else:
-        voxel_group = np.flatnonzero(group_voxel[:num_groups] >= 0)
-        voxel_first, voxel_count = group_first[voxel_group], counts[voxel_group]
+        voxel_group = np.flatnonzero(groups[:num_groups, 0] >= 0)
+        voxel_first, voxel_count = groups[voxel_group, 2], counts[voxel_group]
     indices = np.empty((num_voxels, ndim), dtype=np.int32)
     dtype = points.dtype.type
     for axis in range(ndim):  # the kernel's arithmetic, truncated like its keys

@@ -133,3 +133,15 @@ def test_lidar_scan_matches_sorting_path() -> None:
     assert_same(sorting, hashing)
     sorting, hashing = both_paths(points, (len(points),), grid, 5, 20_000)
     assert_same(sorting, hashing)
+
+
+def test_keys_too_wide_to_pack_with_their_group() -> None:
+    # 2e6 cells per axis: keys take 63 bits, so the table stores key and group side by side
+    # (and the sorting path falls back to a stable argsort).
+    rng = np.random.default_rng(1405)
+    grid = VoxelGrid((1e-6, 1e-6, 1e-6), (-1.0, -1.0, -1.0, 1.0, 1.0, 1.0))
+    points = rng.uniform(-1.0, 1.0, size=(3000, 3))
+    points[1000:2000] = points[rng.integers(0, 1000, size=1000)]
+    for max_voxels in (10, 100_000):
+        sorting, hashing = both_paths(points, (3000,), grid, 3, max_voxels)
+        assert_same(sorting, hashing)
