@@ -143,7 +143,8 @@ def subm_found(sorted_keys: Any, sorted_rows: Any, run_deltas: Any, run_firsts: 
 def subm_fill(found: Any, sorted_rows: Any, chunk: int, chunk_starts: Any, mirror_starts: Any, centre_start: int,
               pair_input: Any, pair_output: Any) -> None:
     """Writes, per chunk of keys, offset ``k < centre`` as ``(found, sorted row)`` pairs at
-    ``chunk_starts[c, k]``, its mirror swapped at ``mirror_starts[c, k]``, and the centre ``i -> i``."""
+    ``chunk_starts[c, k]``, its mirror swapped at ``mirror_starts[c, k]``, and the centre ``i -> i``
+    (compacted without branches into a per-chunk buffer first)."""
     count = found.shape[1]
     for item in prange((count + chunk - 1) // chunk):
         low = item * chunk
@@ -151,18 +152,22 @@ def subm_fill(found: Any, sorted_rows: Any, chunk: int, chunk_starts: Any, mirro
         for index in range(low, high):
             pair_input[centre_start + index] = index
             pair_output[centre_start + index] = index
+        kept_found = np.empty(chunk + 1, dtype=np.int32)
+        kept_rows = np.empty(chunk + 1, dtype=np.int32)
         for offset in range(found.shape[0]):
-            position = chunk_starts[item, offset]
-            mirror = mirror_starts[item, offset]
+            kept = 0
             for index in range(low, high):
                 row = found[offset, index]
-                if row >= 0:
-                    pair_input[position] = row
-                    pair_output[position] = sorted_rows[index]
-                    pair_input[mirror] = sorted_rows[index]
-                    pair_output[mirror] = row
-                    position += 1
-                    mirror += 1
+                kept_found[kept] = row
+                kept_rows[kept] = sorted_rows[index]
+                kept += row >= 0
+            position = chunk_starts[item, offset]
+            mirror = mirror_starts[item, offset]
+            for entry in range(kept):
+                pair_input[position + entry] = kept_found[entry]
+                pair_output[position + entry] = kept_rows[entry]
+                pair_input[mirror + entry] = kept_rows[entry]
+                pair_output[mirror + entry] = kept_found[entry]
 
 
 @njit(**_SERIAL)
