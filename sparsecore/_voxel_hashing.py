@@ -79,7 +79,8 @@ def voxelize_points(points: np.ndarray, cloud_sizes: tuple[int, ...], grid: Any,
     point_voxel_id = np.full((num_points,), -1, dtype=np.int64)
     cloud_ends = np.cumsum(np.asarray(cloud_sizes, dtype=np.int64))
     kernels = _kernels()
-    kernels.point_keys(points, *_axis_bounds(grid, points.dtype), cloud_ends, cells, keys)
+    bounds = _axis_bounds(grid, points.dtype)
+    kernels.point_keys(points, *bounds, cloud_ends, cells, keys)
     num_groups, num_voxels = kernels.assign_voxels(
         keys, cloud_ends, max_voxels, np.uint64(64 - table_bits), group_bits, table, point_voxel_id,
         point_slot, groups,
@@ -93,11 +94,7 @@ def voxelize_points(points: np.ndarray, cloud_sizes: tuple[int, ...], grid: Any,
         voxel_group = np.flatnonzero(groups[:num_groups, 0] >= 0)
         voxel_first, voxel_count = groups[voxel_group, 2], counts[voxel_group]
     indices = np.empty((num_voxels, ndim), dtype=np.int32)
-    dtype = points.dtype.type
-    for axis in range(ndim):  # the kernel's arithmetic, truncated like its keys
-        offset = points[voxel_first, axis] - dtype(grid.lower[axis])
-        offset /= dtype(grid.voxel_size[axis])
-        indices[:, ndim - 1 - axis] = offset
+    kernels.voxel_cells(points, bounds[0], bounds[2], voxel_first, indices)
     num_per_voxel = np.minimum(voxel_count, max_points).astype(np.int32)
     batch = np.zeros((num_voxels,), dtype=np.int32)
     if len(cloud_sizes) > 1:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["HASH_MULTIPLIER", "point_keys", "assign_voxels", "store_points"]
+__all__ = ["HASH_MULTIPLIER", "point_keys", "assign_voxels", "store_points", "voxel_cells"]
 
 HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 """Fibonacci hashing: ``(key * 2^64 / golden ratio) >> (64 - bits)`` spreads grid keys over the table."""
@@ -150,3 +150,21 @@ def store_points(points: Any, point_voxel_id: Any, point_slot: Any, voxels: Any)
             if slot < max_points:
                 for feature in range(num_features):
                     voxels[voxel, slot, feature] = points[position, feature]
+
+
+@njit(cache=True, nogil=True)
+def voxel_cells(points: Any, lower: Any, voxel_size: Any, voxel_first: Any, indices: Any) -> None:
+    """``indices[v]``: the cell (**zyx**) of voxel ``v``'s first point, by `point_keys`' arithmetic.
+
+    Args:
+        points: ``[P, F]`` float (any strides).
+        lower, voxel_size: ``[D]`` of the points' dtype, xyz.
+        voxel_first: int ``[M]`` first point of each voxel.
+        indices: int32 ``[M, D]``, gets the cells.
+    """
+    ndim = lower.shape[0]
+    for voxel in range(voxel_first.shape[0]):
+        position = voxel_first[voxel]
+        for axis in range(ndim):
+            offset = (points[position, axis] - lower[axis]) / voxel_size[axis]
+            indices[voxel, ndim - 1 - axis] = np.int64(offset)
