@@ -231,28 +231,22 @@ def strided_fill(batch: Any, outputs: Any, kernel_indices: Any, starts: Any, key
                  pair_input: Any, keys: Any) -> None:
     """Each offset's (input row, output key) candidates, rows ascending, at ``starts[k]``.
 
-    Keys are computed for every row and compacted without branches into per-offset buffers.
+    The valid rows are compacted without branches into a per-offset buffer, then keyed.
     """
     count = outputs.shape[2]
     for offset in prange(kernel_indices.shape[0]):
         mask = np.empty(count, dtype=np.int32)
         _offset_mask(outputs, kernel_indices, offset, mask)
-        row_keys = np.empty(count, dtype=np.int64)
-        for row in range(count):
-            row_keys[row] = batch[row] * key_strides[0]
-        for axis in range(outputs.shape[0]):
-            column = outputs[axis, kernel_indices[offset, axis]]
-            scale = key_strides[axis + 1]
-            for row in range(count):
-                row_keys[row] += column[row] * scale
         kept_rows = np.empty(count + 1, dtype=np.int32)
-        kept_keys = np.empty(count + 1, dtype=np.int64)
         kept = 0
         for row in range(count):
             kept_rows[kept] = row
-            kept_keys[kept] = row_keys[row]
             kept += mask[row] >= 0
         start = starts[offset]
         for index in range(kept):
-            pair_input[start + index] = kept_rows[index]
-            keys[start + index] = kept_keys[index]
+            row = kept_rows[index]
+            key = batch[row] * key_strides[0]
+            for axis in range(outputs.shape[0]):
+                key += outputs[axis, kernel_indices[offset, axis], row] * key_strides[axis + 1]
+            pair_input[start + index] = row
+            keys[start + index] = key
