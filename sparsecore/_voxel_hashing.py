@@ -70,17 +70,17 @@ def voxelize_points(points: np.ndarray, cloud_sizes: tuple[int, ...], grid: Any,
     # Every temporary comes from one huge-page block (page faults on fresh small arrays
     # cost as much as the loops). Sized for the worst case (every point its own
     # voxel); untouched pages cost nothing.
-    scratch = Scratch(np, (table_width << table_bits) * 8 + num_points * (4 + 8 + 3 * group_dtype.itemsize) + 4 * 64)
+    scratch = Scratch(np, (table_width << table_bits) * 8 + num_points * (1 + 4 + 8 + 3 * group_dtype.itemsize) + 5 * 64)
     table = scratch.empty(table_width << table_bits, np.int64).reshape(1 << table_bits, table_width)
     table[...] = -1
-    keys = scratch.empty(num_points, np.int64)
+    keys, outside = scratch.empty(num_points, np.int64), scratch.empty(num_points, np.bool_)
     point_slot = scratch.empty(num_points, np.int32)
     groups = scratch.empty(3 * num_points, group_dtype).reshape(num_points, 3)
     point_voxel_id = np.full((num_points,), -1, dtype=np.int64)
     cloud_ends = np.cumsum(np.asarray(cloud_sizes, dtype=np.int64))
     kernels = _kernels()
     bounds = _axis_bounds(grid, points.dtype)
-    kernels.point_keys(points, *bounds, cloud_ends, cells, keys)
+    kernels.point_keys(points, *bounds, cloud_ends, cells, keys, outside)
     num_groups, num_voxels = kernels.assign_voxels(
         keys, cloud_ends, max_voxels, np.uint64(64 - table_bits), group_bits, table, point_voxel_id,
         point_slot, groups,
