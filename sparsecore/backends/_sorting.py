@@ -1,8 +1,10 @@
 """Sort-based helpers written once against ``xp`` (NumPy or CuPy), shared by the backends.
 
-Both the NumPy backend and the kernel backend compute sorted uniques the same
-way (``xp.argsort`` and ``xp.cumsum`` run well on either library); keeping the
-code here means there is one copy of it.
+Written against ``xp`` so that one copy serves NumPy and CuPy arrays
+(``xp.argsort`` and ``xp.cumsum`` run well on either library); the kernel
+backend computes its sorted uniques here. The NumPy backend's own
+``unique_inverse`` runs on a compiled radix sort instead
+(`sparsecore.backends._rulebook_kernels`), with the same result.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The NumPy backend: vectorised, sort-based hashing and BLAS matrix products.
 
 A real CPU engine (for data loaders and CPU inference), not a slow reference:
-the hash table is a sorted key array searched with ``numpy.searchsorted``,
-which on sorted queries (the common case in rulebook building) walks the
-table almost linearly.
+the hash table is a sorted key array (sorted by a compiled radix sort)
+searched with ``numpy.searchsorted``. Rulebook builds run on the compiled
+kernels of `sparsecore.backends._rulebook_kernels`: ``submanifold_pairs``
+(a fused subm build the generic builder uses when a backend offers it),
+``conv_candidate_pairs`` and ``unique_inverse``.
 """
 
 from __future__ import annotations
