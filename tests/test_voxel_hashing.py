@@ -145,3 +145,17 @@ def test_keys_too_wide_to_pack_with_their_group() -> None:
     for max_voxels in (10, 100_000):
         sorting, hashing = both_paths(points, (3000,), grid, 3, max_voxels)
         assert_same(sorting, hashing)
+
+
+def test_voxels_too_large_for_memory_raise_like_the_sorting_path(monkeypatch) -> None:
+    rng = np.random.default_rng(1406)
+    grid = VoxelGrid((0.1, 0.1, 0.1), (-1.0, -1.0, -1.0, 1.0, 1.0, 1.0))
+    points = random_cloud(rng, 2000, 3, 3, np.float32)
+    monkeypatch.setattr(_voxel_math, "memory_limit", lambda xp: 1000)
+    messages = []
+    for run in (_voxel_math.voxelize_points, _voxel_hashing.voxelize_points):
+        arguments = (points, (2000,), grid, 50, 100_000, False)
+        with pytest.raises(ValueError, match="max_num_points_per_voxel=50") as error:
+            run(np, *arguments) if run is _voxel_math.voxelize_points else run(*arguments)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
