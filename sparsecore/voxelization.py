@@ -228,8 +228,9 @@ def _prepare(voxel_size: Any, coordinate_range: Any, max_num_points_per_voxel: A
 
 def _voxelize_points(xp: Any, points: Any, cloud_sizes: tuple[int, ...], grid: VoxelGrid, max_points: int,
                      max_voxels: int, empty_mean: bool) -> _voxel_math.VoxelArrays:
-    # Host arrays take the hash-table pass (no sort); CUDA arrays the xp-generic sorting pass.
-    if xp.__name__ == "numpy":
+    # Host arrays take the hash-table pass (no sort); CUDA arrays, and host arrays in a
+    # non-native byte order (which numba does not take), the xp-generic sorting pass.
+    if xp.__name__ == "numpy" and points.dtype.isnative:
         return _voxel_hashing.voxelize_points(points, cloud_sizes, grid, max_points, max_voxels, empty_mean)
     return _voxel_math.voxelize_points(xp, points, cloud_sizes, grid, max_points, max_voxels, empty_mean)
 

@@ -159,3 +159,20 @@ def test_voxels_too_large_for_memory_raise_like_the_sorting_path(monkeypatch) ->
             run(np, *arguments) if run is _voxel_math.voxelize_points else run(*arguments)
         messages.append(str(error.value))
     assert messages[0] == messages[1]
+
+
+def test_read_only_and_byte_swapped_points() -> None:
+    rng = np.random.default_rng(1407)
+    grid = VoxelGrid((0.2, 0.2, 0.2), (-1.0, -1.0, -1.0, 1.0, 1.0, 1.0))
+    points = random_cloud(rng, 1000, 3, 4, np.float32)
+    sorting = _voxel_math.voxelize_points(np, points, (1000,), grid, 3, 100, False)
+    read_only = points.copy()
+    read_only.setflags(write=False)
+    result = voxelize(read_only, grid.voxel_size, grid.coordinate_range, 3, 100)
+    assert_same(sorting, (result.voxels, result.indices, sorting.batch, result.num_points_per_voxel,
+                          result.point_voxel_id))
+    # numba takes native byte order only: swapped input takes the sorting path, dtype kept.
+    swapped = voxelize(points.astype(">f4"), grid.voxel_size, grid.coordinate_range, 3, 100)
+    assert swapped.voxels.dtype == np.dtype(">f4")
+    np.testing.assert_array_equal(swapped.voxels, sorting.voxels)
+    np.testing.assert_array_equal(swapped.point_voxel_id, sorting.point_voxel_id)
