@@ -7,7 +7,9 @@ both provide with the same meaning (``flatnonzero``, ``ndarray.sort``,
 paths (one scratch block, ``take``/``put`` with ``mode="clip"``, rows moved as
 ``void`` items) live in `sparsecore._voxel_storage` (:class:`Scratch`,
 :func:`take`, :func:`copy_rows`), each with a plain branch for CuPy. Memory is O(points): voxels are found by
-sorting packed int64 keys, never through a dense grid.
+sorting packed int64 keys, never through a dense grid. Host arrays in native
+byte order take `sparsecore._voxel_hashing` instead (a compiled hash-table pass,
+bitwise the same results); this path serves CuPy and is its CPU oracle.
 
 How a first-seen numbering falls out of one sort
 ------------------------------------------------

@@ -2,7 +2,8 @@
 
 `Scratch` carves every temporary of one call from one block (huge pages on
 NumPy, CuPy's memory pool on the GPU); `take` gathers in place; `copy_rows`
-moves whole rows as opaque ``void`` items. Used by `sparsecore._voxel_math`.
+moves whole rows as opaque ``void`` items. Used by `sparsecore._voxel_math`
+(and `Scratch` by `sparsecore._voxel_hashing`).
 """
 
 from __future__ import annotations
