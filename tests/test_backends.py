@@ -94,38 +94,6 @@ def test_this_machine_reports_its_gpu_state_without_a_raw_cupy_error():
 # ------------------------------------------------ compiled rulebook primitives (issue 14)
 
 
-@pytest.mark.parametrize("count,high", [(0, 10), (1, 10), (5000, 40), (70_000, 2**40), (3000, 2**62)])
-def test_numpy_backend_sorts_keys_as_a_stable_argsort(count, high):
-    """Radix sort (packed with the index where 63 bits allow, else two arrays) == NumPy's stable sort."""
-    from sparsecore.backends import _rulebook_kernels
-
-    rng = np.random.default_rng(14_200 + count)
-    keys = rng.integers(0, high, size=count, dtype=np.int64)  # repeats included where high is small
-    sorted_keys, order = _rulebook_kernels.argsort_keys(keys)
-    expected = np.argsort(keys, kind="stable")
-    np.testing.assert_array_equal(order, expected)
-    np.testing.assert_array_equal(sorted_keys, keys[expected])
-
-
-def test_numpy_backend_sorts_negative_keys_too():
-    from sparsecore.backends import _rulebook_kernels
-
-    keys = np.random.default_rng(14_201).integers(-(2**40), 2**40, size=4000, dtype=np.int64)
-    sorted_keys, order = _rulebook_kernels.argsort_keys(keys)
-    np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
-    np.testing.assert_array_equal(sorted_keys, np.sort(keys))
-
-
-@pytest.mark.parametrize("count,high", [(0, 5), (1, 5), (9000, 300), (50_000, 2**33)])
-def test_numpy_backend_unique_inverse_equals_numpy_unique(count, high):
-    keys = np.random.default_rng(14_300 + count).integers(0, high, size=count, dtype=np.int64)
-    unique, inverse = backends.NUMPY_BACKEND.unique_inverse(keys)
-    expected_unique, expected_inverse = np.unique(keys, return_inverse=True)
-    np.testing.assert_array_equal(unique, expected_unique)
-    np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
-    assert unique.dtype == np.int64 and inverse.dtype == np.int64
-
-
 @pytest.mark.parametrize("count", [0, 3, 5000])
 def test_numpy_backend_hash_build_reports_a_duplicate_among_many_keys(count):
     rng = np.random.default_rng(14_400 + count)

@@ -1,0 +1,119 @@
+"""Tests of `sparsecore.backends._rulebook_kernels`: the compiled CPU rulebook builders and sort.
+
+Oracles: NumPy's stable argsort and ``np.unique``, the builder's generic
+windowed-lookup path on the same backend, and naive pairs (`dense_oracle.naive_rulebook`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sparsecore as sc
+from sparsecore.backends import NUMPY_BACKEND, _rulebook_kernels
+
+try:
+    from . import dense_oracle as do
+except ImportError:
+    import dense_oracle as do
+
+
+def _pair_set(ins, outs):
+    return set(zip(np.asarray(ins).tolist(), np.asarray(outs).tolist()))
+
+
+@pytest.mark.parametrize("count,high", [(0, 10), (1, 10), (5000, 40), (70_000, 2**40), (3000, 2**62)])
+def test_numpy_backend_sorts_keys_as_a_stable_argsort(count, high):
+    """Radix sort (packed with the index where 63 bits allow, else two arrays) == NumPy's stable sort."""
+    rng = np.random.default_rng(14_200 + count)
+    keys = rng.integers(0, high, size=count, dtype=np.int64)  # repeats included where high is small
+    sorted_keys, order = _rulebook_kernels.argsort_keys(keys)
+    expected = np.argsort(keys, kind="stable")
+    np.testing.assert_array_equal(order, expected)
+    np.testing.assert_array_equal(sorted_keys, keys[expected])
+
+
+def test_numpy_backend_sorts_negative_keys_too():
+    keys = np.random.default_rng(14_201).integers(-(2**40), 2**40, size=4000, dtype=np.int64)
+    sorted_keys, order = _rulebook_kernels.argsort_keys(keys)
+    np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
+    np.testing.assert_array_equal(sorted_keys, np.sort(keys))
+
+
+@pytest.mark.parametrize("count,high", [(0, 5), (1, 5), (9000, 300), (50_000, 2**33)])
+def test_numpy_backend_unique_inverse_equals_numpy_unique(count, high):
+    keys = np.random.default_rng(14_300 + count).integers(0, high, size=count, dtype=np.int64)
+    unique, inverse = NUMPY_BACKEND.unique_inverse(keys)
+    expected_unique, expected_inverse = np.unique(keys, return_inverse=True)
+    np.testing.assert_array_equal(unique, expected_unique)
+    np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
+    assert unique.dtype == np.int64 and inverse.dtype == np.int64
+
+
+class _WindowedLookupBackend:
+    """The NumPy backend without its fused subm kernel: the builder's generic windowed-lookup path."""
+
+    def __init__(self):
+        self._inner = NUMPY_BACKEND
+
+    def __getattr__(self, name):
+        if name == "submanifold_pairs":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def _scattered_sites(rng, shape, batch_size, count):
+    volume = batch_size * int(np.prod(shape))
+    flat = rng.choice(volume, size=min(count, volume), replace=False)
+    return np.stack(np.unravel_index(flat, (batch_size, *shape)), axis=1).astype(np.int32)
+
+
+def _assert_same_rulebook(actual, expected, what):
+    for name in ("pair_input", "pair_output", "output_indices"):
+        np.testing.assert_array_equal(getattr(actual, name), getattr(expected, name), err_msg=f"{what}: {name}")
+    assert tuple(actual.offset_starts) == tuple(expected.offset_starts), what
+    assert actual.identity_offset == expected.identity_offset, what
+
+
+@pytest.mark.parametrize("ndim,kernel,dilation", [(1, 5, 2), (2, 3, 1), (2, (5, 3), (1, 2)), (3, 3, 1), (3, 5, 1),
+                                                  (3, (3, 1, 5), (2, 1, 1)), (4, 3, 1)])
+def test_fused_subm_pairs_equal_the_windowed_lookup(ndim, kernel, dilation):
+    rng = np.random.default_rng(14_000 + ndim)
+    shape = tuple(int(v) for v in rng.integers(4, 40 if ndim < 4 else 9, size=ndim))
+    indices = _scattered_sites(rng, shape, 3, 40_000)  # more sites than one work item (16,384 keys)
+    geometry = sc.ConvGeometry.create(ndim, kernel, dilation=dilation, kind="subm")
+    fused = sc.build_rulebook(indices, shape, 3, geometry)
+    generic = sc.build_rulebook(indices, shape, 3, geometry, backend=_WindowedLookupBackend())
+    _assert_same_rulebook(fused, generic, "fused vs windowed lookup")
+
+
+@pytest.mark.parametrize("kind,stride,padding", [("subm", 1, 0), ("regular", 2, 1), ("regular", (1, 3, 2), 0),
+                                                  ("transposed", 2, 1)])
+def test_cpu_rulebooks_are_identical_at_every_thread_count(kind, stride, padding):
+    rng = np.random.default_rng(14_100)
+    shape = (30, 90, 80)
+    indices = _scattered_sites(rng, shape, 2, 50_000)
+    geometry = (sc.ConvGeometry.create(3, 3, kind="subm") if kind == "subm"
+                else sc.ConvGeometry.create(3, 3, stride, padding, kind=kind))
+    built = []
+    counts = (1, 2)  # the pool may hold no more (SPARSECORE_NUM_THREADS); the work split is fixed anyway
+    for threads in counts:
+        with sc.num_threads(threads):
+            built.append(sc.build_rulebook(indices, shape, 2, geometry))
+    for threads, rulebook in zip(counts[1:], built[1:]):
+        _assert_same_rulebook(rulebook, built[0], f"{threads} threads vs 1")
+    naive = do.naive_rulebook(indices, shape, 2, kind, 3, stride, padding, 1, 0)
+    do.assert_sites(built[0].output_indices, naive.output_indices)
+    for offset in range(built[0].kernel_volume):
+        assert _pair_set(*built[0].pairs(offset)) == _pair_set(*naive.pairs[offset]), f"offset {offset}"
+        if kind != "subm":  # strided candidates keep the input order within an offset
+            assert (np.diff(built[0].pairs(offset)[0]) > 0).all(), f"offset {offset}"
+
+
+@pytest.mark.parametrize("kind", ["subm", "regular", "transposed"])
+def test_cpu_rulebook_of_no_sites(kind):
+    geometry = (sc.ConvGeometry.create(3, 3, kind="subm") if kind == "subm"
+                else sc.ConvGeometry.create(3, 3, 2, 1, kind=kind))
+    rulebook = sc.build_rulebook(np.zeros((0, 4), np.int32), (9, 8, 7), 2, geometry)
+    assert rulebook.num_pairs == 0 and rulebook.num_output == 0
+    assert tuple(rulebook.offset_starts) == (0,) * 28
