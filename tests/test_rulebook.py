@@ -346,4 +346,3 @@ def test_pair_map_refuses_negative_and_out_of_range_rows_unless_padded():
     assert padded.num_pairs == 3
     with pytest.raises(ValueError, match=r"outside \[-1, 3\)"):
         sc.PairMap(np.array([0, -2, 2], np.int32), rows, starts, 3, 3, (1,), padded=True)
-
