@@ -20,35 +20,53 @@ _DIGIT_BITS = 11
 
 
 @njit(**_SERIAL)
-def radix_sort(keys: Any, bits: int) -> tuple[Any, Any]:
-    """Stable LSD radix sort of non-negative int64 ``keys`` below ``2 ** bits``: ``(sorted_keys, order)``."""
-    count = keys.shape[0]
-    current_keys = keys.copy()
-    current_order = np.arange(count)
-    other_keys = np.empty_like(current_keys)
-    other_order = np.empty_like(current_order)
+def _digit_starts(values: Any, shift: int, mask: int) -> Any:
+    """Where each digit value ``(values >> shift) & mask`` starts in the sorted order (exclusive
+    prefix sums, ``[mask + 2]``), or an empty array when every value has the same digit (the pass
+    would move nothing)."""
+    count = values.shape[0]
+    histogram = np.zeros(mask + 2, dtype=np.int64)
+    for index in range(count):
+        histogram[((values[index] >> shift) & mask) + 1] += 1
+    if histogram.max() == count:
+        return histogram[:0]
+    for digit in range(1, mask + 2):
+        histogram[digit] += histogram[digit - 1]
+    return histogram
+
+
+@njit(**_SERIAL)
+def _radix_passes(values: Any, payload: Any, bits: int) -> tuple[Any, Any]:
+    """Stable LSD passes over the low ``bits`` of non-negative int64 ``values``; ``payload`` (same
+    length, or empty for none) moves with them. Both arrays are the caller's to overwrite (no copies).
+    Returns both, sorted."""
+    count = values.shape[0]
+    carry = payload.shape[0] == count and count > 0
+    current, other = values, np.empty_like(values)
+    current_payload, other_payload = payload, np.empty_like(payload)
     mask = (1 << _DIGIT_BITS) - 1
     shift = 0
     while shift < bits:
-        histogram = np.zeros(mask + 2, dtype=np.int64)
-        for index in range(count):
-            histogram[((current_keys[index] >> shift) & mask) + 1] += 1
-        if histogram.max() == count:  # one digit value only: this pass moves nothing
-            shift += _DIGIT_BITS
-            continue
-        for digit in range(1, mask + 2):
-            histogram[digit] += histogram[digit - 1]
-        for index in range(count):
-            key = current_keys[index]
-            digit = (key >> shift) & mask
-            position = histogram[digit]
-            histogram[digit] = position + 1
-            other_keys[position] = key
-            other_order[position] = current_order[index]
-        current_keys, other_keys = other_keys, current_keys
-        current_order, other_order = other_order, current_order
+        starts = _digit_starts(current, shift, mask)
+        if starts.shape[0] > 0:  # else one digit value only: this pass moves nothing
+            for index in range(count):
+                value = current[index]
+                digit = (value >> shift) & mask
+                position = starts[digit]
+                starts[digit] = position + 1
+                other[position] = value
+                if carry:
+                    other_payload[position] = current_payload[index]
+            current, other = other, current
+            current_payload, other_payload = other_payload, current_payload
         shift += _DIGIT_BITS
-    return current_keys, current_order
+    return current, current_payload
+
+
+@njit(**_SERIAL)
+def radix_sort(keys: Any, bits: int) -> tuple[Any, Any]:
+    """Stable LSD radix sort of non-negative int64 ``keys`` below ``2 ** bits``: ``(sorted_keys, order)``."""
+    return _radix_passes(keys.copy(), np.arange(keys.shape[0]), bits)
 
 
 @njit(**_SERIAL)
@@ -56,29 +74,10 @@ def radix_sort_packed(keys: Any, index_bits: int, bits: int) -> tuple[Any, Any]:
     """`radix_sort` of keys packed with their index as ``key << index_bits | index`` (``bits`` in all,
     at most 63): one array moves per pass, about 5x the two-array sort on a scan's candidate keys."""
     count = keys.shape[0]
-    current = np.empty(count, dtype=np.int64)
+    packed = np.empty(count, dtype=np.int64)
     for index in range(count):
-        current[index] = (keys[index] << index_bits) | index
-    other = np.empty_like(current)
-    mask = (1 << _DIGIT_BITS) - 1
-    shift = 0
-    while shift < bits:
-        histogram = np.zeros(mask + 2, dtype=np.int64)
-        for index in range(count):
-            histogram[((current[index] >> shift) & mask) + 1] += 1
-        if histogram.max() == count:
-            shift += _DIGIT_BITS
-            continue
-        for digit in range(1, mask + 2):
-            histogram[digit] += histogram[digit - 1]
-        for index in range(count):
-            value = current[index]
-            digit = (value >> shift) & mask
-            position = histogram[digit]
-            histogram[digit] = position + 1
-            other[position] = value
-        current, other = other, current
-        shift += _DIGIT_BITS
+        packed[index] = (keys[index] << index_bits) | index
+    current, _ = _radix_passes(packed, np.empty(0, dtype=np.int64), bits)
     index_mask = (1 << index_bits) - 1
     order = np.empty(count, dtype=np.int64)
     for index in range(count):
