@@ -76,8 +76,14 @@ def numba_module() -> Any:
     Raises:
         ImportError: numba does not import (it is an install requirement).
     """
-    if "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
+    first = "numba" not in sys.modules
+    if first and "NUMBA_NUM_THREADS" not in os.environ:
         os.environ["NUMBA_NUM_THREADS"] = str(default_num_threads())
+    # numba's OpenMP threading layer resets the calling thread's OpenMP thread count when it
+    # starts, which silently changed torch's torch.set_num_threads (torch shares the runtime);
+    # start it here, once, and put back what every OpenMP runtime already loaded had
+    runtimes = _loaded_openmp_runtimes() if first else ()
+    before = [runtime.omp_get_max_threads() for runtime in runtimes]
     try:
         import numba
     except ImportError as error:  # pragma: no cover - numba is an install requirement
@@ -85,7 +91,35 @@ def numba_module() -> Any:
             f"sparsecore's CPU feature passes need numba, which does not import here ({error}); "
             "install it with `pip install numba` (a requirement of sparsecore)"
         ) from None
+    if first:
+        numba.get_num_threads()  # starts the threading layer now
+        for runtime, threads in zip(runtimes, before):
+            runtime.omp_set_num_threads(threads)
     return numba
+
+
+def _loaded_openmp_runtimes() -> tuple[Any, ...]:
+    """The OpenMP runtimes (libgomp, libomp, libiomp5) already loaded in this process, as ctypes
+    libraries (Linux: read from ``/proc/self/maps``; elsewhere none)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return ()
+    import ctypes
+
+    runtimes = []
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if not name.startswith(("libgomp", "libomp", "libiomp")):
+            continue
+        try:
+            runtime = ctypes.CDLL(path)
+            runtime.omp_get_max_threads.restype = ctypes.c_int
+            runtimes.append(runtime)
+        except (OSError, AttributeError):
+            continue
+    return tuple(runtimes)
 
 
 def _numba() -> Any:

@@ -253,3 +253,38 @@ def test_small_layers_run_on_the_calling_thread() -> None:
     with _cpu_kernels._threads_for(_cpu_kernels.SERIAL_MAX_WORK):
         seen.append(numba.get_num_threads())
     assert seen == [1, numba.get_num_threads()]
+
+
+def test_caller_torch_thread_setting_survives_the_compiled_kernels():
+    """numba's OpenMP layer resets the process's OpenMP thread count when it starts; torch shares that
+    runtime, so a user's ``torch.set_num_threads(1)`` was silently undone by the first rulebook build
+    (and spconv, correct only at one thread, then computed wrong numbers beside sparsecore)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("torch")
+    script = textwrap.dedent(
+        """
+        import torch
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1  # torch's OpenMP runtime now holds the setting
+        import numpy as np
+        import sparsecore as sc
+        rng = np.random.default_rng(7)
+        flat = rng.choice(40 * 40 * 40, size=30000, replace=False)
+        indices = np.column_stack([np.zeros(30000, np.int64), *np.unravel_index(flat, (40, 40, 40))]).astype(np.int32)
+        features = rng.standard_normal((30000, 32)).astype(np.float32)
+        rulebook = sc.build_rulebook(indices, (40, 40, 40), 1, sc.ConvGeometry.create(3, 3, kind="subm"))
+        strided = sc.build_rulebook(indices, (40, 40, 40), 1, sc.ConvGeometry.create(3, 3, 2, 1))
+        weight = rng.standard_normal((32, 3, 3, 3, 32)).astype(np.float32)
+        with sc.num_threads(2):
+            sc.conv_forward(features, weight, rulebook)
+        sc.conv_forward(features, weight, strided)
+        print("TORCH_THREADS", torch.get_num_threads())
+        """
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    line = [entry for entry in completed.stdout.splitlines() if entry.startswith("TORCH_THREADS")]
+    assert line == ["TORCH_THREADS 1"], completed.stdout
