@@ -162,6 +162,18 @@ class Session:
                 "size and grid; run with the same batch size and spatial_shape"
             ) from None
 
+    def _released_after(self) -> list[tuple[str, ...]]:
+        """Per node position, the values no node after it reads (the graph's output excepted)."""
+        last_read: dict[str, int] = {}
+        for position, node in enumerate(self.graph.nodes):
+            for name in (node.inputs if isinstance(node, AddNode) else (node.input,)):
+                last_read[name] = position
+        released: list[list[str]] = [[] for _ in self.graph.nodes]
+        for name, position in last_read.items():
+            if name != self.graph.output:
+                released[position].append(name)
+        return [tuple(names) for names in released]
+
     def run(self, features: Any, indices: Any, batch_size: int, spatial_shape: Any) -> RuntimeOutput:
         """Runs the graph on one batch of voxels.
 
@@ -190,7 +202,10 @@ class Session:
         features = features.astype(self.dtype, copy=False)
         values: dict[str, Any] = {self.graph.input: SparseTensor(features, indices, spatial_shape, batch_size)}
         fused: set[int] = set()  # the Add and Relu nodes a fused conv has computed
-        for node in self.graph.nodes:
+        released = self._released_after()
+        for position, node in enumerate(self.graph.nodes):
+            for name in released[position - 1] if position else ():
+                values.pop(name, None)  # read by no later node: its memory goes back before the next pass
             if id(node) in fused:
                 continue
             fusion = self._fusions.get(id(node))
