@@ -82,6 +82,7 @@ class Session:
         self.dtype = np.dtype(dtype)
         # weights converted to this session's dtype, per device: (node name, device) -> (weight, bias)
         self._weights: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._released = self._released_after()  # per node position, the values no later node reads
 
     def _parameters(self, node: ConvNode, like: Any) -> Any:
         device = device_of(like)
@@ -202,9 +203,8 @@ class Session:
         features = features.astype(self.dtype, copy=False)
         values: dict[str, Any] = {self.graph.input: SparseTensor(features, indices, spatial_shape, batch_size)}
         fused: set[int] = set()  # the Add and Relu nodes a fused conv has computed
-        released = self._released_after()
         for position, node in enumerate(self.graph.nodes):
-            for name in released[position - 1] if position else ():
+            for name in self._released[position - 1] if position else ():
                 values.pop(name, None)  # read by no later node: its memory goes back before the next pass
             if id(node) in fused:
                 continue
