@@ -48,7 +48,7 @@ def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | No
             whose key holds another layer's rulebook, or an inverse conv without a
             matching ``indice_key``.
     """
-    found = find_layer_rulebook(x.rulebooks.value, x.sites, geometry, indice_key)
+    found = _layer(x, geometry, indice_key)
     x.rulebooks.value = found.cache
     return found.rulebook
 
