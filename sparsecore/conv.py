@@ -15,14 +15,14 @@ itself) is a plain GEMM that initialises the output. Products run in
 ``backend.compute_dtype``: float32 for float16 inputs on NumPy, float16
 (cuBLAS, float32 accumulation) on the GPU.
 
-On the CPU (NumPy backend), `sparsecore.cpu_dataflow` chooses per layer and
-stage between that dataflow and a fused compiled one (`fused_on_cpu`, from
-measurements: ungrouped forwards from 16 x 16 to 64 x 64, narrow ungrouped
-backwards and grouped layers run fused; the neighbour tables the fused passes
-read are built once per rulebook), and
-runs the per-offset products side by side on `sparsecore.threads`' thread
-count, summed in offset order: results are bitwise identical at every thread
-count.
+On the CPU (NumPy backend), `sparsecore.cpu_dataflow.dataflow_on_cpu` chooses per
+layer and stage between that dataflow and two compiled ones: ``"tiled"`` (ungrouped
+layers from 16 x 16: per block of destination rows and per offset, the paired rows
+copied into a cached tile, one BLAS GEMM, the products added into the block) and
+``"fused"`` (the 16-channel narrow forward and grouped layers: compiled row loops).
+Both read neighbour tables built once per rulebook. The per-offset products run side
+by side on `sparsecore.threads`' thread count, summed in offset order: results are
+bitwise identical at every thread count.
 """
 
 from __future__ import annotations
@@ -46,21 +46,26 @@ from ._validation import as_features
 from .backends import ArrayBackend, backend_for
 from .conv_weight import check_conv_weight, check_weight_layout
 from .cpu_dataflow import (
-    FUSED_FORWARD_MIN_MATRIX,
+    TILED_MIN_MATRIX,
+    NARROW_FORWARD_MAX_CHANNELS,
     FUSED_GROUPED_BACKWARD_MAX_MATRIX,
     FUSED_MAX_MATRIX,
     cpu_blas_threads,
+    dataflow_on_cpu,
     fused_backward,
     fused_forward,
     fused_on_cpu,
     map_in_order,
     pass_workers,
+    tiled_backward,
+    tiled_forward,
     waves,
 )
 from .rulebook import PairMap, Rulebook
 
 __all__ = ["conv_forward", "conv_backward", "check_conv_weight", "check_weight_layout", "fused_on_cpu",
-           "FUSED_MAX_MATRIX", "FUSED_FORWARD_MIN_MATRIX", "FUSED_GROUPED_BACKWARD_MAX_MATRIX"]
+           "dataflow_on_cpu", "FUSED_MAX_MATRIX", "TILED_MIN_MATRIX", "NARROW_FORWARD_MAX_CHANNELS",
+           "FUSED_GROUPED_BACKWARD_MAX_MATRIX"]
 
 
 def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,
@@ -100,13 +105,15 @@ def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: R
     # e.g. an expanded autograd gradient, drops NumPy to a slow generic loop)
     source = xp.ascontiguousarray(features, dtype=dtype)
     matrices = offset_matrices(weight, groups, dtype)
-    if fused_on_cpu(backend, features.shape[1], weight.shape[0], groups):
+    dataflow = dataflow_on_cpu(backend, features.shape[1], weight.shape[0], groups)
+    if dataflow != "per_offset":
         if bias is None:
             out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
         else:  # the bias is where the sums start (one write instead of zeros plus an add)
             out = xp.empty((rulebook.num_output, weight.shape[0]), dtype=dtype)
             out[...] = bias.astype(dtype, copy=False)
-        fused_forward(source, xp.ascontiguousarray(matrices), rulebook, out)
+        flow = fused_forward if dataflow == "fused" else tiled_forward
+        flow(source, xp.ascontiguousarray(matrices), rulebook, out)
         return out.astype(features.dtype, copy=False)
     identity = rulebook.identity_offset
     if identity >= 0 and rulebook.num_input:
@@ -173,8 +180,13 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
     grad = xp.ascontiguousarray(grad_output, dtype=dtype)
     matrices = offset_matrices(weight, groups, dtype)
     out_channels = weight.shape[0]
-    if fused_on_cpu(backend, features.shape[1], out_channels, groups, "backward"):
-        grad_features, grad_matrices = fused_backward(backend, source, grad, xp.ascontiguousarray(matrices), rulebook)
+    dataflow = dataflow_on_cpu(backend, features.shape[1], out_channels, groups, "backward")
+    if dataflow != "per_offset":
+        if dataflow == "fused":
+            grad_features, grad_matrices = fused_backward(backend, source, grad, xp.ascontiguousarray(matrices),
+                                                          rulebook)
+        else:
+            grad_features, grad_matrices = tiled_backward(source, grad, matrices, rulebook)
         return (grad_features.astype(features.dtype, copy=False),
                 weight_from_matrices(grad_matrices, weight).astype(weight.dtype, copy=False))
     transposed = matrices.transpose(0, 1, 3, 2)

@@ -59,6 +59,8 @@ import concurrent.futures
 import contextlib
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from . import threads
 from ._conv_products import grouped_outer
 from .backends import ArrayBackend, NumpyBackend
@@ -67,8 +69,10 @@ from .rulebook import PairMap, Rulebook
 
 __all__ = [
     "FUSED_MAX_MATRIX",
-    "FUSED_FORWARD_MIN_MATRIX",
+    "TILED_MIN_MATRIX",
+    "NARROW_FORWARD_MAX_CHANNELS",
     "FUSED_GROUPED_BACKWARD_MAX_MATRIX",
+    "dataflow_on_cpu",
     "fused_on_cpu",
     "cpu_blas_threads",
     "pass_workers",
@@ -77,55 +81,69 @@ __all__ = [
     "neighbour_table",
     "fused_forward",
     "fused_backward",
+    "tiled_forward",
+    "tiled_backward",
 ]
 
 FUSED_MAX_MATRIX = 64 * 64
-"""Largest per-group weight matrix (``in_per_group * out_per_group``) run by the fused CPU kernels;
-larger ones run per-offset BLAS GEMMs."""
+"""Largest per-group weight matrix (``in_per_group * out_per_group``) of a grouped layer run by the
+fused CPU kernels; larger ones run per-offset BLAS GEMMs."""
 
-FUSED_FORWARD_MIN_MATRIX = 32 * 32
-"""An ungrouped layer's forward runs the generic or specialised fused kernel above this matrix
-(up to `FUSED_MAX_MATRIX`); at and below it only the narrow kernel (`_cpu_kernels.is_narrow`)
-runs fused, narrower layers run per offset (4 -> 4: 20 ms per offset against 61 ms fused on
-the real scan, one thread)."""
+TILED_MIN_MATRIX = 3 * 16
+"""Smallest ``in_channels * out_channels`` of an ungrouped layer run by the tiled dataflow; narrower
+layers (4 -> 4, 1 -> 4) are bound by their gathers and run per offset."""
+
+NARROW_FORWARD_MAX_CHANNELS = 16
+"""An ungrouped layer that widens from at most this many channels to at most 32 (16 -> 32) runs its
+forward on the fused narrow kernel rather than the tiled one."""
 
 FUSED_GROUPED_BACKWARD_MAX_MATRIX = 8 * 8
-"""A grouped layer's backward runs fused up to this per-group matrix; an ungrouped layer's backward
-only on the narrow kernel (the per-offset backward was as fast or faster above 32 channels)."""
+"""A grouped layer's backward runs fused up to this per-group matrix (the per-offset backward was as
+fast or faster above it)."""
 
 
-def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int,
-                 stage: str = "forward") -> bool:
-    """Whether a layer's pass runs the fused CPU dataflow (`sparsecore.backends._cpu_kernels`) rather than BLAS.
+def dataflow_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int,
+                    stage: str = "forward") -> str:
+    """Which dataflow runs a layer's pass: ``"per_offset"``, ``"fused"`` or ``"tiled"``.
 
-    Forward: grouped layers up to `FUSED_MAX_MATRIX` per group, ungrouped narrow ones
-    (`_cpu_kernels.is_narrow`: 16 x 16 up to 32 x 32) and ungrouped ones above
-    `FUSED_FORWARD_MIN_MATRIX` and up to `FUSED_MAX_MATRIX`. Backward: ungrouped
-    narrow layers whose outputs are no wider than their inputs, and grouped layers up
-    to `FUSED_GROUPED_BACKWARD_MAX_MATRIX` per group. The choice depends on
-    sizes only, never on the thread count, so results stay bitwise identical at every
-    thread count (the measurements are in this module's docstring).
+    Off the NumPy backend always ``"per_offset"``. Ungrouped layers of at least
+    `TILED_MIN_MATRIX` run ``"tiled"`` (BLAS on cached tiles, both stages), except the
+    forward of narrow layers widening from `NARROW_FORWARD_MAX_CHANNELS` (16 -> 32), which
+    runs ``"fused"``; smaller ungrouped layers run ``"per_offset"``. Grouped layers run ``"fused"``
+    up to `FUSED_MAX_MATRIX` per group in the forward and up to
+    `FUSED_GROUPED_BACKWARD_MAX_MATRIX` in the backward, else ``"per_offset"``. The choice
+    depends on sizes only, never on the thread count, so results stay bitwise identical at
+    every thread count (the measurements are in this module's docstring).
 
     Args:
-        backend: the layer's backend (only the NumPy backend has fused kernels).
+        backend: the layer's backend.
         in_channels: input channels.
         out_channels: output channels.
         groups: channel groups.
         stage: ``"forward"`` or ``"backward"``.
 
     Returns:
-        True for the fused dataflow.
+        The dataflow's name.
     """
     if not isinstance(backend, NumpyBackend):
-        return False
-    matrix = (in_channels // groups) * (out_channels // groups)
-    if matrix > FUSED_MAX_MATRIX:
-        return False
-    narrow = _cpu_kernels.is_narrow(groups, in_channels // groups, out_channels // groups)
-    if stage == "backward":
-        return ((narrow and out_channels <= in_channels)
-                or (groups > 1 and matrix <= FUSED_GROUPED_BACKWARD_MAX_MATRIX))
-    return narrow or groups > 1 or matrix > FUSED_FORWARD_MIN_MATRIX
+        return "per_offset"
+    in_per_group, out_per_group = in_channels // groups, out_channels // groups
+    matrix = in_per_group * out_per_group
+    if groups == 1:
+        if matrix < TILED_MIN_MATRIX:
+            return "per_offset"
+        if (stage == "forward" and _cpu_kernels.is_narrow(1, in_per_group, out_per_group)
+                and in_per_group <= NARROW_FORWARD_MAX_CHANNELS < out_per_group):
+            return "fused"
+        return "tiled"
+    limit = FUSED_GROUPED_BACKWARD_MAX_MATRIX if stage == "backward" else FUSED_MAX_MATRIX
+    return "fused" if matrix <= limit else "per_offset"
+
+
+def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, groups: int,
+                 stage: str = "forward") -> bool:
+    """Whether `dataflow_on_cpu` picks the fused compiled row loops (`sparsecore.backends._cpu_kernels`)."""
+    return dataflow_on_cpu(backend, in_channels, out_channels, groups, stage) == "fused"
 
 
 def cpu_blas_threads(backend: ArrayBackend) -> contextlib.AbstractContextManager[Any]:
@@ -251,3 +269,33 @@ def fused_backward(backend: ArrayBackend, source: Any, grad: Any, matrices: Any,
     for offset, product in zip(offsets, map_in_order(workers, outer, offsets)):
         grad_matrices[offset] = product
     return grad_features, grad_matrices
+
+
+def tiled_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
+    """``out += conv(source)`` on the tiled dataflow (one group), output-stationary over the forward table.
+
+    Args:
+        source: ``[N_in, a]`` C-contiguous float32/float64.
+        matrices: ``[K, 1, a, b]``, ``source``'s dtype.
+        rulebook: the layer's rulebook.
+        out: ``[N_out, b]`` C-contiguous, holding the initial values (zeros or the bias).
+    """
+    _cpu_kernels.tiled_forward(source, neighbour_table(rulebook, "forward"),
+                               np.ascontiguousarray(matrices[:, 0]), out, rulebook.num_pairs)
+
+
+def tiled_backward(source: Any, grad: Any, matrices: Any, rulebook: Rulebook | PairMap) -> tuple[Any, Any]:
+    """Both gradients of `tiled_forward`, input-stationary over the backward table.
+
+    Args:
+        source: ``[N_in, a]`` the forward's features, C-contiguous.
+        grad: ``[N_out, b]`` the output gradient, C-contiguous.
+        matrices: ``[K, 1, a, b]``.
+        rulebook: the layer's rulebook.
+
+    Returns:
+        ``(grad_features [N_in, a], grad_matrices [K, 1, a, b])`` in ``source``'s dtype.
+    """
+    grad_features, grad_matrices = _cpu_kernels.tiled_backward(
+        source, grad, neighbour_table(rulebook, "backward"), matrices[:, 0], rulebook.num_pairs)
+    return grad_features, grad_matrices[:, None]

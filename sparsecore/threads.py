@@ -179,6 +179,8 @@ def _blas_controller() -> Any:
     # numba loads first: it brings in a BLAS of its own (SciPy's, for np.dot in kernels), and a
     # controller sees only the libraries loaded when it is made
     _numba()
+    with contextlib.suppress(ImportError):  # SciPy's BLAS runs the tiled kernels' np.dot: load it to limit it
+        import scipy.linalg.cython_blas  # noqa: F401
     try:
         import threadpoolctl
     except ImportError:  # pragma: no cover - threadpoolctl is an install requirement

@@ -1,9 +1,9 @@
 """The compiled CPU kernels (sparsecore.backends._cpu_kernels) and the conv dataflow choice.
 
 Oracles: an integer reference of the neighbour table (plain loops over the
-pairs), a float64 pair loop (``np.add.at``) for the fused row kernel, and the
-dense float64 convolution (tests/dense_oracle.py) for whole passes on both CPU
-dataflows (fused and per-offset BLAS).
+pairs), a float64 pair loop (``np.add.at``) for the fused row kernel and the
+tiled kernels, and the dense float64 convolution (tests/dense_oracle.py) for
+whole passes on the three CPU dataflows (fused, tiled and per-offset BLAS).
 """
 
 from __future__ import annotations
@@ -88,27 +88,20 @@ def test_accumulate_rows_against_pair_loop(specialised, groups, in_per_group, ou
     np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_fused_rule_follows_the_measurements():
-    # ungrouped: the forward runs fused from 16 x 16 (the narrow kernel up to 32 channels) up to
-    # 64 x 64; the backward only on the narrow kernel, when the outputs are no wider than the inputs
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 8, 8, 1)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 16, 16, 1)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 16, 32, 1)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 32, 32, 1)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 48, 48, 1)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 1)
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 128, 128, 1)
-    for channels_in, channels_out in ((16, 16), (32, 32), (32, 16)):
-        assert conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, 1, "backward")
-    for channels_in, channels_out in ((16, 32), (48, 48), (64, 64)):
-        assert not conv.fused_on_cpu(NUMPY_BACKEND, channels_in, channels_out, 1, "backward")
-    # grouped: the forward up to 64 x 64 per group, the backward up to 8 x 8 per group
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 64)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 256, 256, 4)
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 256, 256, 2)
-    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 8, "backward")
-    assert not conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 4, "backward")
-    assert not conv.fused_on_cpu(object(), 64, 64, 1)  # only the NumPy backend has fused kernels
+def test_dataflow_rule_follows_the_measurements():
+    rule = lambda *arguments: conv.dataflow_on_cpu(NUMPY_BACKEND, *arguments)  # noqa: E731
+    # ungrouped: tiled from 3 x 16 at both stages, per offset below; the 16 -> 32 forward fused (narrow)
+    for channels_in, channels_out in ((4, 4), (1, 4), (2, 16)):
+        assert rule(channels_in, channels_out, 1) == rule(channels_in, channels_out, 1, "backward") == "per_offset"
+    for channels_in, channels_out in ((3, 16), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128), (256, 64)):
+        assert rule(channels_in, channels_out, 1) == rule(channels_in, channels_out, 1, "backward") == "tiled"
+    assert rule(16, 32, 1) == "fused" and rule(16, 32, 1, "backward") == "tiled"
+    # grouped: the forward fused up to 64 x 64 per group, the backward up to 8 x 8 per group
+    assert rule(64, 64, 64) == rule(256, 256, 4) == "fused"
+    assert rule(256, 256, 2) == "per_offset"
+    assert rule(64, 64, 8, "backward") == "fused" and rule(64, 64, 4, "backward") == "per_offset"
+    assert conv.dataflow_on_cpu(object(), 64, 64, 1) == "per_offset"  # only the NumPy backend has compiled passes
+    assert conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 64) and not conv.fused_on_cpu(NUMPY_BACKEND, 64, 64, 1)
 
 
 def _layer_case(seed: int, kind: str, channels_in: int, channels_out: int, groups: int):
@@ -131,18 +124,22 @@ def _layer_case(seed: int, kind: str, channels_in: int, channels_out: int, group
     return features, weight, rulebook, grad_output, oracle
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "blas"])
-@pytest.mark.parametrize("kind, channels_in, channels_out, groups",
-                         [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4), ("subm", 16, 16, 1),
-                          ("regular", 32, 16, 1), ("subm", 16, 32, 1)])
-def test_both_cpu_dataflows_match_the_dense_oracle(fused, kind, channels_in, channels_out, groups, monkeypatch):
+_LAYERS = [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4), ("subm", 16, 16, 1), ("regular", 32, 16, 1),
+           ("subm", 16, 32, 1)]
+
+
+@pytest.mark.parametrize("dataflow, kind, channels_in, channels_out, groups",
+                         [(dataflow,) + layer for dataflow in ("fused", "tiled", "per_offset") for layer in _LAYERS
+                          if dataflow != "tiled" or layer[3] == 1])  # the tiled dataflow: ungrouped layers
+def test_every_cpu_dataflow_matches_the_dense_oracle(dataflow, kind, channels_in, channels_out, groups, monkeypatch):
     calls = []
 
     def choose(*arguments, **keywords):
         calls.append(arguments)
-        return fused
+        return dataflow
 
-    monkeypatch.setattr(conv, "fused_on_cpu", choose)  # the conv passes ask this name: both stages forced
+    monkeypatch.setattr(conv, "dataflow_on_cpu", choose)  # the conv passes ask this name: both stages forced
+    monkeypatch.setattr(_cpu_kernels, "TILE_ITEMS", 1)  # several tiled work items even on this small layer
     features, weight, rulebook, grad_output, oracle = _layer_case(1403, kind, channels_in, channels_out, groups)
     out = sc.conv_forward(features, weight, rulebook, groups=groups)
     do.assert_close(out, oracle.values, "conv_forward")
@@ -150,6 +147,72 @@ def test_both_cpu_dataflows_match_the_dense_oracle(fused, kind, channels_in, cha
     do.assert_close(grad_features, oracle.grad_features, "grad_features")
     do.assert_close(grad_weight, oracle.grad_weight, "grad_weight")
     assert len(calls) == 2  # the forward and the backward each asked once
+
+
+def _pair_loop(source, grad, matrices, pair_input, pair_output, starts, num_destination):
+    """float64 oracle: the forward sums, d-source and d-matrices of ``out[o] += source[i] @ M_k``."""
+    source64, grad64, matrices64 = (array.astype(np.float64) for array in (source, grad, matrices))
+    out = np.zeros((num_destination, matrices.shape[2]))
+    grad_source = np.zeros(source.shape)
+    grad_matrices = np.zeros(matrices.shape)
+    for offset in range(matrices.shape[0]):
+        rows = slice(starts[offset], starts[offset + 1])
+        inputs, outputs = pair_input[rows], pair_output[rows]
+        np.add.at(out, outputs, source64[inputs] @ matrices64[offset])
+        np.add.at(grad_source, inputs, grad64[outputs] @ matrices64[offset].T)
+        grad_matrices[offset] = source64[inputs].T @ grad64[outputs]
+    return out, grad_source, grad_matrices
+
+
+@pytest.mark.parametrize("items", [1, 2, 32])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tiled_kernels_against_pair_loop(items, dtype, monkeypatch):
+    monkeypatch.setattr(_cpu_kernels, "TILE_ITEMS", items)
+    rng = np.random.default_rng(1408)
+    volume, num_source, num_destination, channels_in, channels_out = 7, 290, 330, 6, 9
+    pair_input, pair_output, starts = _random_pairs(rng, volume, num_source, num_destination)
+    source = rng.standard_normal((num_source, channels_in)).astype(dtype)
+    matrices = rng.standard_normal((volume, channels_in, channels_out)).astype(dtype)
+    grad = rng.standard_normal((num_destination, channels_out)).astype(dtype)
+    initial = rng.standard_normal((num_destination, channels_out)).astype(dtype)
+    expected_out, expected_grad_source, expected_grad_matrices = _pair_loop(
+        source, grad, matrices, pair_input, pair_output, starts, num_destination)
+    pairs = int(starts[-1])
+    out = initial.copy()
+    forward_table = _cpu_kernels.neighbour_table(pair_output, pair_input, starts, num_destination)
+    _cpu_kernels.tiled_forward(source, forward_table, matrices, out, pairs)
+    backward_table = _cpu_kernels.neighbour_table(pair_input, pair_output, starts, num_source)
+    grad_source, grad_matrices = _cpu_kernels.tiled_backward(source, grad, backward_table, matrices, pairs)
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    assert out.dtype == grad_source.dtype == grad_matrices.dtype == dtype
+    np.testing.assert_allclose(out, initial + expected_out, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(grad_source, expected_grad_source, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(grad_matrices, expected_grad_matrices, rtol=tolerance, atol=tolerance * 10)
+
+
+def test_tile_items_bounds_the_partial_weights():
+    assert _cpu_kernels.tile_items(100, 27, 16, 16, 4) == _cpu_kernels.TILE_ITEMS
+    items = _cpu_kernels.tile_items(2000, 27, 256, 256, 4)
+    assert items > _cpu_kernels.TILE_ITEMS
+    assert -(-2000 // items) * 27 * 256 * 256 * 4 <= _cpu_kernels.TILE_PARTIAL_MAX_BYTES
+    assert -(-2000 // (items // 2)) * 27 * 256 * 256 * 4 > _cpu_kernels.TILE_PARTIAL_MAX_BYTES  # the smallest such
+    assert _cpu_kernels.tile_items(3, 27, 4096, 4096, 8) >= 3  # one work item when nothing smaller fits
+
+
+def test_tiled_empty_input():
+    empty = np.zeros(0, dtype=np.int32)
+    matrices = np.random.default_rng(1409).standard_normal((3, 4, 5)).astype(np.float32)
+    table = _cpu_kernels.neighbour_table(empty, empty, (0, 0, 0, 0), 0)
+    out = np.zeros((0, 5), np.float32)
+    _cpu_kernels.tiled_forward(np.zeros((0, 4), np.float32), table, matrices, out, 0)
+    grad_source, grad_matrices = _cpu_kernels.tiled_backward(np.zeros((0, 4), np.float32), out, table, matrices, 0)
+    assert grad_source.shape == (0, 4) and grad_matrices.shape == (3, 4, 5) and not grad_matrices.any()
+    # sites but no pairs: the gradients are zeros of the right shapes
+    rows = np.random.default_rng(1410).standard_normal((70, 4)).astype(np.float32)
+    no_pairs = _cpu_kernels.neighbour_table(empty, empty, (0, 0, 0, 0), 70)
+    grad_source, grad_matrices = _cpu_kernels.tiled_backward(rows, np.ones((70, 5), np.float32), no_pairs,
+                                                             matrices, 0)
+    assert grad_source.shape == (70, 4) and not grad_source.any() and not grad_matrices.any()
 
 
 def test_narrow_kernel_sums_as_the_generic_kernel():

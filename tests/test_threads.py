@@ -33,19 +33,21 @@ SCRIPT = textwrap.dedent(
     from sparsecore.backends import _cpu_kernels
 
     _cpu_kernels.SERIAL_MAX_WORK = 0  # these small layers too run on every thread
+    _cpu_kernels.TILE_ITEMS = 2  # and the tiled passes on many work items
 
     rng = np.random.default_rng(20261202)
-    shape, batch, channels = (12, 40, 40), 2, 48  # 48: fused forward, per-offset backward
+    shape, batch, channels = (12, 40, 40), 2, 48  # 48: the tiled dataflow, forward and backward
     cells = rng.choice(batch * int(np.prod(shape)), 3000, replace=False)
     indices = np.stack(np.unravel_index(cells, (batch,) + shape), 1).astype(np.int32)
     features = rng.standard_normal((len(indices), channels)).astype(np.float32)
     out = {"indices": indices.tolist(), "features": features.tolist()}
     wide = rng.standard_normal((len(indices), 80)).astype(np.float32)
     out["wide_features"] = wide.tolist()
-    narrow = np.ascontiguousarray(features[:, :16])  # 16 -> 16: the narrow fused kernel, forward and backward
+    narrow = np.ascontiguousarray(features[:, :16])  # 16 -> 16: tiled
+    tiny = np.ascontiguousarray(features[:, :4])  # 4 -> 4: the per-offset BLAS dataflow
     for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2), ("wide", "subm", 1),
-                               ("grouped", "subm", 1), ("narrow", "subm", 1)):
-        source = {"wide": wide, "narrow": narrow}.get(name, features)  # wide, 80: the per-offset BLAS dataflow
+                               ("grouped", "subm", 1), ("narrow", "subm", 1), ("tiny", "subm", 1)):
+        source = {"wide": wide, "narrow": narrow, "tiny": tiny}.get(name, features)  # wide, 80: tiled
         groups = 8 if name == "grouped" else 1  # 6 x 6 per group: fused forward and backward
         weight = rng.standard_normal((source.shape[1], 3, 3, 3, source.shape[1] // groups)).astype(np.float32)
         geometry = sc.ConvGeometry.create(3, 3, stride=stride, padding=1, kind=kind)
@@ -85,8 +87,8 @@ def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
     shape, batch = (12, 40, 40), 2
     indices = torch.tensor(run["indices"], dtype=torch.long)
     source = np.asarray(run["wide_features" if name == "wide" else "features"])
-    if name == "narrow":
-        source = source[:, :16]
+    if name in ("narrow", "tiny"):
+        source = source[:, :{"narrow": 16, "tiny": 4}[name]]
     features = torch.tensor(source, dtype=torch.float64, requires_grad=True)
     weight = torch.tensor(run[name]["weight"], dtype=torch.float64, requires_grad=True)
     dense = torch.zeros((batch,) + shape + (features.shape[1],), dtype=torch.float64)
@@ -104,7 +106,7 @@ def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
 def test_conv_correct_at_thread_count(threads: int) -> None:
     run = _run(threads)
     assert run["threads"] == threads
-    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1), ("narrow", 1)):
+    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1), ("narrow", 1), ("tiny", 1)):
         expected_y, expected_grad_features, expected_grad_weight = _dense_oracle(run, name, stride, 1)
         np.testing.assert_allclose(run[name]["y"], expected_y, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(run[name]["grad_features"], expected_grad_features, rtol=1e-4, atol=1e-3)
@@ -114,7 +116,7 @@ def test_conv_correct_at_thread_count(threads: int) -> None:
 def test_bitwise_identical_at_1_2_and_4_threads() -> None:
     runs = {threads: _run(threads) for threads in (1, 2, 4)}
     assert [run["threads"] for run in runs.values()] == [1, 2, 4]
-    for name in ("subm", "regular", "wide", "grouped", "narrow"):
+    for name in ("subm", "regular", "wide", "grouped", "narrow", "tiny"):
         for field in ("y", "grad_features", "grad_weight"):
             reference = np.asarray(runs[1][name][field], dtype=np.float32)
             for threads in (2, 4):
@@ -172,7 +174,17 @@ THREAD_COUNT_SCRIPT = textwrap.dedent(
             blas_counts.update(counts)
             return super().matmul(left, right)
 
-    blas_counts = set()
+    def recording(kernel):
+        # the tiled passes call BLAS from compiled code (SciPy's, through numba): every pool's count
+        def wrapper(*arguments):
+            pools = [pool for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+            tiled_counts.update(pool["num_threads"] for pool in pools)
+            return kernel(*arguments)
+        return wrapper
+
+    _cpu_kernels.tiled_forward = recording(_cpu_kernels.tiled_forward)
+    _cpu_kernels.tiled_backward = recording(_cpu_kernels.tiled_backward)
+    blas_counts, tiled_counts = set(), set()
     rng = np.random.default_rng(7)
     cells = rng.choice(12 * 40 * 40, 4000, replace=False)
     indices = np.stack(np.unravel_index(cells, (1, 12, 40, 40)), 1).astype(np.int32)
@@ -183,14 +195,14 @@ THREAD_COUNT_SCRIPT = textwrap.dedent(
         pass
     tasks_before = len(os.listdir("/proc/self/task"))
     backend = RecordingBackend()
-    for channels in (16, 80):  # the fused and the per-offset BLAS dataflows
+    for channels in (4, 16, 80):  # the per-offset BLAS dataflow, then the tiled one
         features = rng.standard_normal((len(indices), channels)).astype(np.float32)
         weight = rng.standard_normal((channels, 3, 3, 3, channels)).astype(np.float32)
         y = sc.conv_forward(features, weight, rulebook, backend=backend)
         sc.conv_backward(y, features, weight, rulebook, backend=backend)
     tasks_after = len(os.listdir("/proc/self/task"))
     json.dump({"new_threads": tasks_after - tasks_before, "blas": sorted(blas_counts),
-               "threads": sc.get_num_threads()}, sys.stdout)
+               "tiled_blas": sorted(tiled_counts), "threads": sc.get_num_threads()}, sys.stdout)
     """
 )
 
@@ -209,6 +221,7 @@ def test_thread_setting_is_honoured(threads: int) -> None:
     # 2 for 2); the per-offset side-by-side products use the pool only when `threads` > 1
     assert report["new_threads"] <= threads
     assert report["blas"] == [1]  # BLAS on one thread inside every pass, whatever the pass's threads
+    assert report["tiled_blas"] == [1]  # every BLAS pool (SciPy's too) inside the tiled passes
 
 
 def test_thread_count_errors() -> None:

@@ -49,6 +49,11 @@ __all__ = [
     "neighbour_table",
     "is_narrow",
     "accumulate_rows",
+    "TILE_ITEMS",
+    "TILE_PARTIAL_MAX_BYTES",
+    "tile_items",
+    "tiled_forward",
+    "tiled_backward",
     "numba_module",
 ]
 
@@ -95,6 +100,13 @@ def _sources() -> Any:
     from . import _cpu_kernel_sources
 
     return _cpu_kernel_sources
+
+
+def _tile_sources() -> Any:
+    numba_module()
+    from . import _tile_kernel_sources
+
+    return _tile_kernel_sources
 
 
 def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ...],
@@ -184,3 +196,72 @@ def accumulate_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray,
         kernel = _rows_kernel(0, 0, 0)
     with _threads_for(pairs * (source.shape[1] + out.shape[1])):
         kernel(source, table, matrices, out)
+
+
+# ---------------------------------------------------------------- tiled rows (BLAS on cached tiles)
+
+TILE_ITEMS = 32
+"""Neighbour-table blocks (`ROW_BLOCK` rows each) per work item of the tiled kernels: 2,048
+destination rows, whose tiles stay in a core's cache; doubled by `tile_items` when the backward's
+per-item d-weights would pass `TILE_PARTIAL_MAX_BYTES`."""
+
+TILE_PARTIAL_MAX_BYTES = 32 * 2**20
+"""Most bytes of per-work-item d-weights (``items x K x a x b``) the tiled backward keeps at once."""
+
+
+def tile_items(blocks: int, volume: int, in_channels: int, out_channels: int, itemsize: int) -> int:
+    """Table blocks per tiled work item: `TILE_ITEMS`, doubled while the partial d-weights are too large.
+
+    Depends on the sizes only (never on the thread count), so the sums' order does not either.
+    """
+    items = TILE_ITEMS
+    while items < blocks and -(-blocks // items) * volume * in_channels * out_channels * itemsize > (
+            TILE_PARTIAL_MAX_BYTES):
+        items *= 2
+    return items
+
+
+def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, out: np.ndarray,
+                  pairs: int) -> None:
+    """``out[d] += sum_k source[table[k, d]] @ matrices[k]`` on BLAS over cached tiles, in place.
+
+    Args:
+        source: ``[N_src, a]`` C-contiguous float32/float64.
+        table: int32 ``[ceil(N_dst / ROW_BLOCK), K, ROW_BLOCK]`` from `neighbour_table`.
+        matrices: ``[K, a, b]`` C-contiguous, ``source``'s dtype.
+        out: ``[N_dst, b]`` C-contiguous, holding the initial values (zeros or a bias).
+        pairs: the number of pairs (small layers run on the calling thread).
+    """
+    if out.shape[0] == 0 or table.shape[1] == 0 or out.shape[1] == 0 or pairs == 0:
+        return
+    with _threads_for(pairs * (source.shape[1] + out.shape[1])):
+        _tile_sources().tiled_forward_kernel(source, table, matrices, out, TILE_ITEMS)
+
+
+def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matrices: np.ndarray,
+                   pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tiled forward's gradients: d-features input-stationary, d-weights summed per work item in order.
+
+    Args:
+        source: ``[N_src, a]`` the forward's input, C-contiguous float32/float64.
+        grad: ``[N_dst, b]`` the output gradient, C-contiguous, ``source``'s dtype.
+        table: int32 ``[ceil(N_src / ROW_BLOCK), K, ROW_BLOCK]``, the backward table (rows: source rows).
+        matrices: ``[K, a, b]``, ``source``'s dtype.
+        pairs: the number of pairs.
+
+    Returns:
+        ``(grad_source [N_src, a], grad_matrices [K, a, b])``.
+    """
+    volume, in_channels, out_channels = matrices.shape
+    grad_matrices = np.zeros(matrices.shape, dtype=source.dtype)
+    if source.shape[0] == 0 or volume == 0 or pairs == 0 or in_channels == 0 or out_channels == 0:
+        return np.zeros(source.shape, dtype=source.dtype), grad_matrices
+    items = tile_items(table.shape[0], volume, in_channels, out_channels, source.itemsize)
+    grad_source = np.empty(source.shape, dtype=source.dtype)
+    partial = np.empty((-(-table.shape[0] // items), volume, in_channels, out_channels), dtype=source.dtype)
+    transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
+    kernels = _tile_sources()
+    with _threads_for(pairs * (in_channels + out_channels)):
+        kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items)
+        kernels.sum_partials(partial, grad_matrices)
+    return grad_source, grad_matrices
