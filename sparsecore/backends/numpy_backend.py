@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _numpy_int8, _rulebook_kernels
+from . import _cpu_pool_kernels, _numpy_int8, _rulebook_kernels
 from ._pair_runs import offset_runs
 
 __all__ = ["NumpyBackend", "SortedTable"]
@@ -160,29 +160,14 @@ class NumpyBackend:
 
     def max_pool_pairs(self, features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
                        run_starts: tuple[int, ...], num_output: int) -> tuple[np.ndarray, np.ndarray]:
-        channels = features.shape[1]
-        out = np.zeros((num_output, channels), dtype=features.dtype)
-        argmax = np.full((num_output, channels), -1, dtype=np.int32)
-        for input_rows, output_rows in offset_runs(pair_input, pair_output, run_starts):
-            values = np.take(features, input_rows, axis=0)
-            current = np.take(out, output_rows, axis=0)
-            current_arg = np.take(argmax, output_rows, axis=0)
-            # the earliest pair wins ties: replace only when strictly greater; a NaN wins over
-            # any number and stays (NaN propagates, as in torch's max_pool and NumPy's max)
-            better = (values > current) | (current_arg < 0) | (np.isnan(values) & ~np.isnan(current))
-            out[output_rows] = np.where(better, values, current)
-            argmax[output_rows] = np.where(better, input_rows[:, None].astype(np.int32), current_arg)
-        return out, argmax
+        # one compiled pass over the pairs in order: the earliest pair wins ties, NaN propagates
+        del run_starts  # the pairs' order is all the pass needs
+        return _cpu_pool_kernels.max_pool_forward(features, pair_input, pair_output, num_output)
 
     def max_pool_backward_pairs(self, grad_output: np.ndarray, argmax: np.ndarray, pair_input: np.ndarray,
                                 pair_output: np.ndarray, run_starts: tuple[int, ...], num_input: int) -> np.ndarray:
-        wide = self.compute_dtype(grad_output.dtype)  # float32 for float16, as the kernel's accumulator
-        grad = np.zeros((num_input, grad_output.shape[1]), dtype=wide)
-        for input_rows, output_rows in offset_runs(pair_input, pair_output, run_starts):
-            chosen = np.take(argmax, output_rows, axis=0) == input_rows[:, None]
-            contribution = np.where(chosen, np.take(grad_output, output_rows, axis=0).astype(wide), wide.type(0))
-            self.scatter_add_rows(grad, input_rows, contribution)
-        return grad.astype(grad_output.dtype, copy=False)
+        del run_starts
+        return _cpu_pool_kernels.max_pool_backward(grad_output, argmax, pair_input, pair_output, num_input)
 
     def avg_pool_pairs(self, features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
                        run_starts: tuple[int, ...], num_output: int) -> np.ndarray:

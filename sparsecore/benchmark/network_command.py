@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from sparsecore.benchmark import network, report
 from sparsecore.benchmark.cases import Row
 from sparsecore.benchmark.network_spconv import SPCONV_ALGORITHMS
 from sparsecore.benchmark.network_suite import NetworkOptions, run_network_suite
-from sparsecore.benchmark.thread_control import thread_limit
+from sparsecore.benchmark.thread_control import sparsecore_threads, thread_limit
 
 __all__ = ["DEFAULTS", "network_options", "summary_markdown", "run_network_command"]
 
@@ -132,8 +133,10 @@ def run_network_command(arguments: argparse.Namespace, argv: Sequence[str], allo
     """
     options = network_options(arguments)
     threads = arguments.threads if options.device == "cpu" else None
-    with thread_limit(threads, argv, allow_reexec) as threads_applied:
-
+    with contextlib.ExitStack() as stack:
+        threads_applied = stack.enter_context(thread_limit(threads, argv, allow_reexec))
+        if threads:  # sparsecore's own passes on the same count (spconv runs on one torch thread)
+            threads_applied = f"{threads_applied}; sparsecore passes {sparsecore_threads(stack, threads)}"
         started = time.monotonic()
 
         def save_progress(suite_header: dict[str, str], rows: list[Row]) -> None:

@@ -1,0 +1,80 @@
+"""Compiled CPU max pooling over a pool rulebook's pairs (numba, compiled on first use).
+
+The NumPy backend's `max_pool_pairs` and `max_pool_backward_pairs` run here:
+one pass over the pairs in their order instead of a gather, a comparison and a
+scatter per kernel offset (the basic network's six SparseMaxPool3d layers on
+the real scan: 241 -> see docs/performance.md). Float16 is compared and summed
+in float32 (exact for the maximum; the gradient's sums are float32, as the
+NumPy loop's were). The kernels themselves are in `_pool_kernel_sources`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._cpu_kernels import _threads_for
+from ..threads import numba_module
+
+__all__ = ["max_pool_forward", "max_pool_backward"]
+
+
+def _sources() -> Any:
+    numba_module()
+    from . import _pool_kernel_sources
+
+    return _pool_kernel_sources
+
+
+def _compute(array: np.ndarray) -> np.ndarray:
+    wide = np.float32 if array.dtype == np.float16 else array.dtype
+    return np.ascontiguousarray(array, dtype=wide)
+
+
+def max_pool_forward(features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
+                     num_output: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each output's maximum over its pairs and the input row it came from.
+
+    Args:
+        features: ``[N_in, C]`` float16/32/64.
+        pair_input: integer ``[P]`` input rows, in pair order.
+        pair_output: integer ``[P]`` output rows.
+        num_output: ``N_out``.
+
+    Returns:
+        ``(out [N_out, C] in the features' dtype, argmax [N_out, C] int32)``: 0 and -1 where an
+        output has no pair; ties go to the earliest pair.
+    """
+    source = _compute(features)
+    out = np.zeros((num_output, features.shape[1]), dtype=source.dtype)
+    argmax = np.full((num_output, features.shape[1]), -1, dtype=np.int32)
+    if len(pair_input) and features.shape[1]:
+        with _threads_for(len(pair_input) * features.shape[1]):
+            _sources().max_pool_forward_kernel(source, np.ascontiguousarray(pair_input),
+                                               np.ascontiguousarray(pair_output), out, argmax)
+    return out.astype(features.dtype, copy=False), argmax
+
+
+def max_pool_backward(grad_output: np.ndarray, argmax: np.ndarray, pair_input: np.ndarray,
+                      pair_output: np.ndarray, num_input: int) -> np.ndarray:
+    """The gradient of `max_pool_forward`: each output's gradient added to its argmax row, in pair order.
+
+    Args:
+        grad_output: ``[N_out, C]`` float16/32/64.
+        argmax: ``[N_out, C]`` int32 from the forward.
+        pair_input: integer ``[P]`` input rows.
+        pair_output: integer ``[P]`` output rows.
+        num_input: ``N_in``.
+
+    Returns:
+        ``[N_in, C]`` in ``grad_output``'s dtype (summed in float32 for float16).
+    """
+    grad_source = _compute(grad_output)
+    grad = np.zeros((num_input, grad_output.shape[1]), dtype=grad_source.dtype)
+    if len(pair_input) and grad_output.shape[1]:
+        with _threads_for(len(pair_input) * grad_output.shape[1]):
+            _sources().max_pool_backward_kernel(grad_source, np.ascontiguousarray(argmax, dtype=np.int32),
+                                                np.ascontiguousarray(pair_input), np.ascontiguousarray(pair_output),
+                                                grad)
+    return grad.astype(grad_output.dtype, copy=False)
