@@ -124,13 +124,14 @@ def _requirement_name(requirement: str) -> str:
     return re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0].lower()
 
 
-def test_runtime_dependencies_are_numpy_numba_threadpoolctl(wheel_metadata: email.message.Message) -> None:
-    # numpy for the arrays, numba for the fused CPU passes, threadpoolctl to hold BLAS's threads;
-    # no framework, no CuPy (extras), nothing else (each new one is a decision for docs/performance.md)
+def test_runtime_dependencies_are_numpy_numba_scipy_threadpoolctl(wheel_metadata: email.message.Message) -> None:
+    # numpy for the arrays, numba for the compiled CPU passes, scipy for the BLAS numba calls from the
+    # tiled passes, threadpoolctl to hold BLAS's threads; no framework, no CuPy (extras), nothing else
+    # (each new one is a decision for docs/performance.md)
     requirements = wheel_metadata.get_all("Requires-Dist") or []
     unconditional = [requirement for requirement in requirements if "extra ==" not in requirement]
     names = [_requirement_name(requirement) for requirement in unconditional]
-    assert names == ["numpy", "numba", "threadpoolctl"], unconditional
+    assert names == ["numpy", "numba", "scipy", "threadpoolctl"], unconditional
 
 
 def test_extras(wheel_metadata: email.message.Message) -> None:
