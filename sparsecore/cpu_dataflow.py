@@ -1,56 +1,48 @@
 """The CPU side of the convolution feature passes: which dataflow runs a layer, on how many threads.
 
-Two dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
+Three dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
 
 - per offset: gather the offset's input rows, one BLAS GEMM, scatter-add the
   products (the dataflow every backend runs);
+- tiled: per fixed block of 2,048 destination rows and per offset, the paired
+  rows copied into a tile that stays in cache, one BLAS GEMM, the products
+  added into the block (`sparsecore.backends._tile_kernel_sources`); the
+  backward runs input-stationary and adds each block's d-weights share in
+  block order;
 - fused: a compiled output-stationary loop over a neighbour table
   (`sparsecore.backends._cpu_kernels`), each destination row summing its
   offsets in a fixed order, with no intermediate arrays.
 
-`fused_on_cpu` chooses per layer and per stage from the per-group weight
-matrix and the groups alone, never from the thread count, so results stay
-bitwise identical at every thread count. The thresholds come from interleaved
-A/B runs of both dataflows on the real scan (125,562 voxels, SubMConv3d k3,
-788,888 pairs; the s2 rows SparseConv3d k3 s2 p1, 422,946 pairs) at one thread
-on the shared 2-core machine, wall-time medians of 5-7 runs, forward /
-backward in ms (fused vs per offset). The narrow rows (16 and 32 channels) were
-measured at 14:13 UTC on 2026-12-03 (1-minute load average 3.3-3.5) with the
-narrow kernel and the neighbour tables memoised per rulebook (`neighbour_table`);
-the other rows earlier that day (load average 0.8 for the 64 rows, 2.2-2.8 for
-the 4, 48 and grouped rows), with the table rebuilt by every fused pass
-(8-13 ms of each fused time there):
+`dataflow_on_cpu` chooses per layer and per stage from the channel counts and
+the groups alone, never from the thread count, so results stay bitwise
+identical at every thread count. The rule comes from interleaved A/B runs of
+the three dataflows, forced per layer, on the real scan (125,562 voxels,
+SubMConv3d k3, 788,888 pairs; "s2": SparseConv3d k3 s2 p1, 422,946 pairs) at
+one thread on the 2-core machine, 2026-12-03 16:00-16:02 UTC, load average
+0.2-0.9, medians of 3 x 3 runs, forward / backward in ms:
 
-=================  ===================  ===================
-layer              forward              backward
-=================  ===================  ===================
-4 -> 4             61 vs 20             69 vs 31
-16 -> 16           20 vs 31             49 vs 60
-16 -> 32           28 vs 51             75 vs 80
-32 -> 16           33 vs 48             81 vs 108
-32 -> 32           57 vs 86             133 vs 148
-32 -> 32 s2        50 vs 48             88 vs 77
-48 -> 48           155 vs 221           342 vs 348
-64 -> 64           174 vs 183           391 vs 351
-64 -> 64 s2        111 vs 96            195 vs 190
-64, 64 groups      102 vs 460           500 vs 742
-64, 16 groups      121 vs 275           356 vs 486
-64, 8 groups       139 vs 270           402 vs 419
-64, 4 groups       213 vs 214           419 vs 369
-128, 2 groups      378 vs 620           1142 vs 1028
-=================  ===================  ===================
+=================  ===============  ===============  ===============
+layer              per offset       fused            tiled
+=================  ===============  ===============  ===============
+4 -> 4             7.6 / 10.2       -                14.1 / 20.3
+1 -> 4             9.9 / 8.0        -                14.9 / 14.6
+3 -> 16            18.0 / 24.2      -                14.2 / 22.8
+8 -> 8             20.5 / 29.8      25.7 / 43.0      17.1 / 25.6
+16 -> 16           44.2 / 88.6      27.6 / 71.3      23.9 / 31.7
+16 -> 32           58.2 / 100.7     29.7 / 85.1      35.1 / 47.6
+32 -> 32           89.1 / 148.5     60.0 / 145.3     43.8 / 69.7
+32 -> 32 s2        58.2 / 97.6      43.1 / 102.9     30.1 / 42.3
+64 -> 64           225.8 / 394.5    -                115.0 / 234.1
+128 -> 128         612.4 / 975.3    -                353.1 / 815.0
+64 -> 128 s2       207.7 / 311.1    -                107.1 / 197.5
+=================  ===============  ===============  ===============
 
-Ungrouped layers of 16 to 32 channels run the narrow kernel
-(`_cpu_kernels.is_narrow`), which keeps each output column's sum in a register:
-it beats the per-offset gathers, GEMMs and scatters in the forward, and in the
-backward's d-features when the layer does not widen (16 -> 32 backward was a tie,
-75-140 vs 80-122 ms over two runs; the strided 32 -> 32 rows moved either way
-between runs, 58 vs 65 and 111 vs 114 ms in the first). Below 16 x 16 the
-generic kernel loses to the per-offset dataflow (4 -> 4). Grouped layers run one
-small batched GEMM per offset on the per-offset dataflow, which the fused loop
-beats. On the CPU, BLAS runs on one thread inside a pass and the per-offset
-products run side by side on `sparsecore.threads`' thread count, summed in
-offset order.
+Grouped layers keep the earlier rule (fused forward up to 64 x 64 per group,
+fused backward up to 8 x 8; measured before the tiled dataflow existed:
+depthwise 64 channels fused 102 / 500 ms against 460 / 742 per offset). On
+the CPU, BLAS runs on one thread inside a pass; the tiled and fused kernels
+split work into fixed blocks of rows on `sparsecore.threads`' thread count,
+and the per-offset products run side by side on it, summed in offset order.
 """
 
 from __future__ import annotations

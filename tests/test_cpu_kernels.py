@@ -191,7 +191,10 @@ def test_tiled_kernels_against_pair_loop(items, dtype, monkeypatch):
 
 
 def test_tile_items_bounds_the_partial_weights():
-    assert _cpu_kernels.tile_items(100, 27, 16, 16, 4) == _cpu_kernels.TILE_ITEMS
+    assert _cpu_kernels.tile_items(1000, 27, 16, 16, 4) == _cpu_kernels.TILE_ITEMS
+    # small clouds: at least TILE_MIN_WORKS items where the table has that many blocks
+    assert -(-100 // _cpu_kernels.tile_items(100)) >= _cpu_kernels.TILE_MIN_WORKS
+    assert _cpu_kernels.tile_items(3) == 1 and _cpu_kernels.tile_items(17) == 2
     items = _cpu_kernels.tile_items(2000, 27, 256, 256, 4)
     assert items > _cpu_kernels.TILE_ITEMS
     assert -(-2000 // items) * 27 * 256 * 256 * 4 <= _cpu_kernels.TILE_PARTIAL_MAX_BYTES

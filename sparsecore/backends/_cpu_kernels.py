@@ -51,6 +51,7 @@ __all__ = [
     "accumulate_rows",
     "TILE_ITEMS",
     "TILE_PARTIAL_MAX_BYTES",
+    "TILE_MIN_WORKS",
     "tile_items",
     "tiled_forward",
     "tiled_backward",
@@ -208,13 +209,22 @@ per-item d-weights would pass `TILE_PARTIAL_MAX_BYTES`."""
 TILE_PARTIAL_MAX_BYTES = 32 * 2**20
 """Most bytes of per-work-item d-weights (``items x K x a x b``) the tiled backward keeps at once."""
 
+TILE_MIN_WORKS = 8
+"""Fewest work items a tiled pass is cut into where its table allows (smaller items for small clouds,
+so that every thread gets work: the basic network's deep layers have 212 to 3,561 sites)."""
 
-def tile_items(blocks: int, volume: int, in_channels: int, out_channels: int, itemsize: int) -> int:
-    """Table blocks per tiled work item: `TILE_ITEMS`, doubled while the partial d-weights are too large.
 
-    Depends on the sizes only (never on the thread count), so the sums' order does not either.
+def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels: int = 0, itemsize: int = 0) -> int:
+    """Table blocks per tiled work item, from the sizes only (never the thread count, so the sums' order
+    does not depend on it either).
+
+    `TILE_ITEMS`, halved while that leaves fewer than `TILE_MIN_WORKS` items, then doubled while the
+    backward's partial d-weights (``ceil(blocks / items) x volume x in x out x itemsize`` bytes) pass
+    `TILE_PARTIAL_MAX_BYTES` (the forward passes zeros).
     """
     items = TILE_ITEMS
+    while items > 1 and -(-blocks // items) < TILE_MIN_WORKS:
+        items //= 2
     while items < blocks and -(-blocks // items) * volume * in_channels * out_channels * itemsize > (
             TILE_PARTIAL_MAX_BYTES):
         items *= 2
@@ -235,7 +245,7 @@ def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, o
     if out.shape[0] == 0 or table.shape[1] == 0 or out.shape[1] == 0 or pairs == 0:
         return
     with _threads_for(pairs * (source.shape[1] + out.shape[1])):
-        _tile_sources().tiled_forward_kernel(source, table, matrices, out, TILE_ITEMS)
+        _tile_sources().tiled_forward_kernel(source, table, matrices, out, tile_items(table.shape[0]))
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matrices: np.ndarray,
