@@ -5,7 +5,8 @@ of a neighbour table, ``ROW_BLOCK`` rows each). For every kernel offset in
 order, the item copies the source rows paired with its rows into a small tile
 (a few hundred rows: it stays in the core's cache), multiplies the tile by the
 offset's matrix with one BLAS GEMM (``np.dot``, which numba hands to SciPy's
-BLAS) and adds the products into the item's accumulator rows. Each
+BLAS) and adds the products into its own rows of the output, which no other
+item writes. Each
 destination row is thus read once and written once, the gathered rows never
 reach main memory, and the arithmetic runs on BLAS's packed kernels (at 64
 channels about 1.5x the compiled row loops of `_cpu_kernel_sources`).
@@ -109,14 +110,11 @@ def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items
         last_item = min(blocks, first_item + items)
         first_row = first_item * block
         count_rows = min(rows, last_item * block) - first_row
-        accumulator = np.empty((capacity, out_channels), dtype=out.dtype)
+        accumulator = out[first_row:first_row + count_rows]  # the item's own rows: sums in place
         tile = np.empty((capacity, in_channels), dtype=out.dtype)
         products = np.empty((capacity, out_channels), dtype=out.dtype)
         sources = np.empty(capacity, dtype=np.int64)
         locals_ = np.empty(capacity, dtype=np.int64)
-        for row in range(count_rows):
-            for column in range(out_channels):
-                accumulator[row, column] = out[first_row + row, column]
         for offset in range(volume):
             count = _paired_rows(table, first_item, last_item, offset, sources, locals_)
             if count == 0:
@@ -127,9 +125,6 @@ def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items
                 row = locals_[position]
                 for column in range(out_channels):
                     accumulator[row, column] += products[position, column]
-        for row in range(count_rows):
-            for column in range(out_channels):
-                out[first_row + row, column] = accumulator[row, column]
 
 
 @njit(**_OPTIONS)
@@ -149,7 +144,8 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
         last_item = min(blocks, first_item + items)
         first_row = first_item * block
         count_rows = min(rows, last_item * block) - first_row
-        accumulator = np.zeros((capacity, in_channels), dtype=source.dtype)
+        accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
+        accumulator[:] = 0
         grad_tile = np.empty((capacity, out_channels), dtype=source.dtype)
         source_tile = np.empty((capacity, in_channels), dtype=source.dtype)
         products = np.empty((capacity, in_channels), dtype=source.dtype)
@@ -171,9 +167,6 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
                 for column in range(in_channels):
                     accumulator[row, column] += products[position, column]
             np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
-        for row in range(count_rows):
-            for column in range(in_channels):
-                grad_source[first_row + row, column] = accumulator[row, column]
 
 
 @njit(**_OPTIONS)
