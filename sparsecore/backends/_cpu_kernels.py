@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Iterator
 
 import numpy as np
@@ -53,6 +54,7 @@ __all__ = [
     "TILE_PARTIAL_MAX_BYTES",
     "TILE_MIN_WORKS",
     "tile_items",
+    "spread_stride",
     "tiled_forward",
     "tiled_backward",
     "numba_module",
@@ -231,6 +233,16 @@ def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels:
     return items
 
 
+def spread_stride(works: int) -> int:
+    """A stride coprime with ``works`` near ``0.618 * works``: ``step * stride % works`` visits every work item
+    once, neighbouring steps far apart, so each thread's contiguous share of a loop mixes the cloud's dense
+    and sparse regions."""
+    stride = max(1, int(works * 0.618))
+    while math.gcd(stride, works) != 1:
+        stride += 1
+    return stride
+
+
 def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, out: np.ndarray,
                   pairs: int) -> None:
     """``out[d] += sum_k source[table[k, d]] @ matrices[k]`` on BLAS over cached tiles, in place.
@@ -245,7 +257,9 @@ def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, o
     if out.shape[0] == 0 or table.shape[1] == 0 or out.shape[1] == 0 or pairs == 0:
         return
     with _threads_for(pairs * (source.shape[1] + out.shape[1])):
-        _tile_sources().tiled_forward_kernel(source, table, matrices, out, tile_items(table.shape[0]))
+        items = tile_items(table.shape[0])
+        _tile_sources().tiled_forward_kernel(source, table, matrices, out, items,
+                                             spread_stride(-(-table.shape[0] // items)))
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matrices: np.ndarray,
@@ -272,6 +286,7 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matr
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
     kernels = _tile_sources()
     with _threads_for(pairs * (in_channels + out_channels)):
-        kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items)
+        kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items,
+                                      spread_stride(partial.shape[0]))
         kernels.sum_partials(partial, grad_matrices)
     return grad_source, grad_matrices
