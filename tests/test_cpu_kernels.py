@@ -203,8 +203,9 @@ def test_tile_items_bounds_the_partial_weights():
 
 
 def test_spread_stride_visits_every_work_item_once():
+    assert _cpu_kernels.spread_stride(62, threads=1) == 1  # one thread: the table's order
     for works in (1, 2, 3, 7, 8, 62, 64, 67, 1000):
-        stride = _cpu_kernels.spread_stride(works)
+        stride = _cpu_kernels.spread_stride(works, threads=2)
         assert sorted(step * stride % works for step in range(works)) == list(range(works))
         if works >= 8:  # each half of the loop takes items from both halves of the table
             first_half = [step * stride % works for step in range(works // 2)]

@@ -18,10 +18,11 @@ items' shares in item order. Work items are fixed by the sizes alone and every
 sum has a fixed order, so results are bitwise identical at every thread count
 (BLAS runs on one thread inside a pass, `sparsecore.cpu_dataflow.cpu_blas_threads`).
 
-The loop visits the work items in a spread order (``step * stride mod works``):
-numba hands each thread a contiguous range of the loop, and the scan's rows
-are not uniform (the first half of the 64 -> 64 layer's items holds 55% of its
-pairs); the items are independent, so the order changes no result.
+On several threads the loop visits the work items in a spread order
+(``step * stride mod works``, `_cpu_kernels.spread_stride`): numba hands each
+thread a contiguous range of the loop, and the scan's rows are not uniform
+(the first half of the 64 -> 64 layer's items holds 55% of its pairs). The
+items are independent, so the order changes no result.
 
 Rows are copied with software prefetches `PREFETCH_AHEAD` rows ahead (a
 gather of 788,888 rows of 64 floats: 37 -> 26 ms on the test machine).
