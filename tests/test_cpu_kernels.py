@@ -200,6 +200,10 @@ def test_tile_items_bounds_the_partial_weights():
     assert -(-2000 // items) * 27 * 256 * 256 * 4 <= _cpu_kernels.TILE_PARTIAL_MAX_BYTES
     assert -(-2000 // (items // 2)) * 27 * 256 * 256 * 4 > _cpu_kernels.TILE_PARTIAL_MAX_BYTES  # the smallest such
     assert _cpu_kernels.tile_items(3, 27, 4096, 4096, 8) >= 3  # one work item when nothing smaller fits
+    # backward: at most pairs / (TILE_MIN_PAIRS_PER_OFFSET * K) items
+    assert -(-4 // _cpu_kernels.tile_items(4, 27, 224, 256, 4, pairs=1662)) == 1
+    assert -(-17 // _cpu_kernels.tile_items(17, 27, 8, 8, 4, pairs=14295)) <= 14295 // (64 * 27)
+    assert _cpu_kernels.tile_items(1962, 27, 64, 64, 4, pairs=788888) == _cpu_kernels.TILE_ITEMS
 
 
 def test_spread_stride_visits_every_work_item_once():

@@ -53,6 +53,7 @@ __all__ = [
     "TILE_ITEMS",
     "TILE_PARTIAL_MAX_BYTES",
     "TILE_MIN_WORKS",
+    "TILE_MIN_PAIRS_PER_OFFSET",
     "tile_items",
     "spread_stride",
     "tiled_forward",
@@ -216,24 +217,32 @@ per-item d-weights would pass `TILE_PARTIAL_MAX_BYTES`."""
 TILE_PARTIAL_MAX_BYTES = 32 * 2**20
 """Most bytes of per-work-item d-weights (``items x K x a x b``) the tiled backward keeps at once."""
 
+TILE_MIN_PAIRS_PER_OFFSET = 64
+"""The backward's work items each write a whole ``K x a x b`` share of the d-weights: a layer is cut into
+at most ``pairs / (64 K)`` items, so that write stays small beside the items' GEMMs (a 212-site
+224 -> 256 layer of the basic network: 4 items wrote 28 MB of shares for 1,662 pairs)."""
+
 TILE_MIN_WORKS = 8
 """Fewest work items a tiled pass is cut into where its table allows (smaller items for small clouds,
 so that every thread gets work: the basic network's deep layers have 212 to 3,561 sites)."""
 
 
-def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels: int = 0, itemsize: int = 0) -> int:
+def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels: int = 0, itemsize: int = 0,
+               pairs: int = 0) -> int:
     """Table blocks per tiled work item, from the sizes only (never the thread count, so the sums' order
     does not depend on it either).
 
-    `TILE_ITEMS`, halved while that leaves fewer than `TILE_MIN_WORKS` items, then doubled while the
-    backward's partial d-weights (``ceil(blocks / items) x volume x in x out x itemsize`` bytes) pass
-    `TILE_PARTIAL_MAX_BYTES` (the forward passes zeros).
+    `TILE_ITEMS`, halved while that leaves fewer than `TILE_MIN_WORKS` items; in the backward
+    (``pairs`` given) at most ``pairs / (TILE_MIN_PAIRS_PER_OFFSET * volume)`` items, and doubled while
+    the partial d-weights (``ceil(blocks / items) x volume x in x out x itemsize`` bytes) pass
+    `TILE_PARTIAL_MAX_BYTES`. The forward passes the blocks alone.
     """
+    most_works = max(1, pairs // (TILE_MIN_PAIRS_PER_OFFSET * volume)) if pairs and volume else blocks
     items = TILE_ITEMS
-    while items > 1 and -(-blocks // items) < TILE_MIN_WORKS:
+    while items > 1 and -(-blocks // items) < TILE_MIN_WORKS and -(-blocks // (items // 2)) <= most_works:
         items //= 2
-    while items < blocks and -(-blocks // items) * volume * in_channels * out_channels * itemsize > (
-            TILE_PARTIAL_MAX_BYTES):
+    while items < blocks and (-(-blocks // items) > most_works or -(-blocks // items) * volume * in_channels
+                              * out_channels * itemsize > TILE_PARTIAL_MAX_BYTES):
         items *= 2
     return items
 
@@ -293,7 +302,7 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matr
     grad_matrices = np.zeros(matrices.shape, dtype=source.dtype)
     if source.shape[0] == 0 or volume == 0 or pairs == 0 or in_channels == 0 or out_channels == 0:
         return np.zeros(source.shape, dtype=source.dtype), grad_matrices
-    items = tile_items(table.shape[0], volume, in_channels, out_channels, source.itemsize)
+    items = tile_items(table.shape[0], volume, in_channels, out_channels, source.itemsize, pairs)
     grad_source = np.empty(source.shape, dtype=source.dtype)
     partial = np.empty((-(-table.shape[0] // items), volume, in_channels, out_channels), dtype=source.dtype)
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
