@@ -23,6 +23,25 @@ ROW_RANGES = 8
 _OPTIONS = {"parallel": True, "cache": True, "nogil": True}
 
 
+@njit(inline="always")
+def _row_range(part: int, rows: int) -> tuple[int, int]:
+    """The rows ``[first, last)`` of work item ``part`` (of `ROW_RANGES`)."""
+    span = (rows + ROW_RANGES - 1) // ROW_RANGES
+    return part * span, min(rows, (part + 1) * span)
+
+
+@njit(inline="always")
+def _max_into(features: Any, source: int, target: int, out: Any, argmax: Any) -> None:
+    """Row ``source`` of ``features`` into output row ``target``: selects, not branches."""
+    for column in range(features.shape[1]):
+        value = features[source, column]
+        current = out[target, column]
+        chosen = argmax[target, column]
+        better = (value > current) | (chosen < 0) | (np.isnan(value) & ~np.isnan(current))
+        out[target, column] = value if better else current
+        argmax[target, column] = source if better else chosen
+
+
 @njit(**_OPTIONS)
 def max_pool_forward_kernel(features: Any, pair_input: Any, pair_output: Any, out: Any, argmax: Any) -> None:
     """``out[o] = max over pairs (i, o) of features[i]``, ``argmax`` its earliest pair's input row.
@@ -31,21 +50,12 @@ def max_pool_forward_kernel(features: Any, pair_input: Any, pair_output: Any, ou
     greater, when the output has none yet, or when it is NaN and the current value is not
     (NaN propagates and stays).
     """
-    channels, rows = features.shape[1], out.shape[0]
-    span = (rows + ROW_RANGES - 1) // ROW_RANGES
     for part in prange(ROW_RANGES):
-        first, last = part * span, min(rows, (part + 1) * span)
+        first, last = _row_range(part, out.shape[0])
         for pair in range(pair_input.shape[0]):
             source, target = pair_input[pair], pair_output[pair]
-            if target < first or target >= last:
-                continue
-            for column in range(channels):
-                value = features[source, column]
-                current = out[target, column]
-                chosen = argmax[target, column]
-                better = (value > current) | (chosen < 0) | (np.isnan(value) & ~np.isnan(current))
-                out[target, column] = value if better else current
-                argmax[target, column] = source if better else chosen
+            if first <= target < last:
+                _max_into(features, source, target, out, argmax)
 
 
 @njit(**_OPTIONS)
@@ -54,15 +64,12 @@ def max_pool_backward_kernel(grad_output: Any, argmax: Any, pair_input: Any, pai
 
     Adds 0 where the pair was not chosen, as the NumPy loop did.
     """
-    channels, rows = grad_output.shape[1], grad.shape[0]
-    span = (rows + ROW_RANGES - 1) // ROW_RANGES
     zero = grad.dtype.type(0)
     for part in prange(ROW_RANGES):
-        first, last = part * span, min(rows, (part + 1) * span)
+        first, last = _row_range(part, grad.shape[0])
         for pair in range(pair_input.shape[0]):
             source, target = pair_input[pair], pair_output[pair]
-            if source < first or source >= last:
-                continue
-            for column in range(channels):
-                chosen = argmax[target, column] == source
-                grad[source, column] += grad_output[target, column] if chosen else zero
+            if first <= source < last:
+                for column in range(grad_output.shape[1]):
+                    chosen = argmax[target, column] == source
+                    grad[source, column] += grad_output[target, column] if chosen else zero

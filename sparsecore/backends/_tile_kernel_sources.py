@@ -101,6 +101,17 @@ def _copy_rows(source: Any, rows: Any, count: int, tile: Any) -> None:
             tile[position, column] = source[row, column]
 
 
+@njit(inline="always")
+def _work_rows(step: int, stride: int, works: int, items: int, blocks: int, block: int,
+               rows: int) -> tuple[int, int, int, int, int]:
+    """Loop step ``step``'s work item: ``(work, first_item, last_item, first_row, count_rows)``."""
+    work = (step * stride) % works
+    first_item = work * items
+    last_item = min(blocks, first_item + items)
+    first_row = first_item * block
+    return work, first_item, last_item, first_row, min(rows, last_item * block) - first_row
+
+
 @njit(**_OPTIONS)
 def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items: int, stride: int) -> None:
     """``out[d] += sum_k source[table[k, d]] @ matrices[k]``, ``items`` table blocks per work item.
@@ -114,11 +125,7 @@ def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items
     capacity = items * block
     works = (blocks + items - 1) // items
     for step in prange(works):
-        work = (step * stride) % works
-        first_item = work * items
-        last_item = min(blocks, first_item + items)
-        first_row = first_item * block
-        count_rows = min(rows, last_item * block) - first_row
+        _, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks, block, rows)
         accumulator = out[first_row:first_row + count_rows]  # the item's own rows: sums in place
         tile = np.empty((capacity, in_channels), dtype=out.dtype)
         products = np.empty((capacity, out_channels), dtype=out.dtype)
@@ -151,11 +158,8 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
     capacity = items * block
     works = (blocks + items - 1) // items
     for step in prange(works):
-        work = (step * stride) % works
-        first_item = work * items
-        last_item = min(blocks, first_item + items)
-        first_row = first_item * block
-        count_rows = min(rows, last_item * block) - first_row
+        work, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks, block,
+                                                                        rows)
         accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
         accumulator[:] = 0
         grad_tile = np.empty((capacity, out_channels), dtype=source.dtype)
