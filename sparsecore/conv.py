@@ -17,9 +17,9 @@ itself) is a plain GEMM that initialises the output. Products run in
 
 On the CPU (NumPy backend), `sparsecore.cpu_dataflow.dataflow_on_cpu` chooses per
 layer and stage between that dataflow and two compiled ones: ``"tiled"`` (ungrouped
-layers from 16 x 16: per block of destination rows and per offset, the paired rows
-copied into a cached tile, one BLAS GEMM, the products added into the block) and
-``"fused"`` (the 16-channel narrow forward and grouped layers: compiled row loops).
+layers from 3 x 16 channels: per block of destination rows and per offset, the paired
+rows copied into a cached tile, one BLAS GEMM, the products added into the block) and
+``"fused"`` (the 16 -> 32 forward and grouped layers: compiled row loops).
 Both read neighbour tables built once per rulebook. The per-offset products run side
 by side on `sparsecore.threads`' thread count, summed in offset order: results are
 bitwise identical at every thread count.

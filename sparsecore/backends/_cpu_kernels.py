@@ -211,8 +211,8 @@ def accumulate_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray,
 
 TILE_ITEMS = 32
 """Neighbour-table blocks (`ROW_BLOCK` rows each) per work item of the tiled kernels: 2,048
-destination rows, whose tiles stay in a core's cache; doubled by `tile_items` when the backward's
-per-item d-weights would pass `TILE_PARTIAL_MAX_BYTES`."""
+destination rows, whose tiles stay in a core's cache (`tile_items` adjusts it for small clouds and
+for the backward's d-weights shares)."""
 
 TILE_PARTIAL_MAX_BYTES = 32 * 2**20
 """Most bytes of per-work-item d-weights (``items x K x a x b``) the tiled backward keeps at once."""
