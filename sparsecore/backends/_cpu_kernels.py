@@ -39,7 +39,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..threads import numba_module
+from ..threads import get_num_threads, numba_module
 
 __all__ = [
     "ROW_BLOCK",
@@ -97,11 +97,6 @@ def _threads_for(work: int) -> Iterator[None]:
         yield
     finally:
         numba.set_num_threads(previous)
-
-
-def _running_threads() -> int:
-    """Numba's thread count in force (inside `_threads_for`: 1 for a small layer)."""
-    return int(numba_module().get_num_threads())
 
 
 def _sources() -> Any:
@@ -281,7 +276,7 @@ def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, o
     with _threads_for(pairs * (source.shape[1] + out.shape[1])):
         items = tile_items(table.shape[0])
         _tile_sources().tiled_forward_kernel(source, table, matrices, out, items,
-                                             spread_stride(-(-table.shape[0] // items), _running_threads()))
+                                             spread_stride(-(-table.shape[0] // items), get_num_threads()))
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matrices: np.ndarray,
@@ -309,6 +304,6 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matr
     kernels = _tile_sources()
     with _threads_for(pairs * (in_channels + out_channels)):
         kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items,
-                                      spread_stride(partial.shape[0], _running_threads()))
+                                      spread_stride(partial.shape[0], get_num_threads()))
         kernels.sum_partials(partial, grad_matrices)
     return grad_source, grad_matrices
