@@ -102,6 +102,22 @@ def _copy_rows(source: Any, rows: Any, count: int, tile: Any) -> None:
 
 
 @njit(inline="always")
+def _multiply_into(rows_source: Any, rows: Any, count: int, tile: Any, matrix: Any, products: Any, locals_: Any,
+                   accumulator: Any) -> None:
+    """``accumulator[locals_[p]] += rows_source[rows[p]] @ matrix`` for the ``count`` listed pairs.
+
+    The rows are copied into ``tile`` (left filled, for the backward's d-weights), multiplied with one
+    BLAS GEMM into ``products`` and added into the work item's own rows.
+    """
+    _copy_rows(rows_source, rows, count, tile)
+    np.dot(tile[:count], matrix, products[:count])
+    for position in range(count):
+        row = locals_[position]
+        for column in range(products.shape[1]):
+            accumulator[row, column] += products[position, column]
+
+
+@njit(inline="always")
 def _work_rows(step: int, stride: int, works: int, items: int, blocks: int, block: int,
                rows: int) -> tuple[int, int, int, int, int]:
     """Loop step ``step``'s work item: ``(work, first_item, last_item, first_row, count_rows)``."""
@@ -135,12 +151,7 @@ def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items
             count = _paired_rows(table, first_item, last_item, offset, sources, locals_)
             if count == 0:
                 continue
-            _copy_rows(source, sources, count, tile)
-            np.dot(tile[:count], matrices[offset], products[:count])
-            for position in range(count):
-                row = locals_[position]
-                for column in range(out_channels):
-                    accumulator[row, column] += products[position, column]
+            _multiply_into(source, sources, count, tile, matrices[offset], products, locals_, accumulator)
 
 
 @njit(**_OPTIONS)
@@ -172,16 +183,11 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
             if count == 0:
                 partial[work, offset] = 0
                 continue
-            _copy_rows(grad, destinations, count, grad_tile)
+            _multiply_into(grad, destinations, count, grad_tile, transposed[offset], products, locals_, accumulator)
             for position in range(count):
                 row = first_row + locals_[position]
                 for column in range(in_channels):
                     source_tile[position, column] = source[row, column]
-            np.dot(grad_tile[:count], transposed[offset], products[:count])
-            for position in range(count):
-                row = locals_[position]
-                for column in range(in_channels):
-                    accumulator[row, column] += products[position, column]
             np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
 
 
