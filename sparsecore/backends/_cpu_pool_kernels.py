@@ -3,9 +3,10 @@
 The NumPy backend's `max_pool_pairs` and `max_pool_backward_pairs` run here:
 one pass over the pairs in their order instead of a gather, a comparison and a
 scatter per kernel offset (the basic network's six SparseMaxPool3d layers on
-the real scan: 241 -> see docs/performance.md). Float16 is compared and summed
-in float32 (exact for the maximum; the gradient's sums are float32, as the
-NumPy loop's were). The kernels themselves are in `_pool_kernel_sources`.
+the real scan, forward: 241 -> 32 ms at one thread, docs/performance.md). The
+backend passes its compute dtype: float16 is compared and summed in float32
+(exact for the maximum; the gradient's sums are float32, as the NumPy loop's
+were). The kernels themselves are in `_pool_kernel_sources`.
 """
 
 from __future__ import annotations
@@ -27,13 +28,8 @@ def _sources() -> Any:
     return _pool_kernel_sources
 
 
-def _compute(array: np.ndarray) -> np.ndarray:
-    wide = np.float32 if array.dtype == np.float16 else array.dtype
-    return np.ascontiguousarray(array, dtype=wide)
-
-
-def max_pool_forward(features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
-                     num_output: int) -> tuple[np.ndarray, np.ndarray]:
+def max_pool_forward(features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray, num_output: int,
+                     compute_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Each output's maximum over its pairs and the input row it came from.
 
     Args:
@@ -41,12 +37,13 @@ def max_pool_forward(features: np.ndarray, pair_input: np.ndarray, pair_output: 
         pair_input: integer ``[P]`` input rows, in pair order.
         pair_output: integer ``[P]`` output rows.
         num_output: ``N_out``.
+        compute_dtype: the dtype compared in (the backend's ``compute_dtype``: float32 for float16).
 
     Returns:
         ``(out [N_out, C] in the features' dtype, argmax [N_out, C] int32)``: 0 and -1 where an
         output has no pair; ties go to the earliest pair.
     """
-    source = _compute(features)
+    source = np.ascontiguousarray(features, dtype=compute_dtype)
     out = np.zeros((num_output, features.shape[1]), dtype=source.dtype)
     argmax = np.full((num_output, features.shape[1]), -1, dtype=np.int32)
     if len(pair_input) and features.shape[1]:
@@ -57,7 +54,7 @@ def max_pool_forward(features: np.ndarray, pair_input: np.ndarray, pair_output: 
 
 
 def max_pool_backward(grad_output: np.ndarray, argmax: np.ndarray, pair_input: np.ndarray,
-                      pair_output: np.ndarray, num_input: int) -> np.ndarray:
+                      pair_output: np.ndarray, num_input: int, compute_dtype: np.dtype) -> np.ndarray:
     """The gradient of `max_pool_forward`: each output's gradient added to its argmax row, in pair order.
 
     Args:
@@ -66,11 +63,12 @@ def max_pool_backward(grad_output: np.ndarray, argmax: np.ndarray, pair_input: n
         pair_input: integer ``[P]`` input rows.
         pair_output: integer ``[P]`` output rows.
         num_input: ``N_in``.
+        compute_dtype: the dtype summed in (the backend's ``compute_dtype``: float32 for float16).
 
     Returns:
-        ``[N_in, C]`` in ``grad_output``'s dtype (summed in float32 for float16).
+        ``[N_in, C]`` in ``grad_output``'s dtype.
     """
-    grad_source = _compute(grad_output)
+    grad_source = np.ascontiguousarray(grad_output, dtype=compute_dtype)
     grad = np.zeros((num_input, grad_output.shape[1]), dtype=grad_source.dtype)
     if len(pair_input) and grad_output.shape[1]:
         with _threads_for(len(pair_input) * grad_output.shape[1]):

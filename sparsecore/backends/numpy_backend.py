@@ -162,12 +162,14 @@ class NumpyBackend:
                        run_starts: tuple[int, ...], num_output: int) -> tuple[np.ndarray, np.ndarray]:
         # one compiled pass over the pairs in order: the earliest pair wins ties, NaN propagates
         del run_starts  # the pairs' order is all the pass needs
-        return _cpu_pool_kernels.max_pool_forward(features, pair_input, pair_output, num_output)
+        return _cpu_pool_kernels.max_pool_forward(features, pair_input, pair_output, num_output,
+                                                  self.compute_dtype(features.dtype))
 
     def max_pool_backward_pairs(self, grad_output: np.ndarray, argmax: np.ndarray, pair_input: np.ndarray,
                                 pair_output: np.ndarray, run_starts: tuple[int, ...], num_input: int) -> np.ndarray:
         del run_starts
-        return _cpu_pool_kernels.max_pool_backward(grad_output, argmax, pair_input, pair_output, num_input)
+        return _cpu_pool_kernels.max_pool_backward(grad_output, argmax, pair_input, pair_output, num_input,
+                                                   self.compute_dtype(grad_output.dtype))
 
     def avg_pool_pairs(self, features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
                        run_starts: tuple[int, ...], num_output: int) -> np.ndarray:
