@@ -242,7 +242,7 @@ def test_narrow_kernel_sums_as_the_generic_kernel():
     table = _cpu_kernels.neighbour_table(pair_output, pair_input, starts, 300)
     narrow, generic = initial.copy(), initial.copy()
     _cpu_kernels.accumulate_rows(source, table, matrices, narrow, int(starts[-1]))
-    _cpu_kernels._rows_kernel(1, 16, 32)(source, table, matrices, generic)
+    _cpu_kernels._rows_kernel(1, 16, 32)(source, table, matrices, generic, 2)
     np.testing.assert_allclose(narrow, generic, rtol=1e-6, atol=1e-6)
 
 

@@ -5,7 +5,9 @@ NumPy backend has no shared writes across threads, so forward and gradients
 must match the dense float64 oracle whatever OPENBLAS/OMP/SPARSECORE threads
 are set to, and equal each other bit for bit (the fused kernels split work
 into fixed blocks of rows; see sparsecore.backends._cpu_kernels). Each thread
-count runs in its own process (BLAS and numba read the variables at load).
+count runs in its own process (BLAS and numba read the variables at load), all
+on one numba cache that the first of them fills: results must not depend on
+whether a kernel was just compiled or loaded from the cache either.
 """
 
 from __future__ import annotations
@@ -76,8 +78,19 @@ def _environment(threads: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def _kernel_cache() -> str:
+    """numba's cache directory for these runs, empty at first: the first run compiles every kernel, the
+    later ones load them from the cache (the two once differed: a kernel that kept its buffer across work
+    items summed with other roundings when loaded from the cache than when just compiled)."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="sparsecore-numba-cache-")
+
+
+@functools.lru_cache(maxsize=None)
 def _run(threads: int) -> dict:
     environment = _environment(threads)
+    environment["NUMBA_CACHE_DIR"] = _kernel_cache()
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                             env=environment, check=True, timeout=300)
     return json.loads(result.stdout)
@@ -261,11 +274,11 @@ def test_small_layers_run_on_the_calling_thread() -> None:
 
     numba = _cpu_kernels.numba_module()
     seen = []
-    with _cpu_kernels._threads_for(_cpu_kernels.SERIAL_MAX_WORK - 1):
-        seen.append(numba.get_num_threads())
-    with _cpu_kernels._threads_for(_cpu_kernels.SERIAL_MAX_WORK):
-        seen.append(numba.get_num_threads())
-    assert seen == [1, numba.get_num_threads()]
+    with _cpu_kernels.kernel_threads(_cpu_kernels.SERIAL_MAX_WORK - 1) as lanes:
+        seen.append((numba.get_num_threads(), lanes))
+    with _cpu_kernels.kernel_threads(_cpu_kernels.SERIAL_MAX_WORK) as lanes:
+        seen.append((numba.get_num_threads(), lanes))
+    assert seen == [(1, 1), (numba.get_num_threads(), numba.get_num_threads())]
 
 
 def test_caller_torch_thread_setting_survives_the_compiled_kernels():

@@ -2,9 +2,11 @@
 
 Plain loops that numba compiles (``parallel=True``, ``cache=True``; the only
 fast-math flag is ``contract``, multiply-add fusion, which is the same for
-every row whatever the thread count). Every ``prange`` iterates over fixed work
-items that write disjoint outputs, so results do not depend on the number of
-threads or their scheduling (the int8 kernel has no fast-math at all: its
+every row whatever the thread count). The float kernels run one ``prange``
+iteration per thread, each claiming fixed work items from a shared counter
+(`_work_queue`: a thread slowed by another process claims fewer); items write
+disjoint outputs, so results do not depend on the number of threads or their
+scheduling (the int8 kernel has no fast-math at all: its
 float32 epilogue rounds every step). The float and int8 row kernels are made
 by factories (`make_rows_kernel`, `make_int8_rows_kernel`, both sizing
 through `layer_sizes`): their size arguments, when non-zero, are closure
@@ -21,6 +23,8 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, prange
 
+from ._work_queue import claim, new_counter
+
 __all__ = ["fill_table", "layer_sizes", "make_rows_kernel", "make_narrow_rows_kernel", "make_int8_rows_kernel",
            "int8_epilogue_row"]
 
@@ -28,18 +32,23 @@ _OPTIONS = {"parallel": True, "cache": True, "fastmath": {"contract"}, "nogil": 
 
 
 @njit(**_OPTIONS)
-def fill_table(keys: Any, values: Any, starts: Any, table: Any, collisions: Any) -> None:
+def fill_table(keys: Any, values: Any, starts: Any, table: Any, collisions: Any, lanes: int) -> None:
     """``table[key // B, k, key % B] = value`` for offset ``k``'s pairs (``B = table.shape[2]``);
-    ``collisions[k]``: keys seen twice within offset ``k``."""
-    block = table.shape[2]
-    for offset in prange(table.shape[1]):
-        count = 0
-        for pair in range(starts[offset], starts[offset + 1]):
-            key = keys[pair]
-            if table[key // block, offset, key % block] >= 0:
-                count += 1
-            table[key // block, offset, key % block] = values[pair]
-        collisions[offset] = count
+    ``collisions[k]``: keys seen twice within offset ``k``. Work items are offsets, claimed by ``lanes``
+    threads (`_work_queue`)."""
+    block, volume = table.shape[2], table.shape[1]
+    counter = new_counter()
+    for lane in prange(min(lanes, volume)):  # noqa: B007 (one iteration per thread)
+        offset = claim(counter)
+        while offset < volume:
+            count = 0
+            for pair in range(starts[offset], starts[offset + 1]):
+                key = keys[pair]
+                if table[key // block, offset, key % block] >= 0:
+                    count += 1
+                table[key // block, offset, key % block] = values[pair]
+            collisions[offset] = count
+            offset = claim(counter)
 
 
 @njit(inline="always")
@@ -69,27 +78,31 @@ def make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int,
         block: destination rows per work item.
     """
 
-    def accumulate(source: Any, table: Any, matrices: Any, out: Any) -> None:
+    def accumulate(source: Any, table: Any, matrices: Any, out: Any, lanes: int) -> None:
         groups, in_per_group, out_per_group, volume, rows = layer_sizes(groups_constant, in_constant, out_constant,
                                                                         table, matrices, out)
-        width = groups * out_per_group
-        for item in prange(table.shape[0]):
-            accumulator = np.empty(width, dtype=out.dtype)
-            for row in range(item * block, min(rows, (item + 1) * block)):
-                for column in range(width):
-                    accumulator[column] = out[row, column]
-                for offset in range(volume):
-                    neighbour = table[item, offset, row - item * block]
-                    if neighbour < 0:
-                        continue
-                    for group in range(groups):
-                        for channel in range(in_per_group):
-                            value = source[neighbour, group * in_per_group + channel]
-                            for column in range(out_per_group):
-                                accumulator[group * out_per_group + column] += (
-                                    value * matrices[offset, group, channel, column])
-                for column in range(width):
-                    out[row, column] = accumulator[column]
+        width, items = groups * out_per_group, table.shape[0]
+        counter = new_counter()
+        for lane in prange(min(lanes, items)):  # noqa: B007 (one iteration per thread)
+            item = claim(counter)
+            while item < items:
+                accumulator = np.empty(width, dtype=out.dtype)
+                for row in range(item * block, min(rows, (item + 1) * block)):
+                    for column in range(width):
+                        accumulator[column] = out[row, column]
+                    for offset in range(volume):
+                        neighbour = table[item, offset, row - item * block]
+                        if neighbour < 0:
+                            continue
+                        for group in range(groups):
+                            for channel in range(in_per_group):
+                                value = source[neighbour, group * in_per_group + channel]
+                                for column in range(out_per_group):
+                                    accumulator[group * out_per_group + column] += (
+                                        value * matrices[offset, group, channel, column])
+                    for column in range(width):
+                        out[row, column] = accumulator[column]
+                item = claim(counter)
 
     return njit(**_OPTIONS)(accumulate)
 
@@ -111,28 +124,32 @@ def make_narrow_rows_kernel(in_constant: int, out_constant: int, block: int) -> 
         block: destination rows per work item (``table.shape[2]``).
     """
 
-    def accumulate(source: Any, table: Any, matrices: Any, out: Any) -> None:
-        volume, rows = table.shape[1], out.shape[0]
-        for item in prange(table.shape[0]):
-            first = item * block
-            count = min(rows, first + block) - first
-            accumulator = np.empty((block, out_constant), dtype=out.dtype)
-            for row in range(count):
-                for column in range(out_constant):
-                    accumulator[row, column] = out[first + row, column]
-            for offset in range(volume):
+    def accumulate(source: Any, table: Any, matrices: Any, out: Any, lanes: int) -> None:
+        volume, rows, items = table.shape[1], out.shape[0], table.shape[0]
+        counter = new_counter()
+        for lane in prange(min(lanes, items)):  # noqa: B007 (one iteration per thread)
+            item = claim(counter)
+            while item < items:
+                accumulator = np.empty((block, out_constant), dtype=out.dtype)
+                first = item * block
+                count = min(rows, first + block) - first
                 for row in range(count):
-                    neighbour = table[item, offset, row]
-                    if neighbour < 0:
-                        continue
                     for column in range(out_constant):
-                        total = accumulator[row, column]
-                        for channel in range(in_constant):
-                            total += source[neighbour, channel] * matrices[offset, 0, channel, column]
-                        accumulator[row, column] = total
-            for row in range(count):
-                for column in range(out_constant):
-                    out[first + row, column] = accumulator[row, column]
+                        accumulator[row, column] = out[first + row, column]
+                for offset in range(volume):
+                    for row in range(count):
+                        neighbour = table[item, offset, row]
+                        if neighbour < 0:
+                            continue
+                        for column in range(out_constant):
+                            total = accumulator[row, column]
+                            for channel in range(in_constant):
+                                total += source[neighbour, channel] * matrices[offset, 0, channel, column]
+                            accumulator[row, column] = total
+                for row in range(count):
+                    for column in range(out_constant):
+                        out[first + row, column] = accumulator[row, column]
+                item = claim(counter)
 
     return njit(**_OPTIONS)(accumulate)
 
@@ -147,27 +164,31 @@ def make_int8_rows_kernel(groups_constant: int, in_constant: int, out_constant: 
 
     def accumulate(source: Any, table: Any, matrices: Any, multiplier: Any, bias: Any, has_bias: bool,
                    residual: Any, has_residual: bool, residual_scale: Any, relu: bool, output_scale: Any,
-                   out: Any) -> None:
+                   out: Any, lanes: int) -> None:
         groups, in_per_group, out_per_group, volume, rows = layer_sizes(groups_constant, in_constant, out_constant,
                                                                         table, matrices, out)
-        width = groups * out_per_group
-        for item in prange((rows + block - 1) // block):
-            accumulator = np.empty(width, dtype=np.int32)
-            for row in range(item * block, min(rows, (item + 1) * block)):
-                for column in range(width):
-                    accumulator[column] = 0
-                for offset in range(volume):
-                    neighbour = table[row, offset]
-                    if neighbour < 0:
-                        continue
-                    for group in range(groups):
-                        for channel in range(in_per_group):
-                            value = np.int32(source[neighbour, group * in_per_group + channel])
-                            for column in range(out_per_group):
-                                accumulator[group * out_per_group + column] += (
-                                    value * np.int32(matrices[offset, group, channel, column]))
-                int8_epilogue_row(accumulator, row, multiplier, bias, has_bias, residual, has_residual,
-                                  residual_scale, relu, output_scale, quantize, out)
+        width, items = groups * out_per_group, (rows + block - 1) // block
+        counter = new_counter()
+        for lane in prange(min(lanes, items)):  # noqa: B007 (one iteration per thread)
+            item = claim(counter)
+            while item < items:
+                accumulator = np.empty(width, dtype=np.int32)
+                for row in range(item * block, min(rows, (item + 1) * block)):
+                    for column in range(width):
+                        accumulator[column] = 0
+                    for offset in range(volume):
+                        neighbour = table[row, offset]
+                        if neighbour < 0:
+                            continue
+                        for group in range(groups):
+                            for channel in range(in_per_group):
+                                value = np.int32(source[neighbour, group * in_per_group + channel])
+                                for column in range(out_per_group):
+                                    accumulator[group * out_per_group + column] += (
+                                        value * np.int32(matrices[offset, group, channel, column]))
+                    int8_epilogue_row(accumulator, row, multiplier, bias, has_bias, residual, has_residual,
+                                      residual_scale, relu, output_scale, quantize, out)
+                item = claim(counter)
 
     return njit(parallel=True, cache=True, nogil=True)(accumulate)
 

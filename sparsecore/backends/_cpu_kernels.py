@@ -39,7 +39,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..threads import get_num_threads, numba_module
+from ..threads import numba_module
 
 __all__ = [
     "ROW_BLOCK",
@@ -47,6 +47,7 @@ __all__ = [
     "SERIAL_MAX_WORK",
     "NARROW_MAX_CHANNELS",
     "NARROW_MIN_MATRIX",
+    "kernel_threads",
     "neighbour_table",
     "is_narrow",
     "accumulate_rows",
@@ -85,16 +86,21 @@ whatever the layer's size (narrower layers run the generic kernel, or per-offset
 
 
 @contextlib.contextmanager
-def _threads_for(work: int) -> Iterator[None]:
-    """Numba's threads for a kernel of ``work``: one below `SERIAL_MAX_WORK`, else unchanged."""
+def kernel_threads(work: int) -> Iterator[int]:
+    """Numba's threads for a kernel of ``work``: one below `SERIAL_MAX_WORK`, else unchanged.
+
+    Yields:
+        The number of threads the kernel runs (its ``lanes`` argument: one loop iteration per
+        thread, each claiming work items from a shared counter, `_work_queue`).
+    """
     numba = numba_module()
     previous = numba.get_num_threads()
     if work >= SERIAL_MAX_WORK or previous == 1:
-        yield
+        yield previous
         return
     numba.set_num_threads(1)
     try:
-        yield
+        yield 1
     finally:
         numba.set_num_threads(previous)
 
@@ -141,8 +147,8 @@ def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[i
     if volume == 0 or num_rows == 0 or offset_starts[-1] == 0:
         return table
     collisions = np.zeros(volume, dtype=np.int64)
-    with _threads_for(2 * int(offset_starts[-1])):
-        _sources().fill_table(keys, values, np.asarray(offset_starts, dtype=np.int64), table, collisions)
+    with kernel_threads(2 * int(offset_starts[-1])) as lanes:
+        _sources().fill_table(keys, values, np.asarray(offset_starts, dtype=np.int64), table, collisions, lanes)
     if collisions.any():
         offset = int(np.flatnonzero(collisions)[0])
         raise ValueError(
@@ -198,8 +204,8 @@ def accumulate_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray,
         kernel = _rows_kernel(groups, in_per_group, out_per_group)
     else:
         kernel = _rows_kernel(0, 0, 0)
-    with _threads_for(pairs * (source.shape[1] + out.shape[1])):
-        kernel(source, table, matrices, out)
+    with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
+        kernel(source, table, matrices, out, lanes)
 
 
 # ---------------------------------------------------------------- tiled rows (BLAS on cached tiles)
@@ -273,10 +279,10 @@ def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, o
     """
     if out.shape[0] == 0 or table.shape[1] == 0 or out.shape[1] == 0 or pairs == 0:
         return
-    with _threads_for(pairs * (source.shape[1] + out.shape[1])):
+    with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
         items = tile_items(table.shape[0])
         _tile_sources().tiled_forward_kernel(source, table, matrices, out, items,
-                                             spread_stride(-(-table.shape[0] // items), get_num_threads()))
+                                             spread_stride(-(-table.shape[0] // items), lanes), lanes)
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matrices: np.ndarray,
@@ -302,8 +308,8 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matr
     partial = np.empty((-(-table.shape[0] // items), volume, in_channels, out_channels), dtype=source.dtype)
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
     kernels = _tile_sources()
-    with _threads_for(pairs * (in_channels + out_channels)):
+    with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
         kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items,
-                                      spread_stride(partial.shape[0], get_num_threads()))
-        kernels.sum_partials(partial, grad_matrices)
+                                      spread_stride(partial.shape[0], lanes), lanes)
+        kernels.sum_partials(partial, grad_matrices, lanes)
     return grad_source, grad_matrices

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._cpu_kernels import _threads_for
+from ._cpu_kernels import kernel_threads
 from ..threads import numba_module
 
 __all__ = ["max_pool_forward", "max_pool_backward"]
@@ -47,9 +47,9 @@ def max_pool_forward(features: np.ndarray, pair_input: np.ndarray, pair_output: 
     out = np.zeros((num_output, features.shape[1]), dtype=source.dtype)
     argmax = np.full((num_output, features.shape[1]), -1, dtype=np.int32)
     if len(pair_input) and features.shape[1]:
-        with _threads_for(len(pair_input) * features.shape[1]):
+        with kernel_threads(len(pair_input) * features.shape[1]) as lanes:
             _sources().max_pool_forward_kernel(source, np.ascontiguousarray(pair_input),
-                                               np.ascontiguousarray(pair_output), out, argmax)
+                                               np.ascontiguousarray(pair_output), out, argmax, lanes)
     return out.astype(features.dtype, copy=False), argmax
 
 
@@ -71,8 +71,8 @@ def max_pool_backward(grad_output: np.ndarray, argmax: np.ndarray, pair_input: n
     grad_source = np.ascontiguousarray(grad_output, dtype=compute_dtype)
     grad = np.zeros((num_input, grad_output.shape[1]), dtype=grad_source.dtype)
     if len(pair_input) and grad_output.shape[1]:
-        with _threads_for(len(pair_input) * grad_output.shape[1]):
+        with kernel_threads(len(pair_input) * grad_output.shape[1]) as lanes:
             _sources().max_pool_backward_kernel(grad_source, np.ascontiguousarray(argmax, dtype=np.int32),
                                                 np.ascontiguousarray(pair_input), np.ascontiguousarray(pair_output),
-                                                grad)
+                                                grad, lanes)
     return grad.astype(grad_output.dtype, copy=False)

@@ -6,7 +6,8 @@ weights and int32 accumulators, then the float32 epilogue of `sparsecore.int8`
 (the same steps as `_numpy_int8.apply_epilogue`, each rounded once): output-stationary (each row's neighbours read
 once, its sums kept in a row buffer, written once), no intermediate arrays,
 exact (the int32 bound is checked by `sparsecore.int8`), bitwise identical at
-every thread count (a row is one thread's; ``prange`` over fixed blocks of rows).
+every thread count (a row is one thread's; the threads claim fixed blocks of rows,
+`_work_queue`; small layers run on the calling thread, `_cpu_kernels.kernel_threads`).
 Channel counts become compile-time constants for layers of at least
 `SPECIALISE_MIN_PAIR_MACS` multiply-adds, where they let LLVM keep a row's
 sums in vector registers; smaller layers share one generic kernel. `epilogue` runs
@@ -24,10 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from ._cpu_kernels import kernel_threads
+
 __all__ = ["ROW_BLOCK", "SPECIALISE_MIN_PAIR_MACS", "available", "neighbour_table", "int8_rows", "epilogue"]
 
 ROW_BLOCK = 64
-"""Output rows per ``prange`` work item (a fixed split, independent of the thread count)."""
+"""Output rows per work item (a fixed split, independent of the thread count)."""
 
 SPECIALISE_MIN_PAIR_MACS = 100_000_000
 """A layer's ``pairs * in_per_group * out_channels`` from which its channel counts are compiled in."""
@@ -93,11 +96,12 @@ def int8_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, pairs
         constants = (0, 0, 0)
     kernel = _rows_kernel(*constants, quantize)
     has_bias, has_residual = epilogue.bias is not None, epilogue.residual is not None
-    kernel(source, table, matrices, np.ascontiguousarray(epilogue.multiplier, dtype=np.float32),
-           np.ascontiguousarray(epilogue.bias if has_bias else np.zeros(1), dtype=np.float32), has_bias,
-           np.ascontiguousarray(epilogue.residual if has_residual else np.zeros((1, 1)), dtype=np.int8),
-           has_residual, np.float32(epilogue.residual_scale), bool(epilogue.relu),
-           np.float32(epilogue.output_scale if quantize else 1), out)
+    with kernel_threads(pairs * groups * (in_per_group + out_per_group)) as lanes:
+        kernel(source, table, matrices, np.ascontiguousarray(epilogue.multiplier, dtype=np.float32),
+               np.ascontiguousarray(epilogue.bias if has_bias else np.zeros(1), dtype=np.float32), has_bias,
+               np.ascontiguousarray(epilogue.residual if has_residual else np.zeros((1, 1)), dtype=np.int8),
+               has_residual, np.float32(epilogue.residual_scale), bool(epilogue.relu),
+               np.float32(epilogue.output_scale if quantize else 1), out, lanes)
     return out
 
 

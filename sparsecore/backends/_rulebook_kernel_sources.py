@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from ._work_queue import claim, new_counter
+
 __all__ = ["radix_sort", "radix_sort_packed", "unique_inverse_sorted", "subm_found", "subm_fill", "axis_tables", "axis_outputs", "strided_count", "strided_fill"]
 
 _SERIAL = {"cache": True, "nogil": True}
@@ -107,7 +109,7 @@ def unique_inverse_sorted(sorted_keys: Any, order: Any) -> tuple[Any, Any]:
 
 @njit(**_PARALLEL)
 def subm_found(sorted_keys: Any, sorted_rows: Any, run_deltas: Any, run_firsts: Any, run_widths: Any, step: int,
-               chunk: int, found: Any, chunk_counts: Any) -> None:
+               chunk: int, found: Any, chunk_counts: Any, lanes: int) -> None:
     """``found[k, i]``: the row of key ``sorted_keys[i] + delta_k``, or -1.
 
     Offsets come in runs (``run_widths[r]`` offsets from ``run_firsts[r]``, deltas ``run_deltas[r]``
@@ -116,57 +118,67 @@ def subm_found(sorted_keys: Any, sorted_rows: Any, run_deltas: Any, run_firsts: 
     ``sorted_keys`` ends in a sentinel larger than every query.
     """
     count = found.shape[1]
-    for item in prange((count + chunk - 1) // chunk):
-        low = item * chunk
-        high = min(count, low + chunk)
-        for run in range(run_deltas.shape[0]):
-            delta, first, width = run_deltas[run], run_firsts[run], run_widths[run]
-            position = np.searchsorted(sorted_keys, sorted_keys[low] + delta)
-            for index in range(low, high):
-                query = sorted_keys[index] + delta
-                while sorted_keys[position] < query:
-                    position += 1
-                probe = position
-                for column in range(width):
-                    target = query + column * step
-                    while sorted_keys[probe] < target:
-                        probe += 1
-                    if sorted_keys[probe] == target:
-                        found[first + column, index] = sorted_rows[probe]
-                        chunk_counts[item, first + column] += 1
-                    else:
-                        found[first + column, index] = -1
+    items = (count + chunk - 1) // chunk
+    counter = new_counter()
+    for lane in prange(min(lanes, items)):  # noqa: B007 (one iteration per thread)
+        item = claim(counter)
+        while item < items:
+            low = item * chunk
+            high = min(count, low + chunk)
+            for run in range(run_deltas.shape[0]):
+                delta, first, width = run_deltas[run], run_firsts[run], run_widths[run]
+                position = np.searchsorted(sorted_keys, sorted_keys[low] + delta)
+                for index in range(low, high):
+                    query = sorted_keys[index] + delta
+                    while sorted_keys[position] < query:
+                        position += 1
+                    probe = position
+                    for column in range(width):
+                        target = query + column * step
+                        while sorted_keys[probe] < target:
+                            probe += 1
+                        if sorted_keys[probe] == target:
+                            found[first + column, index] = sorted_rows[probe]
+                            chunk_counts[item, first + column] += 1
+                        else:
+                            found[first + column, index] = -1
+            item = claim(counter)
 
 
 @njit(**_PARALLEL)
 def subm_fill(found: Any, sorted_rows: Any, chunk: int, chunk_starts: Any, mirror_starts: Any, centre_start: int,
-              pair_input: Any, pair_output: Any) -> None:
+              pair_input: Any, pair_output: Any, lanes: int) -> None:
     """Writes, per chunk of keys, offset ``k < centre`` as ``(found, sorted row)`` pairs at
     ``chunk_starts[c, k]``, its mirror swapped at ``mirror_starts[c, k]``, and the centre ``i -> i``
     (compacted without branches into a per-chunk buffer first)."""
     count = found.shape[1]
-    for item in prange((count + chunk - 1) // chunk):
-        low = item * chunk
-        high = min(count, low + chunk)
-        for index in range(low, high):
-            pair_input[centre_start + index] = index
-            pair_output[centre_start + index] = index
-        kept_found = np.empty(chunk + 1, dtype=np.int32)
-        kept_rows = np.empty(chunk + 1, dtype=np.int32)
-        for offset in range(found.shape[0]):
-            kept = 0
+    items = (count + chunk - 1) // chunk
+    counter = new_counter()
+    for lane in prange(min(lanes, items)):  # noqa: B007 (one iteration per thread)
+        item = claim(counter)
+        while item < items:
+            kept_found = np.empty(chunk + 1, dtype=np.int32)
+            kept_rows = np.empty(chunk + 1, dtype=np.int32)
+            low = item * chunk
+            high = min(count, low + chunk)
             for index in range(low, high):
-                row = found[offset, index]
-                kept_found[kept] = row
-                kept_rows[kept] = sorted_rows[index]
-                kept += row >= 0
-            position = chunk_starts[item, offset]
-            mirror = mirror_starts[item, offset]
-            for entry in range(kept):
-                pair_input[position + entry] = kept_found[entry]
-                pair_output[position + entry] = kept_rows[entry]
-                pair_input[mirror + entry] = kept_rows[entry]
-                pair_output[mirror + entry] = kept_found[entry]
+                pair_input[centre_start + index] = index
+                pair_output[centre_start + index] = index
+            for offset in range(found.shape[0]):
+                kept = 0
+                for index in range(low, high):
+                    row = found[offset, index]
+                    kept_found[kept] = row
+                    kept_rows[kept] = sorted_rows[index]
+                    kept += row >= 0
+                position = chunk_starts[item, offset]
+                mirror = mirror_starts[item, offset]
+                for entry in range(kept):
+                    pair_input[position + entry] = kept_found[entry]
+                    pair_output[position + entry] = kept_rows[entry]
+                    pair_input[mirror + entry] = kept_rows[entry]
+                    pair_output[mirror + entry] = kept_found[entry]
+            item = claim(counter)
 
 
 @njit(**_SERIAL)
@@ -214,38 +226,47 @@ def _offset_mask(outputs: Any, kernel_indices: Any, offset: int, mask: Any) -> N
 
 
 @njit(**_PARALLEL)
-def strided_count(outputs: Any, kernel_indices: Any, counts: Any) -> None:
+def strided_count(outputs: Any, kernel_indices: Any, counts: Any, lanes: int) -> None:
     """``counts[k]``: the sites with a valid output through kernel offset ``k``."""
-    for offset in prange(kernel_indices.shape[0]):
-        mask = np.empty(outputs.shape[2], dtype=np.int32)
-        _offset_mask(outputs, kernel_indices, offset, mask)
-        matched = 0
-        for row in range(mask.shape[0]):
-            matched += mask[row] >= 0
-        counts[offset] = matched
+    volume = kernel_indices.shape[0]
+    counter = new_counter()
+    for lane in prange(min(lanes, volume)):  # noqa: B007 (one iteration per thread)
+        offset = claim(counter)
+        while offset < volume:
+            mask = np.empty(outputs.shape[2], dtype=np.int32)
+            _offset_mask(outputs, kernel_indices, offset, mask)
+            matched = 0
+            for row in range(mask.shape[0]):
+                matched += mask[row] >= 0
+            counts[offset] = matched
+            offset = claim(counter)
 
 
 @njit(**_PARALLEL)
 def strided_fill(batch: Any, outputs: Any, kernel_indices: Any, starts: Any, key_strides: Any,
-                 pair_input: Any, keys: Any) -> None:
+                 pair_input: Any, keys: Any, lanes: int) -> None:
     """Each offset's (input row, output key) candidates, rows ascending, at ``starts[k]``.
 
     The valid rows are compacted without branches into a per-offset buffer, then keyed.
     """
-    count = outputs.shape[2]
-    for offset in prange(kernel_indices.shape[0]):
-        mask = np.empty(count, dtype=np.int32)
-        _offset_mask(outputs, kernel_indices, offset, mask)
-        kept_rows = np.empty(count + 1, dtype=np.int32)
-        kept = 0
-        for row in range(count):
-            kept_rows[kept] = row
-            kept += mask[row] >= 0
-        start = starts[offset]
-        for index in range(kept):
-            row = kept_rows[index]
-            key = batch[row] * key_strides[0]
-            for axis in range(outputs.shape[0]):
-                key += outputs[axis, kernel_indices[offset, axis], row] * key_strides[axis + 1]
-            pair_input[start + index] = row
-            keys[start + index] = key
+    count, volume = outputs.shape[2], kernel_indices.shape[0]
+    counter = new_counter()
+    for lane in prange(min(lanes, volume)):  # noqa: B007 (one iteration per thread)
+        offset = claim(counter)
+        while offset < volume:
+            mask = np.empty(count, dtype=np.int32)
+            kept_rows = np.empty(count + 1, dtype=np.int32)
+            _offset_mask(outputs, kernel_indices, offset, mask)
+            kept = 0
+            for row in range(count):
+                kept_rows[kept] = row
+                kept += mask[row] >= 0
+            start = starts[offset]
+            for index in range(kept):
+                row = kept_rows[index]
+                key = batch[row] * key_strides[0]
+                for axis in range(outputs.shape[0]):
+                    key += outputs[axis, kernel_indices[offset, axis], row] * key_strides[axis + 1]
+                pair_input[start + index] = row
+                keys[start + index] = key
+            offset = claim(counter)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..threads import numba_module
-from ._cpu_kernels import _threads_for
+from ._cpu_kernels import kernel_threads
 
 __all__ = ["argsort_keys", "unique_inverse", "submanifold_pairs", "strided_candidates"]
 
@@ -104,9 +104,9 @@ def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: 
     rows32 = sorted_rows.astype(np.int32)
     sources = _sources()
     if centre and count:
-        with _threads_for(4 * count * (2 * centre + 1)):
+        with kernel_threads(4 * count * (2 * centre + 1)) as lanes:
             sources.subm_found(sorted_keys, rows32, np.ascontiguousarray(deltas[firsts], dtype=np.int64), firsts,
-                               widths, int(step), _CHUNK, found, chunk_counts)
+                               widths, int(step), _CHUNK, found, chunk_counts, lanes)
     counts = chunk_counts.sum(axis=0)
     sizes = counts.tolist() + [count] + counts.tolist()[::-1]
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
@@ -117,9 +117,9 @@ def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: 
     pair_input = np.empty(int(starts[-1]), dtype=np.int32)
     pair_output = np.empty(int(starts[-1]), dtype=np.int32)
     if count:
-        with _threads_for(4 * count * (2 * centre + 1)):
+        with kernel_threads(4 * count * (2 * centre + 1)) as lanes:
             sources.subm_fill(found, rows32, _CHUNK, chunk_starts, mirror_starts, int(starts[centre]),
-                              pair_input, pair_output)
+                              pair_input, pair_output, lanes)
     return pair_input, pair_output, tuple(starts.tolist())
 
 
@@ -155,21 +155,21 @@ def strided_candidates(indices: np.ndarray, geometry: Any,
         sources.axis_tables(kernel_size, *[np.asarray(value, dtype=np.int64) for value in (
             geometry.stride, geometry.padding, geometry.dilation)], in_shape,
             np.asarray(output_spatial_shape, dtype=np.int64), geometry.kind == "transposed", tables)
-        with _threads_for(work):
+        with kernel_threads(work):
             sources.axis_outputs(sites, tables, kernel_size, outputs)
     elif sites.shape[0]:  # few sites on a vast grid: the divisions once per site
         _axis_outputs(sites, geometry, output_spatial_shape, outputs)
     if sites.shape[0]:
-        with _threads_for(work):
-            sources.strided_count(outputs, kernel_indices, counts)
+        with kernel_threads(work) as lanes:
+            sources.strided_count(outputs, kernel_indices, counts, lanes)
     starts = np.zeros(kernel_indices.shape[0] + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     input_rows = np.empty(int(starts[-1]), dtype=np.int32)
     keys = np.empty(int(starts[-1]), dtype=np.int64)
     if starts[-1]:
-        with _threads_for(work):
+        with kernel_threads(work) as lanes:
             sources.strided_fill(np.ascontiguousarray(sites[:, 0]), outputs, kernel_indices, starts, strides,
-                                 input_rows, keys)
+                                 input_rows, keys, lanes)
     return input_rows, keys, tuple(starts.tolist())
 
 

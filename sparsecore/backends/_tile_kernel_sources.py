@@ -38,6 +38,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._work_queue import claim, new_counter
+
 __all__ = ["tiled_forward_kernel", "tiled_backward_kernel", "sum_partials", "PREFETCH_AHEAD"]
 
 _OPTIONS = {"parallel": True, "cache": True, "fastmath": {"contract"}, "nogil": True}
@@ -129,7 +131,8 @@ def _work_rows(step: int, stride: int, works: int, items: int, blocks: int, bloc
 
 
 @njit(**_OPTIONS)
-def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items: int, stride: int) -> None:
+def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items: int, stride: int,
+                         lanes: int) -> None:
     """``out[d] += sum_k source[table[k, d]] @ matrices[k]``, ``items`` table blocks per work item.
 
     ``source [N_src, a]``, ``table [B, K, R]`` int32, ``matrices [K, a, b]``, ``out [N_dst, b]`` holding the
@@ -140,23 +143,28 @@ def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items
     rows, in_channels, out_channels = out.shape[0], source.shape[1], out.shape[1]
     capacity = items * block
     works = (blocks + items - 1) // items
-    for step in prange(works):
-        _, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks, block, rows)
-        accumulator = out[first_row:first_row + count_rows]  # the item's own rows: sums in place
-        tile = np.empty((capacity, in_channels), dtype=out.dtype)
-        products = np.empty((capacity, out_channels), dtype=out.dtype)
-        sources = np.empty(capacity, dtype=np.int64)
-        locals_ = np.empty(capacity, dtype=np.int64)
-        for offset in range(volume):
-            count = _paired_rows(table, first_item, last_item, offset, sources, locals_)
-            if count == 0:
-                continue
-            _multiply_into(source, sources, count, tile, matrices[offset], products, locals_, accumulator)
+    counter = new_counter()
+    for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
+        step = claim(counter)
+        while step < works:
+            tile = np.empty((capacity, in_channels), dtype=out.dtype)
+            products = np.empty((capacity, out_channels), dtype=out.dtype)
+            sources = np.empty(capacity, dtype=np.int64)
+            locals_ = np.empty(capacity, dtype=np.int64)
+            _, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks, block,
+                                                                         rows)
+            accumulator = out[first_row:first_row + count_rows]  # the item's own rows: sums in place
+            for offset in range(volume):
+                count = _paired_rows(table, first_item, last_item, offset, sources, locals_)
+                if count == 0:
+                    continue
+                _multiply_into(source, sources, count, tile, matrices[offset], products, locals_, accumulator)
+            step = claim(counter)
 
 
 @njit(**_OPTIONS)
 def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, grad_source: Any, partial: Any,
-                          items: int, stride: int) -> None:
+                          items: int, stride: int, lanes: int) -> None:
     """d-features into ``grad_source``, each work item's d-weights into ``partial[item]``.
 
     ``source [N_src, a]`` the forward's input, ``grad [N_dst, b]``, ``table [B, K, R]`` the backward table
@@ -168,38 +176,48 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
     rows, in_channels, out_channels = source.shape[0], source.shape[1], grad.shape[1]
     capacity = items * block
     works = (blocks + items - 1) // items
-    for step in prange(works):
-        work, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks, block,
-                                                                        rows)
-        accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
-        accumulator[:] = 0
-        grad_tile = np.empty((capacity, out_channels), dtype=source.dtype)
-        source_tile = np.empty((capacity, in_channels), dtype=source.dtype)
-        products = np.empty((capacity, in_channels), dtype=source.dtype)
-        destinations = np.empty(capacity, dtype=np.int64)
-        locals_ = np.empty(capacity, dtype=np.int64)
-        for offset in range(volume):
-            count = _paired_rows(table, first_item, last_item, offset, destinations, locals_)
-            if count == 0:
-                partial[work, offset] = 0
-                continue
-            _multiply_into(grad, destinations, count, grad_tile, transposed[offset], products, locals_, accumulator)
-            for position in range(count):
-                row = first_row + locals_[position]
-                for column in range(in_channels):
-                    source_tile[position, column] = source[row, column]
-            np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
+    counter = new_counter()
+    for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
+        step = claim(counter)
+        while step < works:
+            grad_tile = np.empty((capacity, out_channels), dtype=source.dtype)
+            source_tile = np.empty((capacity, in_channels), dtype=source.dtype)
+            products = np.empty((capacity, in_channels), dtype=source.dtype)
+            destinations = np.empty(capacity, dtype=np.int64)
+            locals_ = np.empty(capacity, dtype=np.int64)
+            work, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks,
+                                                                            block, rows)
+            accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
+            accumulator[:] = 0
+            for offset in range(volume):
+                count = _paired_rows(table, first_item, last_item, offset, destinations, locals_)
+                if count == 0:
+                    partial[work, offset] = 0
+                    continue
+                _multiply_into(grad, destinations, count, grad_tile, transposed[offset], products, locals_,
+                               accumulator)
+                for position in range(count):
+                    row = first_row + locals_[position]
+                    for column in range(in_channels):
+                        source_tile[position, column] = source[row, column]
+                np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
+            step = claim(counter)
 
 
 @njit(**_OPTIONS)
-def sum_partials(partial: Any, out: Any) -> None:
-    """``out[k] = sum_w partial[w, k]``, the work items added in order (``partial [W, K, a, b]``)."""
+def sum_partials(partial: Any, out: Any, lanes: int) -> None:
+    """``out[k] = sum_w partial[w, k]``, the work items added in order (``partial [W, K, a, b]``); offsets
+    claimed by ``lanes`` threads."""
     works, volume, in_channels, out_channels = partial.shape
-    for offset in prange(volume):
-        for channel in range(in_channels):
-            for column in range(out_channels):
-                out[offset, channel, column] = partial[0, offset, channel, column]
-        for work in range(1, works):
+    counter = new_counter()
+    for lane in prange(min(lanes, volume)):  # noqa: B007 (one iteration per thread)
+        offset = claim(counter)
+        while offset < volume:
             for channel in range(in_channels):
                 for column in range(out_channels):
-                    out[offset, channel, column] += partial[work, offset, channel, column]
+                    out[offset, channel, column] = partial[0, offset, channel, column]
+            for work in range(1, works):
+                for channel in range(in_channels):
+                    for column in range(out_channels):
+                        out[offset, channel, column] += partial[work, offset, channel, column]
+            offset = claim(counter)
