@@ -200,9 +200,23 @@ def blas_threads(threads: int | None = None) -> Iterator[int]:
         The thread count in force.
     """
     count = get_num_threads() if threads is None else _check_count(threads)
+    changed = []
+    for library in _blas_libraries():  # set only where it differs: a threadpoolctl limiter costs ~0.1 ms a call
+        previous = library.get_num_threads()
+        if previous != count:
+            library.set_num_threads(count)
+            changed.append((library, previous))
+    try:
+        yield count
+    finally:
+        for library, previous in reversed(changed):
+            library.set_num_threads(previous)
+
+
+@functools.lru_cache(maxsize=1)
+def _blas_libraries() -> tuple[Any, ...]:
+    """threadpoolctl's controllers of the BLAS libraries loaded (NumPy's and SciPy's), or none."""
     controller = _blas_controller()
     if controller is None:
-        yield count
-        return
-    with controller.limit(limits=count, user_api="blas"):
-        yield count
+        return ()
+    return tuple(controller.select(user_api="blas").lib_controllers)

@@ -33,6 +33,29 @@ def test_core_view_detaches_and_makes_contiguous():
         _convert.core_view(np.zeros(3), "x")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                                   torch.int16, torch.int32, torch.int64, torch.bool])
+def test_core_view_of_every_dtype_holds_the_tensor_values(dtype):
+    values = torch.randint(-100, 100, (7, 3), generator=torch.Generator().manual_seed(99003))
+    t = values.to(dtype)
+    view = _convert.core_view(t, "t")
+    assert view.dtype == np.dtype(str(dtype).replace("torch.", ""))
+    assert view.__array_interface__["data"][0] == t.data_ptr()
+    assert view.tolist() == t.tolist()
+
+
+def test_core_view_of_a_tensor_subclass_and_bfloat16():
+    class Tagged(torch.Tensor):
+        pass
+
+    values = torch.randn(4, 5, generator=torch.Generator().manual_seed(99004))
+    tagged = values.as_subclass(Tagged)
+    np.testing.assert_array_equal(_convert.core_view(tagged, "tagged"), values.numpy())
+    upcast = _convert.core_float_view(values.bfloat16(), "b")
+    assert upcast.dtype == np.float32
+    np.testing.assert_array_equal(upcast, values.bfloat16().float().numpy())
+
+
 def test_to_torch_shares_memory():
     array = np.arange(12, dtype=np.int32).reshape(3, 4)
     tensor = _convert.to_torch(array)

@@ -44,7 +44,18 @@ GROUP_SUM = _op_table.OpSpec(
     lambda a: [(a.num_groups, a.features.shape[1]), (a.num_groups,)],
     _op_table.Backward(("groups",), _group_sum_gradients))
 
-_op_table.declare_ops([GROUP_SUM], namespace=NAMESPACE)
+
+def _group_sums_backward(a):
+    """The gradient of the group sums (no backward of its own): ``grad_output`` gathered by group."""
+    return a.grad_output[a.groups]
+
+
+GROUP_SUM_BACKWARD = _op_table.OpSpec(
+    "group_sum_backward", "(Tensor grad_output, Tensor groups) -> Tensor",
+    (_op_table.Output("grad", "grad_output"),), _group_sums_backward,
+    lambda a: [(a.groups.shape[0], a.grad_output.shape[1])])
+
+DECLARED = _op_table.declare_ops([GROUP_SUM, GROUP_SUM_BACKWARD], namespace=NAMESPACE)
 group_sum = getattr(torch.ops, NAMESPACE).group_sum
 
 
@@ -93,6 +104,68 @@ def test_a_declared_op_compiles_with_fullgraph():
     np.add.at(sums, groups.numpy(), features.detach().numpy())
     np.testing.assert_allclose(expected.numpy(), 2 * sums[groups.numpy()], rtol=1e-12)
     torch.testing.assert_close(actual, expected)
+
+
+def _expected_group_sums(features, groups, num_groups):
+    sums = np.zeros((num_groups, features.shape[1]))
+    np.add.at(sums, groups.numpy(), features.detach().numpy())
+    return sums
+
+
+def test_eager_calls_run_the_twin_with_the_same_results_and_gradients():
+    features, groups, num_groups = _inputs(4, rows=17)
+    declared = DECLARED["group_sum"]
+    twin_sums, twin_counts = declared(features, groups, num_groups)
+    op_sums, op_counts = group_sum(features, groups, num_groups)
+    assert type(twin_sums.grad_fn).__name__ == "group_sum_eagerBackward"  # the twin ran, not the dispatcher
+    assert type(op_sums.grad_fn).__name__ != type(twin_sums.grad_fn).__name__
+    np.testing.assert_allclose(twin_sums.detach().numpy(), _expected_group_sums(features, groups, num_groups),
+                               rtol=1e-14, atol=1e-14)
+    assert torch.equal(twin_sums, op_sums) and torch.equal(twin_counts, op_counts)
+    weights = torch.from_numpy(do.make_rng(99501, 0).standard_normal((num_groups, 3)))
+    twin_grad = torch.autograd.grad((twin_sums * weights).sum(), features)[0]
+    op_grad = torch.autograd.grad((op_sums * weights).sum(), features)[0]
+    assert torch.equal(twin_grad, op_grad)
+    np.testing.assert_allclose(twin_grad.numpy(), weights.numpy()[groups.numpy()], rtol=1e-14)
+    assert torch.autograd.gradcheck(lambda f: declared(f, groups, num_groups)[0], (features,), eps=1e-6,
+                                    atol=1e-7, rtol=1e-5)
+    with torch.no_grad():
+        assert declared(features, groups, num_groups)[0].grad_fn is None
+
+
+def test_traced_calls_run_the_custom_op():
+    features, groups, num_groups = _inputs(5)
+    declared = DECLARED["group_sum"]
+    with torch.device("cpu"):  # a torch function mode: the twin steps aside
+        sums, _ = declared(features, groups, num_groups)
+    assert type(sums.grad_fn).__name__ != "group_sum_eagerBackward"
+    np.testing.assert_allclose(sums.detach().numpy(), _expected_group_sums(features, groups, num_groups),
+                               rtol=1e-14, atol=1e-14)
+
+    def loss(f):
+        return declared(f, groups, num_groups)[0].square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    expected = 2 * _expected_group_sums(features, groups, num_groups)[groups.numpy()]
+    np.testing.assert_allclose(torch.autograd.grad(compiled(features), features)[0].numpy(), expected,
+                               rtol=1e-12)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake_sums, fake_counts = declared(mode.from_tensor(features), mode.from_tensor(groups), num_groups)
+    assert fake_sums.shape == (num_groups, 3) and fake_counts.dtype == torch.int32
+
+
+def test_an_op_without_backward_still_refuses_to_differentiate():
+    features, groups, num_groups = _inputs(6)
+    grad_output = torch.from_numpy(do.make_rng(99502, 0).standard_normal((num_groups, 3))).requires_grad_()
+    declared = DECLARED["group_sum_backward"]
+    with torch.no_grad():
+        np.testing.assert_array_equal(declared(grad_output, groups).numpy(),
+                                      grad_output.detach().numpy()[groups.numpy()])
+    through_op = declared(grad_output, groups)  # requires grad with grad mode on: the custom op
+    with pytest.raises(RuntimeError):
+        through_op.sum().backward()
 
 
 def test_table_errors_name_what_is_wrong():

@@ -79,6 +79,12 @@ def core_context(device: torch.device) -> Iterator[None]:
             yield
 
 
+#: torch dtypes ``Tensor.numpy`` views directly (bfloat16 has no NumPy twin; complex tensors may carry a
+#: conjugate bit that only DLPack resolves).
+_NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
+                           torch.int32, torch.int64, torch.bool))
+
+
 def core_view(tensor: torch.Tensor, name: str) -> Any:
     """A NumPy (CPU) or CuPy (CUDA) view of ``tensor``; contiguous, detached, no copy when possible.
 
@@ -94,6 +100,8 @@ def core_view(tensor: torch.Tensor, name: str) -> Any:
             f"{name} is on device {tensor.device}; sparsecore computes on the CPU or on CUDA GPUs. "
             f"Move it first, e.g. {name}.to('cuda') or {name}.cpu()."
         )
+    if tensor.device.type == "cpu" and type(tensor) is torch.Tensor and tensor.dtype in _NUMPY_DTYPES:
+        return tensor.numpy()  # the same memory as through DLPack, without its Python layers (~5 us a view)
     return to_core_array(tensor, name)
 
 

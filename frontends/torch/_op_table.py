@@ -14,7 +14,11 @@ shapes of its outputs (the fake kernel ``torch.compile``, ``opcheck`` and
 - the autograd registration saves the tensors the backward names, records the
   other arguments and every tensor argument's shape and dtype, marks integer
   outputs non-differentiable, and returns the backward's gradients in argument
-  order.
+  order;
+- each op also gets an eager twin (`DeclaredOp`): the same kernel under the
+  same autograd rule as a ``torch.autograd.Function``, which plain eager calls
+  run instead of going through the dispatcher; anything traced or transformed
+  (``torch.compile``, export, fake tensors, modes, functorch) gets the custom op.
 
 Nothing here knows a particular op: the entries live where the ops are used
 (`sparsecore.torch.ops`, `sparsecore.torch.exportable`).
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -32,7 +36,7 @@ from torch import Tensor
 
 from ._convert import core_context, core_float_view, to_torch
 
-__all__ = ["Output", "Backward", "OpSpec", "declare_ops", "NAMESPACE"]
+__all__ = ["Output", "Backward", "OpSpec", "DeclaredOp", "declare_ops", "NAMESPACE"]
 
 #: The ``torch.library`` namespace of every sparsecore op (``torch.ops.sparsecore``).
 NAMESPACE = "sparsecore"
@@ -157,7 +161,9 @@ def _fake(spec: OpSpec, names: tuple[str, ...]) -> Callable[..., Any]:
     return fake
 
 
-def _register_autograd(op: Any, spec: OpSpec, names: tuple[str, ...]) -> None:
+def _autograd_rule(spec: OpSpec, names: tuple[str, ...]) -> tuple[Callable[..., None], Callable[..., tuple]]:
+    """``(setup_context, gradient)`` of an op with a backward: registered on the custom op and used by its
+    eager twin alike."""
     backward = spec.backward
     output_names = tuple(output.name for output in spec.outputs)
 
@@ -182,11 +188,83 @@ def _register_autograd(op: Any, spec: OpSpec, names: tuple[str, ...]) -> None:
         grads = backward.gradients(saved, grad_output.contiguous())
         return tuple(grads.get(name) for name in names)
 
-    op.register_autograd(gradient, setup_context=setup_context)
+    return setup_context, gradient
 
 
-def declare_ops(specs: Sequence[OpSpec], namespace: str = NAMESPACE) -> dict[str, Any]:
-    """Registers every entry as ``torch.ops.<namespace>.<name>``; returns the op objects by name.
+def _eager_function(spec: OpSpec, kernel: Callable[..., Any], setup_context: Callable[..., None],
+                    gradient: Callable[..., tuple]) -> type:
+    """A ``torch.autograd.Function`` running ``kernel`` with the op's autograd rule (its eager twin)."""
+
+    def forward(*values: Any) -> Any:
+        return kernel(*values)
+
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        return gradient(ctx, *grads)
+
+    methods = {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+               "backward": staticmethod(backward)}
+    return type(f"{spec.name}_eager", (torch.autograd.Function,), methods)
+
+
+_PLAIN_SCALARS = frozenset((int, float, bool, str, type(None)))
+_PLAIN_TENSORS = frozenset((Tensor, torch.nn.Parameter))
+
+
+def _plain_value(value: Any) -> bool:
+    """Whether an argument is what eager torch code passes: a plain tensor, a Python number, string,
+    None, or a list of numbers (not a tensor subclass, a proxy or a symbolic size)."""
+    kind = type(value)
+    if kind in _PLAIN_TENSORS or kind in _PLAIN_SCALARS:
+        return True
+    return (kind is list or kind is tuple) and all(type(item) in _PLAIN_SCALARS for item in value)
+
+
+def _tracing() -> bool:
+    """Whether something above the call records or transforms ops: ``torch.compile`` / export, a torch
+    function or dispatch mode (fake tensors, ``make_fx``, ``torch.device`` blocks) or a functorch
+    transform. Where torch lacks a probe, the answer is yes (the custom op then runs)."""
+    probes = (getattr(torch._C, "_is_torch_function_mode_enabled", None),
+              getattr(torch._C, "_len_torch_dispatch_stack", None),
+              getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None))
+    if any(probe is None for probe in probes):
+        return True
+    function_modes, dispatch_modes, functorch_stack = probes
+    return (torch.compiler.is_compiling() or bool(function_modes()) or dispatch_modes() > 0
+            or functorch_stack() is not None)
+
+
+@dataclass(frozen=True)
+class DeclaredOp:
+    """One declared op: the ``torch.library`` custom op and its eager twin.
+
+    Calling it runs the twin for plain eager calls (plain tensors and Python values, nothing tracing:
+    `_tracing`), else the custom op. Both run the same kernel with the same autograd rule; the twin
+    skips the dispatcher's Python layers (about 0.4 ms a call on the test machine, against a
+    0.6 ms 16 -> 16 SubMConv3d on 5,000 voxels). An op without a backward runs the custom op whenever
+    an argument requires grad with grad mode on, so that torch still refuses to differentiate it.
+
+    Attributes:
+        op: ``torch.ops.<namespace>.<name>``.
+        eager: the twin: a ``torch.autograd.Function``'s ``apply``, or the kernel itself.
+        differentiable: whether the op has a backward.
+    """
+
+    op: Any
+    eager: Callable[..., Any]
+    differentiable: bool
+
+    def __call__(self, *values: Any) -> Any:
+        if not all(_plain_value(value) for value in values) or _tracing():
+            return self.op(*values)
+        if not self.differentiable and torch.is_grad_enabled() and any(
+                isinstance(value, Tensor) and value.requires_grad for value in values):
+            return self.op(*values)
+        return self.eager(*values)
+
+
+def declare_ops(specs: Sequence[OpSpec], namespace: str = NAMESPACE) -> Mapping[str, DeclaredOp]:
+    """Registers every entry as ``torch.ops.<namespace>.<name>``; returns a `DeclaredOp` per name (call
+    those: eager calls skip the dispatcher, traced ones run the custom op).
 
     Args:
         specs: the table.
@@ -204,10 +282,13 @@ def declare_ops(specs: Sequence[OpSpec], namespace: str = NAMESPACE) -> dict[str
             if unknown:
                 raise ValueError(f"op {spec.name}: the backward saves {unknown}, which are neither arguments "
                                  f"{list(names)} nor outputs {[o.name for o in spec.outputs]}")
-        op = torch.library.custom_op(f"{namespace}::{spec.name}", _kernel(spec, names), mutates_args=(),
-                                     schema=spec.schema)
+        kernel = _kernel(spec, names)
+        op = torch.library.custom_op(f"{namespace}::{spec.name}", kernel, mutates_args=(), schema=spec.schema)
         op.register_fake(_fake(spec, names))
+        eager = kernel
         if spec.backward is not None:
-            _register_autograd(op, spec, names)
-        ops[spec.name] = op
-    return ops
+            setup_context, gradient = _autograd_rule(spec, names)
+            op.register_autograd(gradient, setup_context=setup_context)
+            eager = _eager_function(spec, kernel, setup_context, gradient).apply
+        ops[spec.name] = DeclaredOp(op, eager, spec.backward is not None)
+    return MappingProxyType(ops)

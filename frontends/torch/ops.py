@@ -82,7 +82,7 @@ def _pairs(a: SimpleNamespace, num_input: int, num_output: int) -> sc.PairMap:
 
 
 def _conv_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
-    grad_features, grad_weight = torch.ops.sparsecore.conv_backward(
+    grad_features, grad_weight = DECLARED["conv_backward"](
         grad_output, saved.features, saved.weight, saved.pair_input, saved.pair_output, list(saved.offset_starts),
         list(saved.kernel_size), saved.identity_offset, saved.groups)
     grads = {"features": grad_features, "weight": grad_weight}
@@ -92,24 +92,24 @@ def _conv_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Te
 
 
 def _max_pool_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
-    return {"features": torch.ops.sparsecore.max_pool_pairs_backward(
+    return {"features": DECLARED["max_pool_pairs_backward"](
         grad_output, saved.argmax, saved.pair_input, saved.pair_output, list(saved.offset_starts),
         saved.shapes["features"][0], list(saved.kernel_size))}
 
 
 def _avg_pool_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
-    return {"features": torch.ops.sparsecore.avg_pool_backward(
+    return {"features": DECLARED["avg_pool_backward"](
         grad_output, saved.pair_input, saved.pair_output, list(saved.offset_starts), saved.shapes["features"][0],
         list(saved.kernel_size))}
 
 
 def _global_max_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
-    return {"features": torch.ops.sparsecore.max_pool_backward(grad_output, saved.argmax,
+    return {"features": DECLARED["max_pool_backward"](grad_output, saved.argmax,
                                                                saved.shapes["features"][0])}
 
 
 def _global_avg_gradients(saved: SimpleNamespace, grad_output: Tensor) -> dict[str, Tensor]:
-    return {"features": torch.ops.sparsecore.global_avg_pool_backward(grad_output, saved.indices,
+    return {"features": DECLARED["global_avg_pool_backward"](grad_output, saved.indices,
                                                                       saved.batch_size)}
 
 
@@ -172,7 +172,8 @@ OPS = (
            lambda a: [(a.indices.shape[0], a.grad_output.shape[1])]),
 )
 
-declare_ops(OPS)
+#: The declared ops by name: call these (eager calls skip the dispatcher, `_op_table.DeclaredOp`).
+DECLARED = declare_ops(OPS)
 
 
 # --------------------------------------------------------------------------- helpers for the layers
@@ -194,33 +195,33 @@ def autocast_inputs(*tensors: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
 def sparse_conv_features(features: Tensor, weight: Tensor, bias: Optional[Tensor], data: "IndiceData",
                          groups: int = 1) -> Tensor:
     """Output features of a conv layer whose rulebook is ``data``."""
-    return torch.ops.sparsecore.conv_forward(
+    return DECLARED["conv_forward"](
         features, weight, bias, data.pair_input, data.pair_output, data.offset_starts, data.num_output,
         data.kernel_size, data.identity_offset, groups)
 
 
 def max_pool_features(features: Tensor, data: "IndiceData") -> Tensor:
     """Output features of a max pool layer whose rulebook is ``data``."""
-    out, _ = torch.ops.sparsecore.max_pool_forward(
+    out, _ = DECLARED["max_pool_forward"](
         features, data.pair_input, data.pair_output, data.offset_starts, data.num_output, data.kernel_size)
     return out
 
 
 def avg_pool_features(features: Tensor, data: "IndiceData") -> Tensor:
     """Output features of an average pool layer whose rulebook is ``data``."""
-    return torch.ops.sparsecore.avg_pool_forward(
+    return DECLARED["avg_pool_forward"](
         features, data.pair_input, data.pair_output, data.offset_starts, data.num_output, data.kernel_size)
 
 
 def global_max_pool_features(features: Tensor, indices: Tensor, batch_size: int) -> Tensor:
     """``[B, C]`` channel-wise maximum per batch element (0 for an empty element)."""
-    out, _ = torch.ops.sparsecore.global_max_pool(features, indices, batch_size)
+    out, _ = DECLARED["global_max_pool"](features, indices, batch_size)
     return out
 
 
 def global_avg_pool_features(features: Tensor, indices: Tensor, batch_size: int) -> Tensor:
     """``[B, C]`` channel-wise mean per batch element (0 for an empty element)."""
-    return torch.ops.sparsecore.global_avg_pool(features, indices, batch_size)
+    return DECLARED["global_avg_pool"](features, indices, batch_size)
 
 
 # --------------------------------------------------------------------------- spconv.pytorch.ops names
