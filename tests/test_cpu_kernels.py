@@ -206,16 +206,6 @@ def test_tile_items_bounds_the_partial_weights():
     assert _cpu_kernels.tile_items(1962, 27, 64, 64, 4, pairs=788888) == _cpu_kernels.TILE_ITEMS
 
 
-def test_spread_stride_visits_every_work_item_once():
-    assert _cpu_kernels.spread_stride(62, threads=1) == 1  # one thread: the table's order
-    for works in (1, 2, 3, 7, 8, 62, 64, 67, 1000):
-        stride = _cpu_kernels.spread_stride(works, threads=2)
-        assert sorted(step * stride % works for step in range(works)) == list(range(works))
-        if works >= 8:  # each half of the loop takes items from both halves of the table
-            first_half = [step * stride % works for step in range(works // 2)]
-            assert min(first_half) < works // 2 <= max(first_half)
-
-
 def test_tiled_empty_input():
     empty = np.zeros(0, dtype=np.int32)
     matrices = np.random.default_rng(1409).standard_normal((3, 4, 5)).astype(np.float32)

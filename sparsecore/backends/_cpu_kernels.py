@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Any, Iterator
 
 import numpy as np
@@ -56,7 +55,6 @@ __all__ = [
     "TILE_MIN_WORKS",
     "TILE_MIN_PAIRS_PER_OFFSET",
     "tile_items",
-    "spread_stride",
     "tiled_forward",
     "tiled_backward",
     "numba_module",
@@ -248,24 +246,6 @@ def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels:
     return items
 
 
-def spread_stride(works: int, threads: int = 2) -> int:
-    """The order a tiled pass visits its work items in: ``step * stride % works``.
-
-    On several threads, a stride coprime with ``works`` near ``0.618 * works`` (every item once,
-    neighbouring steps far apart), so each thread's contiguous share of the loop mixes the cloud's
-    dense and sparse regions (64 -> 64 at 2 threads: 63.5 / 129.9 -> 60.1 / 116.7 ms forward /
-    backward); on one thread 1, the table's order, whose neighbouring items share source rows in
-    cache (16 -> 16 forward at 1 thread: 23.8 ms spread, 20.4 in order). Items are independent, so
-    the order changes no result.
-    """
-    if threads <= 1:
-        return 1
-    stride = max(1, int(works * 0.618))
-    while math.gcd(stride, works) != 1:
-        stride += 1
-    return stride
-
-
 def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, out: np.ndarray,
                   pairs: int) -> None:
     """``out[d] += sum_k source[table[k, d]] @ matrices[k]`` on BLAS over cached tiles, in place.
@@ -281,8 +261,7 @@ def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, o
         return
     with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
         items = tile_items(table.shape[0])
-        _tile_sources().tiled_forward_kernel(source, table, matrices, out, items,
-                                             spread_stride(-(-table.shape[0] // items), lanes), lanes)
+        _tile_sources().tiled_forward_kernel(source, table, matrices, out, items, lanes)
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matrices: np.ndarray,
@@ -309,7 +288,6 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matr
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
     kernels = _tile_sources()
     with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
-        kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items,
-                                      spread_stride(partial.shape[0], lanes), lanes)
+        kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items, lanes)
         kernels.sum_partials(partial, grad_matrices, lanes)
     return grad_source, grad_matrices

@@ -18,11 +18,11 @@ items' shares in item order. Work items are fixed by the sizes alone and every
 sum has a fixed order, so results are bitwise identical at every thread count
 (BLAS runs on one thread inside a pass, `sparsecore.cpu_dataflow.cpu_blas_threads`).
 
-On several threads the loop visits the work items in a spread order
-(``step * stride mod works``, `_cpu_kernels.spread_stride`): numba hands each
-thread a contiguous range of the loop, and the scan's rows are not uniform
-(the first half of the 64 -> 64 layer's items holds 55% of its pairs). The
-items are independent, so the order changes no result.
+Threads claim the work items in table order from a shared counter
+(`_work_queue`): the scan's rows are not uniform (the first half of the
+64 -> 64 layer's items holds 55% of its pairs), and a thread slowed by another
+process claims fewer items. Neighbouring items share source rows in cache.
+The items are independent, so which thread runs one changes no result.
 
 Rows are copied with software prefetches `PREFETCH_AHEAD` rows ahead (a
 gather of 788,888 rows of 64 floats: 37 -> 26 ms on the test machine).
@@ -120,24 +120,20 @@ def _multiply_into(rows_source: Any, rows: Any, count: int, tile: Any, matrix: A
 
 
 @njit(inline="always")
-def _work_rows(step: int, stride: int, works: int, items: int, blocks: int, block: int,
-               rows: int) -> tuple[int, int, int, int, int]:
-    """Loop step ``step``'s work item: ``(work, first_item, last_item, first_row, count_rows)``."""
-    work = (step * stride) % works
+def _work_rows(work: int, items: int, blocks: int, block: int, rows: int) -> tuple[int, int, int, int]:
+    """Work item ``work``'s ``(first_item, last_item, first_row, count_rows)``."""
     first_item = work * items
     last_item = min(blocks, first_item + items)
     first_row = first_item * block
-    return work, first_item, last_item, first_row, min(rows, last_item * block) - first_row
+    return first_item, last_item, first_row, min(rows, last_item * block) - first_row
 
 
 @njit(**_OPTIONS)
-def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items: int, stride: int,
-                         lanes: int) -> None:
+def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items: int, lanes: int) -> None:
     """``out[d] += sum_k source[table[k, d]] @ matrices[k]``, ``items`` table blocks per work item.
 
     ``source [N_src, a]``, ``table [B, K, R]`` int32, ``matrices [K, a, b]``, ``out [N_dst, b]`` holding the
-    initial values; all C-contiguous, one float dtype. ``stride`` (coprime with the number of work items)
-    spreads the items over the loop (`_cpu_kernels.spread_stride`).
+    initial values; all C-contiguous, one float dtype. ``lanes`` threads claim the work items.
     """
     blocks, volume, block = table.shape[0], table.shape[1], table.shape[2]
     rows, in_channels, out_channels = out.shape[0], source.shape[1], out.shape[1]
@@ -145,31 +141,30 @@ def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items
     works = (blocks + items - 1) // items
     counter = new_counter()
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
-        step = claim(counter)
-        while step < works:
+        work = claim(counter)
+        while work < works:
             tile = np.empty((capacity, in_channels), dtype=out.dtype)
             products = np.empty((capacity, out_channels), dtype=out.dtype)
             sources = np.empty(capacity, dtype=np.int64)
             locals_ = np.empty(capacity, dtype=np.int64)
-            _, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks, block,
-                                                                         rows)
+            first_item, last_item, first_row, count_rows = _work_rows(work, items, blocks, block, rows)
             accumulator = out[first_row:first_row + count_rows]  # the item's own rows: sums in place
             for offset in range(volume):
                 count = _paired_rows(table, first_item, last_item, offset, sources, locals_)
                 if count == 0:
                     continue
                 _multiply_into(source, sources, count, tile, matrices[offset], products, locals_, accumulator)
-            step = claim(counter)
+            work = claim(counter)
 
 
 @njit(**_OPTIONS)
 def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, grad_source: Any, partial: Any,
-                          items: int, stride: int, lanes: int) -> None:
+                          items: int, lanes: int) -> None:
     """d-features into ``grad_source``, each work item's d-weights into ``partial[item]``.
 
     ``source [N_src, a]`` the forward's input, ``grad [N_dst, b]``, ``table [B, K, R]`` the backward table
     (rows: source rows, entries: destination rows), ``transposed [K, b, a]``, ``grad_source [N_src, a]``
-    (every row written), ``partial [ceil(B / items), K, a, b]`` (every entry written); ``stride`` as for
+    (every row written), ``partial [ceil(B / items), K, a, b]`` (every entry written); ``lanes`` as for
     `tiled_forward_kernel`.
     """
     blocks, volume, block = table.shape[0], table.shape[1], table.shape[2]
@@ -178,15 +173,14 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
     works = (blocks + items - 1) // items
     counter = new_counter()
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
-        step = claim(counter)
-        while step < works:
+        work = claim(counter)
+        while work < works:
             grad_tile = np.empty((capacity, out_channels), dtype=source.dtype)
             source_tile = np.empty((capacity, in_channels), dtype=source.dtype)
             products = np.empty((capacity, in_channels), dtype=source.dtype)
             destinations = np.empty(capacity, dtype=np.int64)
             locals_ = np.empty(capacity, dtype=np.int64)
-            work, first_item, last_item, first_row, count_rows = _work_rows(step, stride, works, items, blocks,
-                                                                            block, rows)
+            first_item, last_item, first_row, count_rows = _work_rows(work, items, blocks, block, rows)
             accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
             accumulator[:] = 0
             for offset in range(volume):
@@ -201,7 +195,7 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
                     for column in range(in_channels):
                         source_tile[position, column] = source[row, column]
                 np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
-            step = claim(counter)
+            work = claim(counter)
 
 
 @njit(**_OPTIONS)
