@@ -1,8 +1,9 @@
 """The numba kernels behind `sparsecore.backends._rulebook_kernels` (imported on first use).
 
-Plain loops compiled with ``cache=True``. The radix sort is serial; the pair
-kernels run ``prange`` over kernel offsets, each offset writing its own
-segment of the outputs, so results do not depend on the number of threads.
+Plain loops compiled with ``cache=True``. The radix sort is serial; in the pair
+kernels the threads claim kernel offsets or fixed chunks of keys from a shared
+counter (`_work_queue`), each item writing its own segment of the outputs, so
+results do not depend on the number of threads or on which thread ran an item.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ The NumPy backend's rulebook primitives run on these:
 - `strided_candidates`: a regular or transposed layer's (input row, output
   key) candidates grouped by kernel offset, rows ascending within each.
 
-Kernels that run ``prange`` do so over kernel offsets or fixed chunks of keys,
-each writing its own segment, so every result is identical at every thread
+Parallel kernels split their work into kernel offsets or fixed chunks of keys,
+claimed by the threads one at a time (`_work_queue`), each writing its own segment, so every result is identical at every thread
 count. Builds of fewer than about a million site-offset checks (``4 * N * K``
 below ``SERIAL_MAX_WORK``: clouds of up to ~35k sites at k3) run on the calling
 thread: waking the pool did not pay there (20k sites, strided: 3.5 ms on one

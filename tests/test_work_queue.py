@@ -1,0 +1,68 @@
+"""sparsecore.backends._work_queue: threads claim every work item exactly once, whatever their number.
+
+The oracle is counting: a kernel whose lanes claim items from the counter and
+mark each one (and which lane ran it) must mark every item exactly once, and
+leave the counter at ``items + lanes`` (each lane's last claim finds none).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparsecore.threads import numba_module
+
+
+def _marking_kernel():
+    numba_module()
+    from numba import njit, prange
+
+    from sparsecore.backends._work_queue import claim
+
+    @njit(parallel=True)
+    def mark(counter, marks, runner, lanes):
+        items = marks.shape[0]
+        for lane in prange(lanes):
+            item = claim(counter)
+            while item < items:
+                marks[item] += 1
+                runner[item] = lane
+                for _ in range(item % 7 * 50):  # uneven items
+                    marks[item] += 0
+                item = claim(counter)
+
+    return mark
+
+
+@pytest.mark.parametrize("items, lanes", [(0, 1), (1, 1), (5, 2), (1000, 2), (3, 4), (997, 4)])
+def test_every_item_is_claimed_exactly_once(items: int, lanes: int) -> None:
+    from sparsecore.backends._work_queue import new_counter
+
+    numba = numba_module()
+    mark = _marking_kernel()
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(lanes, int(numba.config.NUMBA_NUM_THREADS)))
+    try:
+        counter = new_counter()
+        marks = np.zeros(items, dtype=np.int64)
+        runner = np.full(items, -1, dtype=np.int64)
+        mark(counter, marks, runner, lanes)
+    finally:
+        numba.set_num_threads(previous)
+    np.testing.assert_array_equal(marks, np.ones(items, dtype=np.int64))
+    assert int(counter[0]) == items + lanes
+    assert set(runner.tolist()) <= set(range(lanes))
+
+
+def test_a_new_counter_starts_at_zero() -> None:
+    numba_module()
+    from numba import njit
+
+    from sparsecore.backends._work_queue import claim, new_counter
+
+    @njit
+    def three_claims():
+        counter = new_counter()
+        return claim(counter), claim(counter), claim(counter), counter[0]
+
+    assert three_claims() == (0, 1, 2, 3)
