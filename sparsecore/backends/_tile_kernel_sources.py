@@ -120,6 +120,14 @@ def _multiply_into(rows_source: Any, rows: Any, count: int, tile: Any, matrix: A
 
 
 @njit(inline="always")
+def _layout(table: Any, items: int) -> tuple[int, int, int, int, int]:
+    """A tiled pass's ``(blocks, volume, block, capacity, works)``: the table's sizes, the rows a work item
+    holds (``items * block``) and the number of work items."""
+    blocks, volume, block = table.shape[0], table.shape[1], table.shape[2]
+    return blocks, volume, block, items * block, (blocks + items - 1) // items
+
+
+@njit(inline="always")
 def _work_rows(work: int, items: int, blocks: int, block: int, rows: int) -> tuple[int, int, int, int]:
     """Work item ``work``'s ``(first_item, last_item, first_row, count_rows)``."""
     first_item = work * items
@@ -135,10 +143,8 @@ def tiled_forward_kernel(source: Any, table: Any, matrices: Any, out: Any, items
     ``source [N_src, a]``, ``table [B, K, R]`` int32, ``matrices [K, a, b]``, ``out [N_dst, b]`` holding the
     initial values; all C-contiguous, one float dtype. ``lanes`` threads claim the work items.
     """
-    blocks, volume, block = table.shape[0], table.shape[1], table.shape[2]
+    blocks, volume, block, capacity, works = _layout(table, items)
     rows, in_channels, out_channels = out.shape[0], source.shape[1], out.shape[1]
-    capacity = items * block
-    works = (blocks + items - 1) // items
     counter = new_counter()
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
         work = claim(counter)
@@ -167,10 +173,8 @@ def tiled_backward_kernel(source: Any, grad: Any, table: Any, transposed: Any, g
     (every row written), ``partial [ceil(B / items), K, a, b]`` (every entry written); ``lanes`` as for
     `tiled_forward_kernel`.
     """
-    blocks, volume, block = table.shape[0], table.shape[1], table.shape[2]
+    blocks, volume, block, capacity, works = _layout(table, items)
     rows, in_channels, out_channels = source.shape[0], source.shape[1], grad.shape[1]
-    capacity = items * block
-    works = (blocks + items - 1) // items
     counter = new_counter()
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
         work = claim(counter)
