@@ -219,16 +219,20 @@ def _plain_value(value: Any) -> bool:
     return (kind is list or kind is tuple) and all(type(item) in _PLAIN_SCALARS for item in value)
 
 
+#: torch's probes of what sits above a call: torch function modes, dispatch modes, functorch transforms
+#: (private functions; None where this torch lacks one).
+_MODE_PROBES = (getattr(torch._C, "_is_torch_function_mode_enabled", None),
+                getattr(torch._C, "_len_torch_dispatch_stack", None),
+                getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None))
+
+
 def _tracing() -> bool:
     """Whether something above the call records or transforms ops: ``torch.compile`` / export, a torch
     function or dispatch mode (fake tensors, ``make_fx``, ``torch.device`` blocks) or a functorch
     transform. Where torch lacks a probe, the answer is yes (the custom op then runs)."""
-    probes = (getattr(torch._C, "_is_torch_function_mode_enabled", None),
-              getattr(torch._C, "_len_torch_dispatch_stack", None),
-              getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None))
-    if any(probe is None for probe in probes):
+    function_modes, dispatch_modes, functorch_stack = _MODE_PROBES
+    if function_modes is None or dispatch_modes is None or functorch_stack is None:
         return True
-    function_modes, dispatch_modes, functorch_stack = probes
     return (torch.compiler.is_compiling() or bool(function_modes()) or dispatch_modes() > 0
             or functorch_stack() is not None)
 
