@@ -174,18 +174,6 @@ def num_threads(threads: int) -> Iterator[None]:
         set_num_threads(previous)
 
 
-@functools.lru_cache(maxsize=1)
-def _blas_controller() -> Any:
-    # numba loads first: it brings in a BLAS of its own (SciPy's, for np.dot in kernels), and a
-    # controller sees only the libraries loaded when it is made
-    _numba()
-    with contextlib.suppress(ImportError):  # SciPy's BLAS runs the tiled kernels' np.dot: load it to limit it
-        import scipy.linalg.cython_blas  # noqa: F401
-    try:
-        import threadpoolctl
-    except ImportError:  # pragma: no cover - threadpoolctl is an install requirement
-        return None
-    return threadpoolctl.ThreadpoolController()
 
 
 @contextlib.contextmanager
@@ -216,7 +204,13 @@ def blas_threads(threads: int | None = None) -> Iterator[int]:
 @functools.lru_cache(maxsize=1)
 def _blas_libraries() -> tuple[Any, ...]:
     """threadpoolctl's controllers of the BLAS libraries loaded (NumPy's and SciPy's), or none."""
-    controller = _blas_controller()
-    if controller is None:
+    # numba loads first: it brings in a BLAS of its own (SciPy's, for np.dot in kernels), and a
+    # controller sees only the libraries loaded when it is made
+    _numba()
+    with contextlib.suppress(ImportError):  # SciPy's BLAS runs the tiled kernels' np.dot: load it to limit it
+        import scipy.linalg.cython_blas  # noqa: F401
+    try:
+        import threadpoolctl
+    except ImportError:  # pragma: no cover - threadpoolctl is an install requirement
         return ()
-    return tuple(controller.select(user_api="blas").lib_controllers)
+    return tuple(threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers)
