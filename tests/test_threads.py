@@ -82,9 +82,13 @@ def _kernel_cache() -> str:
     """numba's cache directory for these runs, empty at first: the first run compiles every kernel, the
     later ones load them from the cache (the two once differed: a kernel that kept its buffer across work
     items summed with other roundings when loaded from the cache than when just compiled)."""
+    import atexit
+    import shutil
     import tempfile
 
-    return tempfile.mkdtemp(prefix="sparsecore-numba-cache-")
+    path = tempfile.mkdtemp(prefix="sparsecore-numba-cache-")
+    atexit.register(shutil.rmtree, path, True)  # compiled kernels, a few MB: gone with the test process
+    return path
 
 
 @functools.lru_cache(maxsize=None)
