@@ -71,6 +71,7 @@ __all__ = [
     "map_in_order",
     "waves",
     "neighbour_table",
+    "tile_plan",
     "fused_forward",
     "fused_backward",
     "tiled_forward",
@@ -263,8 +264,41 @@ def fused_backward(backend: ArrayBackend, source: Any, grad: Any, matrices: Any,
     return grad_features, grad_matrices
 
 
+def tile_plan(rulebook: Rulebook | PairMap, direction: str, items: int) -> _cpu_kernels.TilePlan:
+    """The rulebook's pairs grouped for the tiled kernels (`_cpu_kernels.tile_plan`), built once per
+    rulebook, direction and work-item size.
+
+    Memoised in the map's ``derived`` slot as `neighbour_table`: a forward and every layer sharing the
+    rulebook build it once. It holds the pairs themselves (``8 * P`` bytes and ``8 * W * K``), not a
+    table with a slot per row and offset, and the passes read each work item's pairs of an offset as
+    one run instead of listing them from a table on every pass.
+
+    Args:
+        rulebook: the layer's rulebook.
+        direction: ``"forward"`` (keys: output rows, sources: input rows) or ``"backward"`` (keys:
+            input rows, sources: output rows).
+        items: table blocks per work item (`_cpu_kernels.tile_items`).
+
+    Returns:
+        The plan; read only.
+    """
+    pair_map = rulebook.pair_map if isinstance(rulebook, Rulebook) else rulebook
+    key = f"tile_plan_{direction}_{items}"
+    plan = pair_map.derived.get(key)
+    if plan is None:
+        if direction == "forward":
+            keys, values, rows = pair_map.pair_output, pair_map.pair_input, pair_map.num_output
+        elif direction == "backward":
+            keys, values, rows = pair_map.pair_input, pair_map.pair_output, pair_map.num_input
+        else:
+            raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+        plan = _cpu_kernels.tile_plan(keys, values, tuple(pair_map.offset_starts), rows, items)
+        pair_map.derived[key] = plan
+    return plan
+
+
 def tiled_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
-    """``out += conv(source)`` on the tiled dataflow (one group), output-stationary over the forward table.
+    """``out += conv(source)`` on the tiled dataflow (one group), output-stationary over the forward plan.
 
     Args:
         source: ``[N_in, a]`` C-contiguous float32/float64.
@@ -272,12 +306,13 @@ def tiled_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out:
         rulebook: the layer's rulebook.
         out: ``[N_out, b]`` C-contiguous, holding the initial values (zeros or the bias).
     """
-    _cpu_kernels.tiled_forward(source, neighbour_table(rulebook, "forward"),
+    items = _cpu_kernels.tile_items(-(-rulebook.num_output // _cpu_kernels.ROW_BLOCK))
+    _cpu_kernels.tiled_forward(source, tile_plan(rulebook, "forward", items),
                                np.ascontiguousarray(matrices[:, 0]), out, rulebook.num_pairs)
 
 
 def tiled_backward(source: Any, grad: Any, matrices: Any, rulebook: Rulebook | PairMap) -> tuple[Any, Any]:
-    """Both gradients of `tiled_forward`, input-stationary over the backward table.
+    """Both gradients of `tiled_forward`, input-stationary over the backward plan.
 
     Args:
         source: ``[N_in, a]`` the forward's features, C-contiguous.
@@ -288,6 +323,9 @@ def tiled_backward(source: Any, grad: Any, matrices: Any, rulebook: Rulebook | P
     Returns:
         ``(grad_features [N_in, a], grad_matrices [K, 1, a, b])`` in ``source``'s dtype.
     """
+    volume, _, in_channels, out_channels = matrices.shape
+    items = _cpu_kernels.tile_items(-(-rulebook.num_input // _cpu_kernels.ROW_BLOCK), volume, in_channels,
+                                    out_channels, source.itemsize, rulebook.num_pairs)
     grad_features, grad_matrices = _cpu_kernels.tiled_backward(
-        source, grad, neighbour_table(rulebook, "backward"), matrices[:, 0], rulebook.num_pairs)
+        source, grad, tile_plan(rulebook, "backward", items), matrices[:, 0], rulebook.num_pairs)
     return grad_features, grad_matrices[:, None]

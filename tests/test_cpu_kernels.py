@@ -1,7 +1,7 @@
 """The compiled CPU kernels (sparsecore.backends._cpu_kernels) and the conv dataflow choice.
 
-Oracles: an integer reference of the neighbour table (plain loops over the
-pairs), a float64 pair loop (``np.add.at``) for the fused row kernel and the
+Oracles: integer references of the neighbour table and the tile plan (plain
+loops over the pairs), a float64 pair loop (``np.add.at``) for the fused row kernel and the
 tiled kernels, and the dense float64 convolution (tests/dense_oracle.py) for
 whole passes on the three CPU dataflows (fused, tiled and per-offset BLAS).
 """
@@ -164,10 +164,55 @@ def _pair_loop(source, grad, matrices, pair_input, pair_output, starts, num_dest
     return out, grad_source, grad_matrices
 
 
+def _plan_reference(keys, values, starts, num_rows, capacity):
+    """Integer reference of a tile plan: per (work item, offset), the pairs in their order."""
+    volume, works = len(starts) - 1, -(-num_rows // capacity)
+    ranges = [[[] for _ in range(volume)] for _ in range(works)]
+    for offset in range(volume):
+        for pair in range(starts[offset], starts[offset + 1]):
+            ranges[keys[pair] // capacity][offset].append((int(values[pair]), int(keys[pair]) % capacity))
+    return [pair for work in ranges for offset in work for pair in offset], [len(r) for work in ranges for r in work]
+
+
+@pytest.mark.parametrize("items", [1, 2, 4, 32])
+def test_tile_plan_against_integer_reference(items):
+    rng = np.random.default_rng(1411)
+    capacity = items * _cpu_kernels.ROW_BLOCK
+    for volume, num_source, num_destination in ((27, 300, 200), (1, 5, 130), (8, 64, 700), (3, 1, 1)):
+        pair_input, pair_output, starts = _random_pairs(rng, volume, num_source, num_destination)
+        plan = _cpu_kernels.tile_plan(pair_output, pair_input, starts, num_destination, items)
+        expected_pairs, expected_counts = _plan_reference(pair_output, pair_input, starts, num_destination, capacity)
+        assert plan.capacity == capacity
+        assert plan.starts.shape == (-(-num_destination // capacity) * volume + 1,)
+        np.testing.assert_array_equal(np.diff(plan.starts), expected_counts)
+        assert plan.most == max(expected_counts, default=0)
+        assert list(zip(plan.sources.tolist(), plan.locals.tolist())) == expected_pairs
+        assert not (plan.starts.flags.writeable or plan.sources.flags.writeable or plan.locals.flags.writeable)
+
+
+def test_tile_plan_empty_and_bad_items():
+    empty = np.zeros(0, dtype=np.int32)
+    plan = _cpu_kernels.tile_plan(empty, empty, (0, 0, 0), 0, 4)
+    assert plan.starts.tolist() == [0] and plan.sources.size == 0 and plan.most == 0
+    plan = _cpu_kernels.tile_plan(empty, empty, (0, 0, 0), 300, 1)  # rows, no pairs: empty ranges
+    assert plan.starts.tolist() == [0] * (5 * 2 + 1) and plan.most == 0
+    with pytest.raises(ValueError, match="items must be a power of two"):
+        _cpu_kernels.tile_plan(empty, empty, (0, 0), 10, 3)
+
+
+def _tiled_passes(source, grad, matrices, pair_input, pair_output, starts, num_destination, items, initial):
+    pairs = int(starts[-1])
+    out = initial.copy()
+    forward_plan = _cpu_kernels.tile_plan(pair_output, pair_input, starts, num_destination, items)
+    _cpu_kernels.tiled_forward(source, forward_plan, matrices, out, pairs)
+    backward_plan = _cpu_kernels.tile_plan(pair_input, pair_output, starts, source.shape[0], items)
+    grad_source, grad_matrices = _cpu_kernels.tiled_backward(source, grad, backward_plan, matrices, pairs)
+    return out, grad_source, grad_matrices
+
+
 @pytest.mark.parametrize("items", [1, 2, 32])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_tiled_kernels_against_pair_loop(items, dtype, monkeypatch):
-    monkeypatch.setattr(_cpu_kernels, "TILE_ITEMS", items)
+def test_tiled_kernels_against_pair_loop(items, dtype):
     rng = np.random.default_rng(1408)
     volume, num_source, num_destination, channels_in, channels_out = 7, 290, 330, 6, 9
     pair_input, pair_output, starts = _random_pairs(rng, volume, num_source, num_destination)
@@ -177,17 +222,36 @@ def test_tiled_kernels_against_pair_loop(items, dtype, monkeypatch):
     initial = rng.standard_normal((num_destination, channels_out)).astype(dtype)
     expected_out, expected_grad_source, expected_grad_matrices = _pair_loop(
         source, grad, matrices, pair_input, pair_output, starts, num_destination)
-    pairs = int(starts[-1])
-    out = initial.copy()
-    forward_table = _cpu_kernels.neighbour_table(pair_output, pair_input, starts, num_destination)
-    _cpu_kernels.tiled_forward(source, forward_table, matrices, out, pairs)
-    backward_table = _cpu_kernels.neighbour_table(pair_input, pair_output, starts, num_source)
-    grad_source, grad_matrices = _cpu_kernels.tiled_backward(source, grad, backward_table, matrices, pairs)
+    out, grad_source, grad_matrices = _tiled_passes(source, grad, matrices, pair_input, pair_output, starts,
+                                                    num_destination, items, initial)
     tolerance = 1e-5 if dtype == np.float32 else 1e-12
     assert out.dtype == grad_source.dtype == grad_matrices.dtype == dtype
     np.testing.assert_allclose(out, initial + expected_out, rtol=tolerance, atol=tolerance)
     np.testing.assert_allclose(grad_source, expected_grad_source, rtol=tolerance, atol=tolerance)
     np.testing.assert_allclose(grad_matrices, expected_grad_matrices, rtol=tolerance, atol=tolerance * 10)
+
+
+def test_tiled_kernels_sum_rows_repeated_within_an_offset():
+    # a hand-made pair map may pair one row several times through one offset: every pair is summed, and a
+    # work item's range may then hold more pairs than it has rows (the tiles are sized from the plan)
+    rng = np.random.default_rng(1412)
+    volume, num_source, num_destination = 3, 40, 70
+    counts = (300, 5, 90)
+    pair_input = rng.integers(0, num_source, sum(counts)).astype(np.int32)
+    pair_output = rng.integers(0, num_destination, sum(counts)).astype(np.int32)
+    starts = tuple(np.concatenate([[0], np.cumsum(counts)]).tolist())
+    source = rng.standard_normal((num_source, 5))
+    matrices = rng.standard_normal((volume, 5, 4))
+    grad = rng.standard_normal((num_destination, 4))
+    initial = rng.standard_normal((num_destination, 4))
+    expected_out, expected_grad_source, expected_grad_matrices = _pair_loop(
+        source, grad, matrices, pair_input, pair_output, starts, num_destination)
+    assert _cpu_kernels.tile_plan(pair_output, pair_input, starts, num_destination, 1).most > _cpu_kernels.ROW_BLOCK
+    out, grad_source, grad_matrices = _tiled_passes(source, grad, matrices, pair_input, pair_output, starts,
+                                                    num_destination, 1, initial)
+    np.testing.assert_allclose(out, initial + expected_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad_source, expected_grad_source, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad_matrices, expected_grad_matrices, rtol=1e-12, atol=1e-11)
 
 
 def test_tile_items_bounds_the_partial_weights():
@@ -209,14 +273,14 @@ def test_tile_items_bounds_the_partial_weights():
 def test_tiled_empty_input():
     empty = np.zeros(0, dtype=np.int32)
     matrices = np.random.default_rng(1409).standard_normal((3, 4, 5)).astype(np.float32)
-    table = _cpu_kernels.neighbour_table(empty, empty, (0, 0, 0, 0), 0)
+    plan = _cpu_kernels.tile_plan(empty, empty, (0, 0, 0, 0), 0, 1)
     out = np.zeros((0, 5), np.float32)
-    _cpu_kernels.tiled_forward(np.zeros((0, 4), np.float32), table, matrices, out, 0)
-    grad_source, grad_matrices = _cpu_kernels.tiled_backward(np.zeros((0, 4), np.float32), out, table, matrices, 0)
+    _cpu_kernels.tiled_forward(np.zeros((0, 4), np.float32), plan, matrices, out, 0)
+    grad_source, grad_matrices = _cpu_kernels.tiled_backward(np.zeros((0, 4), np.float32), out, plan, matrices, 0)
     assert grad_source.shape == (0, 4) and grad_matrices.shape == (3, 4, 5) and not grad_matrices.any()
     # sites but no pairs: the gradients are zeros of the right shapes
     rows = np.random.default_rng(1410).standard_normal((70, 4)).astype(np.float32)
-    no_pairs = _cpu_kernels.neighbour_table(empty, empty, (0, 0, 0, 0), 70)
+    no_pairs = _cpu_kernels.tile_plan(empty, empty, (0, 0, 0, 0), 70, 1)
     grad_source, grad_matrices = _cpu_kernels.tiled_backward(rows, np.ones((70, 5), np.float32), no_pairs,
                                                              matrices, 0)
     assert grad_source.shape == (70, 4) and not grad_source.any() and not grad_matrices.any()
@@ -236,27 +300,44 @@ def test_narrow_kernel_sums_as_the_generic_kernel():
     np.testing.assert_allclose(narrow, generic, rtol=1e-6, atol=1e-6)
 
 
-def test_neighbour_tables_are_built_once_per_rulebook(monkeypatch):
-    features, weight, rulebook, grad_output, _ = _layer_case(1407, "subm", 16, 16, 1)
+def test_layouts_are_built_once_per_rulebook(monkeypatch):
     built = []
-    build = _cpu_kernels.neighbour_table
 
-    def counting(*arguments):
-        built.append(arguments[-1])
-        return build(*arguments)
+    def counting(name):
+        build = getattr(_cpu_kernels, name)
 
-    monkeypatch.setattr(_cpu_kernels, "neighbour_table", counting)
+        def wrapper(*arguments):
+            built.append((name, arguments[3]))
+            return build(*arguments)
+        return wrapper
+
+    monkeypatch.setattr(_cpu_kernels, "neighbour_table", counting("neighbour_table"))
+    monkeypatch.setattr(_cpu_kernels, "tile_plan", counting("tile_plan"))
+    # 16 -> 16 runs tiled both ways: one forward and one backward plan
+    features, weight, rulebook, grad_output, _ = _layer_case(1407, "subm", 16, 16, 1)
     first = sc.conv_forward(features, weight, rulebook)
     sc.conv_backward(grad_output, features, weight, rulebook)
     second = sc.conv_forward(features, weight * 2, rulebook)  # a second layer on the same rulebook
     sc.conv_backward(grad_output, features, weight, rulebook)
-    assert built == [rulebook.num_output, rulebook.num_input]  # one forward and one backward table
+    assert built == [("tile_plan", rulebook.num_output), ("tile_plan", rulebook.num_input)]
     np.testing.assert_allclose(second, 2 * first, rtol=1e-5, atol=1e-5)
+    items = _cpu_kernels.tile_items(-(-rulebook.num_output // _cpu_kernels.ROW_BLOCK))
+    plan = cpu_dataflow.tile_plan(rulebook, "forward", items)
+    assert plan is cpu_dataflow.tile_plan(rulebook.pair_map, "forward", items)  # one slot for both forms
+    # a grouped layer runs fused: one forward and one backward table
+    built.clear()
+    features, weight, rulebook, grad_output, _ = _layer_case(1413, "subm", 8, 8, 2)
+    sc.conv_forward(features, weight, rulebook, groups=2)
+    sc.conv_backward(grad_output, features, weight, rulebook, groups=2)
+    sc.conv_forward(features, weight, rulebook, groups=2)
+    assert built == [("neighbour_table", rulebook.num_output), ("neighbour_table", rulebook.num_input)]
     table = cpu_dataflow.neighbour_table(rulebook, "forward")
-    assert table is cpu_dataflow.neighbour_table(rulebook.pair_map, "forward")  # one slot for both forms
+    assert table is cpu_dataflow.neighbour_table(rulebook.pair_map, "forward")
     assert not table.flags.writeable
-    with pytest.raises(ValueError, match="direction must be 'forward' or 'backward', got 'sideways'"):
-        cpu_dataflow.neighbour_table(rulebook, "sideways")
+    for layout in (cpu_dataflow.neighbour_table, lambda rulebook, direction: cpu_dataflow.tile_plan(rulebook,
+                                                                                                   direction, 1)):
+        with pytest.raises(ValueError, match="direction must be 'forward' or 'backward', got 'sideways'"):
+            layout(rulebook, "sideways")
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

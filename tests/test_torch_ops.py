@@ -200,7 +200,7 @@ def test_conv_output_size_helpers():
     assert np.all(np.asarray(spconv.ops.get_deconv_output_size([10, 12, 14], 2, 2, 0, 1)) == [20, 24, 28])
 
 
-def test_ops_reuse_the_library_pair_map_and_its_tables(monkeypatch):
+def test_ops_reuse_the_library_pair_map_and_its_layouts(monkeypatch):
     from sparsecore.backends import _cpu_kernels
     from sparsecore.torch import ops
     from sparsecore.torch.indice_data import library_pair_map
@@ -216,10 +216,10 @@ def test_ops_reuse_the_library_pair_map_and_its_tables(monkeypatch):
         return y, x.features.grad, [layer.weight.grad.clone() for layer in layers]
 
     built = []
-    build = _cpu_kernels.neighbour_table
-    monkeypatch.setattr(_cpu_kernels, "neighbour_table", lambda *a: built.append(a[-1]) or build(*a))
+    build = _cpu_kernels.tile_plan  # 16 -> 16 runs the tiled dataflow, over tile plans
+    monkeypatch.setattr(_cpu_kernels, "tile_plan", lambda *a: built.append(a[-1]) or build(*a))
     y, grad, weight_grads = run()
-    assert len(built) == 2  # one forward and one backward table for both layers' four passes
+    assert len(built) == 2  # one forward and one backward plan for both layers' four passes
     data = y.indice_dict["k"]
     assert library_pair_map(data.pair_input, data.pair_output) is data.rulebook.pair_map
     for layer in layers:
@@ -229,7 +229,7 @@ def test_ops_reuse_the_library_pair_map_and_its_tables(monkeypatch):
     y_checked, grad_checked, weight_grads_checked = run()
     assert torch.equal(y.features, y_checked.features) and torch.equal(grad, grad_checked)
     assert all(torch.equal(a, b) for a, b in zip(weight_grads, weight_grads_checked))
-    assert len(built) == 2 + 4  # without the shared map every pass builds its table
+    assert len(built) == 2 + 4  # without the shared map every pass builds its plan
 
 
 def test_ops_check_pair_tensors_written_in_place_or_mismatched():

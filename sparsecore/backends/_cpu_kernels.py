@@ -1,6 +1,6 @@
 """Compiled CPU kernels of the convolution feature passes (numba, compiled on first use).
 
-The NumPy backend's fused dataflow (`sparsecore.cpu_dataflow`) runs on these kernels:
+The NumPy backend's fused and tiled dataflows (`sparsecore.cpu_dataflow`) run on these kernels:
 
 - `neighbour_table`: a rulebook's pairs as a dense int32 table, for each
   destination row ``d`` and offset ``k`` the source row paired with it (or -1),
@@ -13,8 +13,11 @@ The NumPy backend's fused dataflow (`sparsecore.cpu_dataflow`) runs on these ker
   written once. Work is split into fixed blocks of destination rows; each row
   sums its offsets in offset order, so the result is bitwise identical at
   every thread count (no atomics, no order that depends on scheduling).
+- `tile_plan`, `tiled_forward`, `tiled_backward`: the tiled dataflow
+  (`_tile_kernel_sources`): the pairs grouped by work item and offset once per
+  rulebook, each run copied into a cached tile and multiplied on BLAS.
 
-The weight gradient stays on BLAS (one ``gathered_input^T @ gathered_grad``
+The fused dataflow's weight gradient stays on BLAS (one ``gathered_input^T @ gathered_grad``
 per offset, `sparsecore.cpu_dataflow`): a compiled blocked outer-product kernel was
 2-4x slower than that at 16 and 64 channels (docs/performance.md).
 
@@ -33,6 +36,7 @@ a shape is seen on a machine. ``import sparsecore`` does not import numba.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any, Iterator
 
@@ -55,6 +59,8 @@ __all__ = [
     "TILE_MIN_WORKS",
     "TILE_MIN_PAIRS_PER_OFFSET",
     "tile_items",
+    "TilePlan",
+    "tile_plan",
     "tiled_forward",
     "tiled_backward",
     "numba_module",
@@ -246,32 +252,91 @@ def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels:
     return items
 
 
-def tiled_forward(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, out: np.ndarray,
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """A rulebook's pairs grouped for the tiled kernels: by work item (``capacity`` destination rows),
+    then by offset.
+
+    Attributes:
+        starts: int64 ``[W * K + 1]``; work item ``w``'s pairs through offset ``k`` lie at
+            ``starts[w * K + k]:starts[w * K + k + 1]``.
+        sources: int32 ``[P]`` each pair's source row.
+        locals: int32 ``[P]`` each pair's destination row minus its work item's first row.
+        capacity: destination rows per work item (``items * ROW_BLOCK``, a power of two).
+        most: the most pairs of one ``(work item, offset)`` range (the tiles' rows).
+    """
+
+    starts: np.ndarray
+    sources: np.ndarray
+    locals: np.ndarray
+    capacity: int
+    most: int
+
+
+def tile_plan(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ...], num_rows: int,
+              items: int) -> TilePlan:
+    """The `TilePlan` of pairs ``(values[p] -> keys[p])`` grouped by offset, ``items * ROW_BLOCK`` keys per
+    work item; within a range the pairs keep their order.
+
+    Args:
+        keys: int32 ``[P]`` destination rows in ``[0, num_rows)``.
+        values: int32 ``[P]`` source rows.
+        offset_starts: ``K + 1`` ints delimiting the offsets' pairs.
+        num_rows: destination rows.
+        items: table blocks per work item (`tile_items`), a power of two.
+
+    Returns:
+        The plan (its arrays read only).
+    """
+    if items < 1 or items & (items - 1):
+        raise ValueError(f"items must be a power of two (from tile_items), got {items}")
+    volume = len(offset_starts) - 1
+    capacity = items * ROW_BLOCK
+    shift = capacity.bit_length() - 1
+    works = -(-num_rows // capacity)
+    pairs = int(offset_starts[-1]) if volume else 0
+    counts = np.zeros((volume, works), dtype=np.int64)
+    sources = np.empty(pairs, dtype=np.int32)
+    locals_ = np.empty(pairs, dtype=np.int32)
+    starts = np.zeros(works * volume + 1, dtype=np.int64)
+    if pairs and works:
+        starts_array = np.asarray(offset_starts, dtype=np.int64)
+        kernels = _tile_sources()
+        with kernel_threads(2 * pairs) as lanes:
+            kernels.count_plan(keys, starts_array, shift, counts, lanes)
+            np.cumsum(counts.T.ravel(), out=starts[1:])
+            kernels.fill_plan(keys, values, starts_array, shift, starts, sources, locals_, lanes)
+    for array in (starts, sources, locals_):
+        array.setflags(write=False)
+    return TilePlan(starts, sources, locals_, capacity, int(counts.max()) if counts.size else 0)
+
+
+def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out: np.ndarray,
                   pairs: int) -> None:
-    """``out[d] += sum_k source[table[k, d]] @ matrices[k]`` on BLAS over cached tiles, in place.
+    """``out[d] += sum_k source[s] @ matrices[k]`` over the plan's pairs, on BLAS over cached tiles, in place.
 
     Args:
         source: ``[N_src, a]`` C-contiguous float32/float64.
-        table: int32 ``[ceil(N_dst / ROW_BLOCK), K, ROW_BLOCK]`` from `neighbour_table`.
+        plan: the forward pairs' `tile_plan` (keys: destination rows), ``tile_items(ceil(N_dst / ROW_BLOCK))``.
         matrices: ``[K, a, b]`` C-contiguous, ``source``'s dtype.
         out: ``[N_dst, b]`` C-contiguous, holding the initial values (zeros or a bias).
         pairs: the number of pairs (small layers run on the calling thread).
     """
-    if out.shape[0] == 0 or table.shape[1] == 0 or out.shape[1] == 0 or pairs == 0:
+    if out.shape[0] == 0 or matrices.shape[0] == 0 or out.shape[1] == 0 or pairs == 0:
         return
     with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
-        items = tile_items(table.shape[0])
-        _tile_sources().tiled_forward_kernel(source, table, matrices, out, items, lanes)
+        _tile_sources().tiled_forward_kernel(source, plan.starts, plan.sources, plan.locals, matrices, out,
+                                             plan.capacity, plan.most, lanes)
 
 
-def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matrices: np.ndarray,
+def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrices: np.ndarray,
                    pairs: int) -> tuple[np.ndarray, np.ndarray]:
     """The tiled forward's gradients: d-features input-stationary, d-weights summed per work item in order.
 
     Args:
         source: ``[N_src, a]`` the forward's input, C-contiguous float32/float64.
         grad: ``[N_dst, b]`` the output gradient, C-contiguous, ``source``'s dtype.
-        table: int32 ``[ceil(N_src / ROW_BLOCK), K, ROW_BLOCK]``, the backward table (rows: source rows).
+        plan: the reversed pairs' `tile_plan` (keys: source rows), ``tile_items`` of the backward's sizes.
         matrices: ``[K, a, b]``, ``source``'s dtype.
         pairs: the number of pairs.
 
@@ -282,12 +347,12 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, table: np.ndarray, matr
     grad_matrices = np.zeros(matrices.shape, dtype=source.dtype)
     if source.shape[0] == 0 or volume == 0 or pairs == 0 or in_channels == 0 or out_channels == 0:
         return np.zeros(source.shape, dtype=source.dtype), grad_matrices
-    items = tile_items(table.shape[0], volume, in_channels, out_channels, source.itemsize, pairs)
     grad_source = np.empty(source.shape, dtype=source.dtype)
-    partial = np.empty((-(-table.shape[0] // items), volume, in_channels, out_channels), dtype=source.dtype)
+    partial = np.empty(((plan.starts.shape[0] - 1) // volume, volume, in_channels, out_channels), dtype=source.dtype)
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
     kernels = _tile_sources()
     with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
-        kernels.tiled_backward_kernel(source, grad, table, transposed, grad_source, partial, items, lanes)
+        kernels.tiled_backward_kernel(source, grad, plan.starts, plan.sources, plan.locals, transposed, grad_source,
+                                      partial, plan.capacity, plan.most, lanes)
         kernels.sum_partials(partial, grad_matrices, lanes)
     return grad_source, grad_matrices
