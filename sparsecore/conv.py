@@ -16,11 +16,11 @@ itself) is a plain GEMM that initialises the output. Products run in
 (cuBLAS, float32 accumulation) on the GPU.
 
 On the CPU (NumPy backend), `sparsecore.cpu_dataflow.dataflow_on_cpu` chooses per
-layer and stage between that dataflow and two compiled ones: ``"tiled"`` (ungrouped
-layers from 3 x 16 channels: per block of destination rows and per offset, the paired
-rows copied into a cached tile, one BLAS GEMM, the products added into the block) and
-``"fused"`` (the 16 -> 32 forward and grouped layers: compiled row loops).
-Both read neighbour tables built once per rulebook. The per-offset products run side
+layer and stage between that dataflow and two compiled ones: ``"tiled"`` (every
+ungrouped layer: per block of destination rows and per offset, the paired rows copied
+into a cached tile, one BLAS GEMM, the products added into the block, over a tile plan
+built once per rulebook) and ``"fused"`` (grouped layers: compiled row loops over a
+neighbour table built once per rulebook). The per-offset products run side
 by side on `sparsecore.threads`' thread count, summed in offset order: results are
 bitwise identical at every thread count.
 """
@@ -46,8 +46,6 @@ from ._validation import as_features
 from .backends import ArrayBackend, backend_for
 from .conv_weight import check_conv_weight, check_weight_layout
 from .cpu_dataflow import (
-    TILED_MIN_MATRIX,
-    NARROW_FORWARD_MAX_CHANNELS,
     FUSED_GROUPED_BACKWARD_MAX_MATRIX,
     FUSED_MAX_MATRIX,
     cpu_blas_threads,
@@ -64,8 +62,7 @@ from .cpu_dataflow import (
 from .rulebook import PairMap, Rulebook
 
 __all__ = ["conv_forward", "conv_backward", "check_conv_weight", "check_weight_layout", "fused_on_cpu",
-           "dataflow_on_cpu", "FUSED_MAX_MATRIX", "TILED_MIN_MATRIX", "NARROW_FORWARD_MAX_CHANNELS",
-           "FUSED_GROUPED_BACKWARD_MAX_MATRIX"]
+           "dataflow_on_cpu", "FUSED_MAX_MATRIX", "FUSED_GROUPED_BACKWARD_MAX_MATRIX"]
 
 
 def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,

@@ -6,36 +6,44 @@ Three dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
   products (the dataflow every backend runs);
 - tiled: per fixed block of 2,048 destination rows and per offset, the paired
   rows copied into a tile that stays in cache, one BLAS GEMM, the products
-  added into the block (`sparsecore.backends._tile_kernel_sources`); the
-  backward runs input-stationary and adds each block's d-weights share in
-  block order;
+  added into the block (`sparsecore.backends._tile_kernel_sources`), over a
+  tile plan built once per rulebook (`tile_plan`); the backward runs
+  input-stationary and adds each block's d-weights share in block order;
 - fused: a compiled output-stationary loop over a neighbour table
   (`sparsecore.backends._cpu_kernels`), each destination row summing its
   offsets in a fixed order, with no intermediate arrays.
 
 `dataflow_on_cpu` chooses per layer and per stage from the channel counts and
 the groups alone, never from the thread count, so results stay bitwise
-identical at every thread count. The rule comes from interleaved A/B runs of
-the three dataflows, forced per layer, on the real scan (125,562 voxels,
-SubMConv3d k3, 788,888 pairs; "s2": SparseConv3d k3 s2 p1, 422,946 pairs) at
-one thread on the 2-core machine, 2026-12-03 16:00-16:02 UTC, load average
-0.2-0.9, medians of 3 x 3 runs, forward / backward in ms:
+identical at every thread count. Every ungrouped layer runs tiled: interleaved
+A/B runs of the three dataflows, forced per layer, on the real scan (125,562
+voxels, SubMConv3d k3, 788,888 pairs; "s2": SparseConv3d k3 s2 p1, 422,946
+pairs) at one thread on the 2-core machine, 2026-12-03 20:40 UTC, medians of
+3 x 3 runs, forward / backward in ms:
 
 =================  ===============  ===============  ===============
 layer              per offset       fused            tiled
 =================  ===============  ===============  ===============
-4 -> 4             7.6 / 10.2       -                14.1 / 20.3
-1 -> 4             9.9 / 8.0        -                14.9 / 14.6
-3 -> 16            18.0 / 24.2      -                14.2 / 22.8
-8 -> 8             20.5 / 29.8      25.7 / 43.0      17.1 / 25.6
-16 -> 16           44.2 / 88.6      27.6 / 71.3      23.9 / 31.7
-16 -> 32           58.2 / 100.7     29.7 / 85.1      35.1 / 47.6
-32 -> 32           89.1 / 148.5     60.0 / 145.3     43.8 / 69.7
-32 -> 32 s2        58.2 / 97.6      43.1 / 102.9     30.1 / 42.3
-64 -> 64           225.8 / 394.5    -                115.0 / 234.1
-128 -> 128         612.4 / 975.3    -                353.1 / 815.0
-64 -> 128 s2       207.7 / 311.1    -                107.1 / 197.5
+4 -> 4             8.5 / 12.1       18.1 / 23.9      7.6 / 11.6
+1 -> 4             12.5 / 11.1      17.5 / 26.7      8.6 / 11.7
+1 -> 16            56.9 / 22.0      17.6 / 38.2      11.0 / 14.8
+3 -> 16            36.8 / 42.9      19.6 / 77.8      13.4 / 21.5
+8 -> 8             23.5 / 46.2      23.5 / 41.9      13.5 / 21.0
+16 -> 16           52.1 / 86.9      24.3 / 72.4      17.8 / 26.1
+16 -> 32           80.5 / 129.7     35.6 / 100.0     28.4 / 41.8
+32 -> 32           107.6 / 188.8    53.1 / 153.2     38.5 / 66.0
+32 -> 32 s2        60.3 / 102.5     46.8 / 101.6     24.6 / 37.5
 =================  ===============  ===============  ===============
+
+(A second run at one thread: 4 -> 4 15.2 / 20.1 per offset, 13.9 / 20.3
+tiled; 1 -> 4 18.9 / 13.2 and 8.4 / 11.4. At two threads the per-offset
+passes lost 2-14x: 4 -> 4 36.6 / 51.8 against 6.6 / 9.5 tiled.) Wider layers
+were measured before (16:00 UTC, tiled against per offset: 64 -> 64 115.0 /
+234.1 vs 225.8 / 394.5; 128 -> 128 353.1 / 815.0 vs 612.4 / 975.3; 64 -> 128
+s2 107.1 / 197.5 vs 207.7 / 311.1). Until the tile plan (2026-12-03 20:00)
+the tiled passes listed their pairs from a neighbour table on every pass, and
+the narrowest layers (below 3 x 16) ran per offset, the 16 -> 32 forward on a
+narrow fused kernel.
 
 Grouped layers keep the earlier rule (fused forward up to 64 x 64 per group,
 fused backward up to 8 x 8; measured before the tiled dataflow existed:
@@ -61,8 +69,6 @@ from .rulebook import PairMap, Rulebook
 
 __all__ = [
     "FUSED_MAX_MATRIX",
-    "TILED_MIN_MATRIX",
-    "NARROW_FORWARD_MAX_CHANNELS",
     "FUSED_GROUPED_BACKWARD_MAX_MATRIX",
     "dataflow_on_cpu",
     "fused_on_cpu",
@@ -82,14 +88,6 @@ FUSED_MAX_MATRIX = 64 * 64
 """Largest per-group weight matrix (``in_per_group * out_per_group``) of a grouped layer run by the
 fused CPU kernels; larger ones run per-offset BLAS GEMMs."""
 
-TILED_MIN_MATRIX = 3 * 16
-"""Smallest ``in_channels * out_channels`` of an ungrouped layer run by the tiled dataflow; narrower
-layers (4 -> 4, 1 -> 4) are bound by their gathers and run per offset."""
-
-NARROW_FORWARD_MAX_CHANNELS = 16
-"""An ungrouped layer that widens from at most this many channels to at most 32 (16 -> 32) runs its
-forward on the fused narrow kernel rather than the tiled one."""
-
 FUSED_GROUPED_BACKWARD_MAX_MATRIX = 8 * 8
 """A grouped layer's backward runs fused up to this per-group matrix (the per-offset backward was as
 fast or faster above it)."""
@@ -99,14 +97,12 @@ def dataflow_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, 
                     stage: str = "forward") -> str:
     """Which dataflow runs a layer's pass: ``"per_offset"``, ``"fused"`` or ``"tiled"``.
 
-    Off the NumPy backend always ``"per_offset"``. Ungrouped layers of at least
-    `TILED_MIN_MATRIX` run ``"tiled"`` (BLAS on cached tiles, both stages), except the
-    forward of narrow layers widening from `NARROW_FORWARD_MAX_CHANNELS` (16 -> 32), which
-    runs ``"fused"``; smaller ungrouped layers run ``"per_offset"``. Grouped layers run ``"fused"``
-    up to `FUSED_MAX_MATRIX` per group in the forward and up to
-    `FUSED_GROUPED_BACKWARD_MAX_MATRIX` in the backward, else ``"per_offset"``. The choice
-    depends on sizes only, never on the thread count, so results stay bitwise identical at
-    every thread count (the measurements are in this module's docstring).
+    Off the NumPy backend always ``"per_offset"``. Ungrouped layers run ``"tiled"`` (BLAS on
+    cached tiles, both stages). Grouped layers run ``"fused"`` up to `FUSED_MAX_MATRIX` per
+    group in the forward and up to `FUSED_GROUPED_BACKWARD_MAX_MATRIX` in the backward, else
+    ``"per_offset"``. The choice depends on sizes only, never on the thread count, so results
+    stay bitwise identical at every thread count (the measurements are in this module's
+    docstring).
 
     Args:
         backend: the layer's backend.
@@ -120,15 +116,9 @@ def dataflow_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, 
     """
     if not isinstance(backend, NumpyBackend):
         return "per_offset"
-    in_per_group, out_per_group = in_channels // groups, out_channels // groups
-    matrix = in_per_group * out_per_group
     if groups == 1:
-        if matrix < TILED_MIN_MATRIX:
-            return "per_offset"
-        if (stage == "forward" and _cpu_kernels.is_narrow(1, in_per_group, out_per_group)
-                and in_per_group <= NARROW_FORWARD_MAX_CHANNELS < out_per_group):
-            return "fused"
         return "tiled"
+    matrix = (in_channels // groups) * (out_channels // groups)
     limit = FUSED_GROUPED_BACKWARD_MAX_MATRIX if stage == "backward" else FUSED_MAX_MATRIX
     return "fused" if matrix <= limit else "per_offset"
 

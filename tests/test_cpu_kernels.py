@@ -60,14 +60,12 @@ def test_neighbour_table_empty():
 
 
 @pytest.mark.parametrize("specialised, groups, in_per_group, out_per_group",
-                         [(False, 2, 3, 5), (True, 2, 3, 5), (False, 1, 16, 16), (False, 1, 16, 32),
-                          (False, 1, 32, 16), (False, 1, 24, 20)],
-                         ids=["generic", "specialised", "narrow16x16", "narrow16x32", "narrow32x16", "narrow24x20"])
+                         [(False, 2, 3, 5), (True, 2, 3, 5), (False, 1, 16, 32), (True, 4, 8, 4)],
+                         ids=["generic", "specialised", "generic16x32", "specialised4x8x4"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_accumulate_rows_against_pair_loop(specialised, groups, in_per_group, out_per_group, dtype, monkeypatch):
     if specialised:  # compile the channel counts in even for this small layer
         monkeypatch.setattr(_cpu_kernels, "SPECIALISE_MIN_PAIR_FLOPS", 0)
-    assert _cpu_kernels.is_narrow(groups, in_per_group, out_per_group) == (in_per_group >= 16)
     rng = np.random.default_rng(1402)
     volume, num_source, num_destination = 5, 150, 170
     pair_input, pair_output, starts = _random_pairs(rng, volume, num_source, num_destination)
@@ -90,12 +88,10 @@ def test_accumulate_rows_against_pair_loop(specialised, groups, in_per_group, ou
 
 def test_dataflow_rule_follows_the_measurements():
     rule = lambda *arguments: conv.dataflow_on_cpu(NUMPY_BACKEND, *arguments)  # noqa: E731
-    # ungrouped: tiled from 3 x 16 at both stages, per offset below; the 16 -> 32 forward fused (narrow)
-    for channels_in, channels_out in ((4, 4), (1, 4), (2, 16)):
-        assert rule(channels_in, channels_out, 1) == rule(channels_in, channels_out, 1, "backward") == "per_offset"
-    for channels_in, channels_out in ((3, 16), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128), (256, 64)):
+    # ungrouped: tiled at both stages, whatever the channels
+    for channels_in, channels_out in ((1, 1), (4, 4), (1, 4), (3, 16), (8, 8), (16, 16), (16, 32), (32, 32), (64, 64),
+                                      (128, 128), (256, 64)):
         assert rule(channels_in, channels_out, 1) == rule(channels_in, channels_out, 1, "backward") == "tiled"
-    assert rule(16, 32, 1) == "fused" and rule(16, 32, 1, "backward") == "tiled"
     # grouped: the forward fused up to 64 x 64 per group, the backward up to 8 x 8 per group
     assert rule(64, 64, 64) == rule(256, 256, 4) == "fused"
     assert rule(256, 256, 2) == "per_offset"
@@ -284,20 +280,6 @@ def test_tiled_empty_input():
     grad_source, grad_matrices = _cpu_kernels.tiled_backward(rows, np.ones((70, 5), np.float32), no_pairs,
                                                              matrices, 0)
     assert grad_source.shape == (70, 4) and not grad_source.any() and not grad_matrices.any()
-
-
-def test_narrow_kernel_sums_as_the_generic_kernel():
-    # same sums in the same order, only the loops turned: the narrow kernel equals the generic one
-    rng = np.random.default_rng(1406)
-    pair_input, pair_output, starts = _random_pairs(rng, 27, 400, 300)
-    source = rng.standard_normal((400, 16)).astype(np.float32)
-    matrices = rng.standard_normal((27, 1, 16, 32)).astype(np.float32)
-    initial = rng.standard_normal((300, 32)).astype(np.float32)
-    table = _cpu_kernels.neighbour_table(pair_output, pair_input, starts, 300)
-    narrow, generic = initial.copy(), initial.copy()
-    _cpu_kernels.accumulate_rows(source, table, matrices, narrow, int(starts[-1]))
-    _cpu_kernels._rows_kernel(1, 16, 32)(source, table, matrices, generic, 2)
-    np.testing.assert_allclose(narrow, generic, rtol=1e-6, atol=1e-6)
 
 
 def test_layouts_are_built_once_per_rulebook(monkeypatch):

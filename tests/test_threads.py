@@ -46,11 +46,13 @@ SCRIPT = textwrap.dedent(
     wide = rng.standard_normal((len(indices), 80)).astype(np.float32)
     out["wide_features"] = wide.tolist()
     narrow = np.ascontiguousarray(features[:, :16])  # 16 -> 16: tiled
-    tiny = np.ascontiguousarray(features[:, :4])  # 4 -> 4: the per-offset BLAS dataflow
+    tiny = np.ascontiguousarray(features[:, :4])  # 4 -> 4: tiled too
     for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2), ("wide", "subm", 1),
-                               ("grouped", "subm", 1), ("narrow", "subm", 1), ("tiny", "subm", 1)):
+                               ("grouped", "subm", 1), ("narrow", "subm", 1), ("tiny", "subm", 1),
+                               ("grouped_wide", "subm", 1)):
         source = {"wide": wide, "narrow": narrow, "tiny": tiny}.get(name, features)  # wide, 80: tiled
-        groups = 8 if name == "grouped" else 1  # 6 x 6 per group: fused forward and backward
+        # 6 x 6 per group: fused forward and backward; 12 x 12: fused forward, per-offset BLAS backward
+        groups = {"grouped": 8, "grouped_wide": 4}.get(name, 1)
         weight = rng.standard_normal((source.shape[1], 3, 3, 3, source.shape[1] // groups)).astype(np.float32)
         geometry = sc.ConvGeometry.create(3, 3, stride=stride, padding=1, kind=kind)
         rulebook = sc.build_rulebook(indices, shape, batch, geometry)
@@ -123,7 +125,8 @@ def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
 def test_conv_correct_at_thread_count(threads: int) -> None:
     run = _run(threads)
     assert run["threads"] == threads
-    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1), ("narrow", 1), ("tiny", 1)):
+    for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1), ("narrow", 1), ("tiny", 1),
+                         ("grouped_wide", 1)):
         expected_y, expected_grad_features, expected_grad_weight = _dense_oracle(run, name, stride, 1)
         np.testing.assert_allclose(run[name]["y"], expected_y, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(run[name]["grad_features"], expected_grad_features, rtol=1e-4, atol=1e-3)
@@ -133,7 +136,7 @@ def test_conv_correct_at_thread_count(threads: int) -> None:
 def test_bitwise_identical_at_1_2_and_4_threads() -> None:
     runs = {threads: _run(threads) for threads in (1, 2, 4)}
     assert [run["threads"] for run in runs.values()] == [1, 2, 4]
-    for name in ("subm", "regular", "wide", "grouped", "narrow", "tiny"):
+    for name in ("subm", "regular", "wide", "grouped", "narrow", "tiny", "grouped_wide"):
         for field in ("y", "grad_features", "grad_weight"):
             reference = np.asarray(runs[1][name][field], dtype=np.float32)
             for threads in (2, 4):
@@ -212,11 +215,12 @@ THREAD_COUNT_SCRIPT = textwrap.dedent(
         pass
     tasks_before = len(os.listdir("/proc/self/task"))
     backend = RecordingBackend()
-    for channels in (4, 16, 80):  # the per-offset BLAS dataflow, then the tiled one
+    # the tiled dataflow (4, 16 and 80 channels), then a grouped layer whose backward runs per offset on BLAS
+    for channels, groups in ((4, 1), (16, 1), (80, 1), (48, 4)):
         features = rng.standard_normal((len(indices), channels)).astype(np.float32)
-        weight = rng.standard_normal((channels, 3, 3, 3, channels)).astype(np.float32)
-        y = sc.conv_forward(features, weight, rulebook, backend=backend)
-        sc.conv_backward(y, features, weight, rulebook, backend=backend)
+        weight = rng.standard_normal((channels, 3, 3, 3, channels // groups)).astype(np.float32)
+        y = sc.conv_forward(features, weight, rulebook, groups=groups, backend=backend)
+        sc.conv_backward(y, features, weight, rulebook, groups=groups, backend=backend)
     tasks_after = len(os.listdir("/proc/self/task"))
     json.dump({"new_threads": tasks_after - tasks_before, "blas": sorted(blas_counts),
                "tiled_blas": sorted(tiled_counts), "threads": sc.get_num_threads()}, sys.stdout)

@@ -11,9 +11,7 @@ float32 epilogue rounds every step). The float and int8 row kernels are made
 by factories (`make_rows_kernel`, `make_int8_rows_kernel`, both sizing
 through `layer_sizes`): their size arguments, when non-zero, are closure
 constants that numba compiles in (and its on-disk cache keys on); zero reads
-the sizes from the arrays. `make_narrow_rows_kernel` makes the float kernel of
-one group of 16 to 32 channels, both always compiled in, its loops turned so
-each output column's sum stays in a register.
+the sizes from the arrays.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from numba import njit, prange
 
 from ._work_queue import claim, new_counter
 
-__all__ = ["fill_table", "layer_sizes", "make_rows_kernel", "make_narrow_rows_kernel", "make_int8_rows_kernel",
+__all__ = ["fill_table", "layer_sizes", "make_rows_kernel", "make_int8_rows_kernel",
            "int8_epilogue_row"]
 
 _OPTIONS = {"parallel": True, "cache": True, "fastmath": {"contract"}, "nogil": True}
@@ -102,53 +100,6 @@ def make_rows_kernel(groups_constant: int, in_constant: int, out_constant: int,
                                         value * matrices[offset, group, channel, column])
                     for column in range(width):
                         out[row, column] = accumulator[column]
-                item = claim(counter)
-
-    return njit(**_OPTIONS)(accumulate)
-
-
-def make_narrow_rows_kernel(in_constant: int, out_constant: int, block: int) -> Callable[..., None]:
-    """`make_rows_kernel`'s kernel for one group of at most 32 x 32 channels, both compiled in.
-
-    The same sums in the same order (per row: offsets in order, then input channels in
-    order, one multiply-add each), with the loops turned so a column's running sum stays
-    in a register through its input channels (LLVM unrolls the constant channel loop and
-    vectorises across columns) and a block's rows are walked per offset (the offset's
-    matrix stays in L1). The row-outer form reloads and stores the accumulator per input
-    channel, a chain through memory: 2x slower at 16 channels, 3-4x at 32; at 64 this
-    form spills and is 10x slower, so wide layers keep `make_rows_kernel`.
-
-    Args:
-        in_constant: input channels (non-zero).
-        out_constant: output channels (non-zero).
-        block: destination rows per work item (``table.shape[2]``).
-    """
-
-    def accumulate(source: Any, table: Any, matrices: Any, out: Any, lanes: int) -> None:
-        volume, rows, items = table.shape[1], out.shape[0], table.shape[0]
-        counter = new_counter()
-        for lane in prange(min(lanes, items)):  # noqa: B007 (one iteration per thread)
-            item = claim(counter)
-            while item < items:
-                accumulator = np.empty((block, out_constant), dtype=out.dtype)
-                first = item * block
-                count = min(rows, first + block) - first
-                for row in range(count):
-                    for column in range(out_constant):
-                        accumulator[row, column] = out[first + row, column]
-                for offset in range(volume):
-                    for row in range(count):
-                        neighbour = table[item, offset, row]
-                        if neighbour < 0:
-                            continue
-                        for column in range(out_constant):
-                            total = accumulator[row, column]
-                            for channel in range(in_constant):
-                                total += source[neighbour, channel] * matrices[offset, 0, channel, column]
-                            accumulator[row, column] = total
-                for row in range(count):
-                    for column in range(out_constant):
-                        out[first + row, column] = accumulator[row, column]
                 item = claim(counter)
 
     return njit(**_OPTIONS)(accumulate)

@@ -21,11 +21,9 @@ The fused dataflow's weight gradient stays on BLAS (one ``gathered_input^T @ gat
 per offset, `sparsecore.cpu_dataflow`): a compiled blocked outer-product kernel was
 2-4x slower than that at 16 and 64 channels (docs/performance.md).
 
-Ungrouped layers of 16 to 32 channels (`is_narrow`) run a narrow kernel
-compiled per channel pair, whose loop order keeps each column's sum in a
-register (2-4x the generic loop there). Otherwise channel counts become
-compile-time constants (one compiled kernel per
-``(groups, in_per_group, out_per_group)``) only for layers of at least
+The fused row kernels (grouped layers) compile their channel counts in as
+constants (one compiled kernel per ``(groups, in_per_group, out_per_group)``)
+only for layers of at least
 `SPECIALISE_MIN_PAIR_FLOPS`: there the constant sizes let LLVM keep a row's
 accumulator in vector registers (about 2x at 64 channels). Smaller layers use
 one generic kernel per dtype. All kernels use numba's on-disk cache
@@ -48,11 +46,8 @@ __all__ = [
     "ROW_BLOCK",
     "SPECIALISE_MIN_PAIR_FLOPS",
     "SERIAL_MAX_WORK",
-    "NARROW_MAX_CHANNELS",
-    "NARROW_MIN_MATRIX",
     "kernel_threads",
     "neighbour_table",
-    "is_narrow",
     "accumulate_rows",
     "TILE_ITEMS",
     "TILE_PARTIAL_MAX_BYTES",
@@ -78,15 +73,6 @@ SERIAL_MAX_WORK = 4_000_000
 """Most ``pairs * (in_channels + out_channels)`` run on the calling thread alone: waking the pool
 costs more than it saves on small layers, and a loaded machine can make every wake-up wait for a
 descheduled worker (the results are the same either way)."""
-
-
-NARROW_MAX_CHANNELS = 32
-"""Widest input or output of an ungrouped layer run by the narrow row kernel
-(``_cpu_kernel_sources.make_narrow_rows_kernel``)."""
-
-NARROW_MIN_MATRIX = 16 * 16
-"""Smallest ``in_channels * out_channels`` run by the narrow row kernel, compiled per channel pair
-whatever the layer's size (narrower layers run the generic kernel, or per-offset BLAS)."""
 
 
 @contextlib.contextmanager
@@ -171,18 +157,6 @@ def _rows_kernel(groups: int, in_per_group: int, out_per_group: int) -> Any:
     return _sources().make_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
-def _narrow_kernel(in_channels: int, out_channels: int) -> Any:
-    return _sources().make_narrow_rows_kernel(in_channels, out_channels, ROW_BLOCK)
-
-
-def is_narrow(groups: int, in_per_group: int, out_per_group: int) -> bool:
-    """Whether `accumulate_rows` runs the narrow kernel for these sizes (one group, `NARROW_MIN_MATRIX`
-    to `NARROW_MAX_CHANNELS` squared)."""
-    return (groups == 1 and max(in_per_group, out_per_group) <= NARROW_MAX_CHANNELS
-            and in_per_group * out_per_group >= NARROW_MIN_MATRIX)
-
-
 def _specialise(pairs: int, groups: int, in_per_group: int, out_per_group: int) -> bool:
     return 2 * pairs * groups * in_per_group * out_per_group >= SPECIALISE_MIN_PAIR_FLOPS
 
@@ -202,12 +176,8 @@ def accumulate_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray,
     if out.shape[0] == 0 or table.shape[1] == 0 or out.shape[1] == 0:
         return
     _, groups, in_per_group, out_per_group = matrices.shape
-    if is_narrow(groups, in_per_group, out_per_group):
-        kernel = _narrow_kernel(in_per_group, out_per_group)
-    elif _specialise(pairs, groups, in_per_group, out_per_group):
-        kernel = _rows_kernel(groups, in_per_group, out_per_group)
-    else:
-        kernel = _rows_kernel(0, 0, 0)
+    specialised = _specialise(pairs, groups, in_per_group, out_per_group)
+    kernel = _rows_kernel(groups, in_per_group, out_per_group) if specialised else _rows_kernel(0, 0, 0)
     with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
         kernel(source, table, matrices, out, lanes)
 
