@@ -18,7 +18,7 @@ the groups alone, never from the thread count, so results stay bitwise
 identical at every thread count. Every ungrouped layer runs tiled: interleaved
 A/B runs of the three dataflows, forced per layer, on the real scan (125,562
 voxels, SubMConv3d k3, 788,888 pairs; "s2": SparseConv3d k3 s2 p1, 422,946
-pairs) at one thread on the 2-core machine, 2026-12-03 20:40 UTC, medians of
+pairs) at one thread on the 2-core machine, 2026-12-03 20:10 UTC, medians of
 3 x 3 runs, forward / backward in ms:
 
 =================  ===============  ===============  ===============
@@ -40,7 +40,7 @@ tiled; 1 -> 4 18.9 / 13.2 and 8.4 / 11.4. At two threads the per-offset
 passes lost 2-14x: 4 -> 4 36.6 / 51.8 against 6.6 / 9.5 tiled.) Wider layers
 were measured before (16:00 UTC, tiled against per offset: 64 -> 64 115.0 /
 234.1 vs 225.8 / 394.5; 128 -> 128 353.1 / 815.0 vs 612.4 / 975.3; 64 -> 128
-s2 107.1 / 197.5 vs 207.7 / 311.1). Until the tile plan (2026-12-03 20:00)
+s2 107.1 / 197.5 vs 207.7 / 311.1). Until the tile plan (2026-12-03 19:40)
 the tiled passes listed their pairs from a neighbour table on every pass, and
 the narrowest layers (below 3 x 16) ran per offset, the 16 -> 32 forward on a
 narrow fused kernel.

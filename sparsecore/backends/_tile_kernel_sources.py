@@ -11,7 +11,7 @@ which numba hands to SciPy's BLAS) and adds the products into its own rows of
 the output, which no other item writes. Each destination row is thus read
 once and written once, the gathered rows never reach main memory, and the
 arithmetic runs on BLAS's packed kernels (at 64 channels about 1.5x the
-compiled row loops of `_cpu_kernel_sources`). Until 2026-12-03 20:00 the
+compiled row loops of `_cpu_kernel_sources`). Until 2026-12-03 19:40 the
 kernels listed each item's pairs from the neighbour table on every pass
 (16 -> 16 on the real scan, one thread: forward 24.9 -> 17.9 ms, backward
 33.5 -> 22.5 ms with the plan; building the plan takes 6 ms, the table 13).
