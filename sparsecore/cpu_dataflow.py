@@ -185,20 +185,12 @@ def neighbour_table(rulebook: Rulebook | PairMap, direction: str) -> Any:
     Returns:
         int32 ``[ceil(rows / ROW_BLOCK), K, ROW_BLOCK]``; read only, never written.
     """
-    pair_map = rulebook.pair_map if isinstance(rulebook, Rulebook) else rulebook
-    key = f"neighbour_table_{direction}"
-    table = pair_map.derived.get(key)
-    if table is None:
-        if direction == "forward":
-            keys, values, rows = pair_map.pair_output, pair_map.pair_input, pair_map.num_output
-        elif direction == "backward":
-            keys, values, rows = pair_map.pair_input, pair_map.pair_output, pair_map.num_input
-        else:
-            raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-        table = _cpu_kernels.neighbour_table(keys, values, tuple(pair_map.offset_starts), rows)
+    def build(keys: Any, values: Any, rows: int, offset_starts: tuple[int, ...]) -> Any:
+        table = _cpu_kernels.neighbour_table(keys, values, offset_starts, rows)
         table.setflags(write=False)
-        pair_map.derived[key] = table
-    return table
+        return table
+
+    return _derived_layout(rulebook, direction, f"neighbour_table_{direction}", build)
 
 
 def fused_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
@@ -272,19 +264,27 @@ def tile_plan(rulebook: Rulebook | PairMap, direction: str, items: int) -> _cpu_
     Returns:
         The plan; read only.
     """
+    def build(keys: Any, values: Any, rows: int, offset_starts: tuple[int, ...]) -> _cpu_kernels.TilePlan:
+        return _cpu_kernels.tile_plan(keys, values, offset_starts, rows, items)
+
+    return _derived_layout(rulebook, direction, f"tile_plan_{direction}_{items}", build)
+
+
+def _derived_layout(rulebook: Rulebook | PairMap, direction: str, key: str, build: Callable[..., Any]) -> Any:
+    """``pair_map.derived[key]``, first built by ``build(keys, values, rows, offset_starts)`` from the
+    pairs seen from ``direction`` (forward: keyed by output rows; backward: by input rows)."""
     pair_map = rulebook.pair_map if isinstance(rulebook, Rulebook) else rulebook
-    key = f"tile_plan_{direction}_{items}"
-    plan = pair_map.derived.get(key)
-    if plan is None:
+    layout = pair_map.derived.get(key)
+    if layout is None:
         if direction == "forward":
             keys, values, rows = pair_map.pair_output, pair_map.pair_input, pair_map.num_output
         elif direction == "backward":
             keys, values, rows = pair_map.pair_input, pair_map.pair_output, pair_map.num_input
         else:
             raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-        plan = _cpu_kernels.tile_plan(keys, values, tuple(pair_map.offset_starts), rows, items)
-        pair_map.derived[key] = plan
-    return plan
+        layout = build(keys, values, rows, tuple(pair_map.offset_starts))
+        pair_map.derived[key] = layout
+    return layout
 
 
 def tiled_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
