@@ -182,8 +182,8 @@ def test_tile_plan_against_integer_reference(items):
         assert plan.starts.shape == (-(-num_destination // capacity) * volume + 1,)
         np.testing.assert_array_equal(np.diff(plan.starts), expected_counts)
         assert plan.most == max(expected_counts, default=0)
-        assert list(zip(plan.sources.tolist(), plan.locals.tolist())) == expected_pairs
-        assert not (plan.starts.flags.writeable or plan.sources.flags.writeable or plan.locals.flags.writeable)
+        assert list(zip(plan.sources.tolist(), plan.local_rows.tolist())) == expected_pairs
+        assert not (plan.starts.flags.writeable or plan.sources.flags.writeable or plan.local_rows.flags.writeable)
 
 
 def test_tile_plan_empty_and_bad_items():

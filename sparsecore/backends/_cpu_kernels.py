@@ -231,14 +231,14 @@ class TilePlan:
         starts: int64 ``[W * K + 1]``; work item ``w``'s pairs through offset ``k`` lie at
             ``starts[w * K + k]:starts[w * K + k + 1]``.
         sources: int32 ``[P]`` each pair's source row.
-        locals: int32 ``[P]`` each pair's destination row minus its work item's first row.
+        local_rows: int32 ``[P]`` each pair's destination row minus its work item's first row.
         capacity: destination rows per work item (``items * ROW_BLOCK``, a power of two).
         most: the most pairs of one ``(work item, offset)`` range (the tiles' rows).
     """
 
     starts: np.ndarray
     sources: np.ndarray
-    locals: np.ndarray
+    local_rows: np.ndarray
     capacity: int
     most: int
 
@@ -267,7 +267,7 @@ def tile_plan(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ..
     pairs = int(offset_starts[-1]) if volume else 0
     counts = np.zeros((volume, works), dtype=np.int64)
     sources = np.empty(pairs, dtype=np.int32)
-    locals_ = np.empty(pairs, dtype=np.int32)
+    local_rows = np.empty(pairs, dtype=np.int32)
     starts = np.zeros(works * volume + 1, dtype=np.int64)
     if pairs and works:
         starts_array = np.asarray(offset_starts, dtype=np.int64)
@@ -275,10 +275,10 @@ def tile_plan(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ..
         with kernel_threads(2 * pairs) as lanes:
             kernels.count_plan(keys, starts_array, shift, counts, lanes)
             np.cumsum(counts.T.ravel(), out=starts[1:])
-            kernels.fill_plan(keys, values, starts_array, shift, starts, sources, locals_, lanes)
-    for array in (starts, sources, locals_):
+            kernels.fill_plan(keys, values, starts_array, shift, starts, sources, local_rows, lanes)
+    for array in (starts, sources, local_rows):
         array.setflags(write=False)
-    return TilePlan(starts, sources, locals_, capacity, int(counts.max()) if counts.size else 0)
+    return TilePlan(starts, sources, local_rows, capacity, int(counts.max()) if counts.size else 0)
 
 
 def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out: np.ndarray,
@@ -295,7 +295,7 @@ def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out:
     if out.shape[0] == 0 or matrices.shape[0] == 0 or out.shape[1] == 0 or pairs == 0:
         return
     with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
-        _tile_sources().tiled_forward_kernel(source, plan.starts, plan.sources, plan.locals, matrices, out,
+        _tile_sources().tiled_forward_kernel(source, plan.starts, plan.sources, plan.local_rows, matrices, out,
                                              plan.capacity, plan.most, lanes)
 
 
@@ -322,7 +322,7 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrice
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
     kernels = _tile_sources()
     with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
-        kernels.tiled_backward_kernel(source, grad, plan.starts, plan.sources, plan.locals, transposed, grad_source,
+        kernels.tiled_backward_kernel(source, grad, plan.starts, plan.sources, plan.local_rows, transposed, grad_source,
                                       partial, plan.capacity, plan.most, lanes)
         kernels.sum_partials(partial, grad_matrices, lanes)
     return grad_source, grad_matrices
