@@ -4,8 +4,7 @@ Three dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
 
 - per offset: gather the offset's input rows, one BLAS GEMM, scatter-add the
   products (the dataflow every backend runs);
-- tiled: per fixed block of destination rows (2,048, fewer for wide layers:
-  `_cpu_kernels.tile_plan_items`) and per offset, the paired
+- tiled: per fixed block of 2,048 destination rows and per offset, the paired
   rows copied into a tile that stays in cache, one BLAS GEMM, the products
   added into the block (`sparsecore.backends._tile_kernel_sources`), over a
   tile plan built once per rulebook (`tile_plan`); the backward runs
@@ -297,8 +296,7 @@ def tiled_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out:
         rulebook: the layer's rulebook.
         out: ``[N_out, b]`` C-contiguous, holding the initial values (zeros or the bias).
     """
-    items = _cpu_kernels.tile_plan_items(_cpu_kernels.tile_items(-(-rulebook.num_output // _cpu_kernels.ROW_BLOCK)),
-                                         out.shape[1], out.itemsize)
+    items = _cpu_kernels.tile_items(-(-rulebook.num_output // _cpu_kernels.ROW_BLOCK))
     _cpu_kernels.tiled_forward(source, tile_plan(rulebook, "forward", items),
                                np.ascontiguousarray(matrices[:, 0]), out, rulebook.num_pairs)
 
@@ -318,8 +316,6 @@ def tiled_backward(source: Any, grad: Any, matrices: Any, rulebook: Rulebook | P
     volume, _, in_channels, out_channels = matrices.shape
     items = _cpu_kernels.tile_items(-(-rulebook.num_input // _cpu_kernels.ROW_BLOCK), volume, in_channels,
                                     out_channels, source.itemsize, rulebook.num_pairs)
-    plan_items = _cpu_kernels.tile_plan_items(items, in_channels, source.itemsize)
     grad_features, grad_matrices = _cpu_kernels.tiled_backward(
-        source, grad, tile_plan(rulebook, "backward", plan_items), matrices[:, 0], rulebook.num_pairs,
-        items // plan_items)
+        source, grad, tile_plan(rulebook, "backward", items), matrices[:, 0], rulebook.num_pairs)
     return grad_features, grad_matrices[:, None]

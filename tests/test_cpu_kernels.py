@@ -196,19 +196,19 @@ def test_tile_plan_empty_and_bad_items():
         _cpu_kernels.tile_plan(empty, empty, (0, 0), 10, 3)
 
 
-def _tiled_passes(source, grad, matrices, pair_input, pair_output, starts, num_destination, items, initial, group=1):
+def _tiled_passes(source, grad, matrices, pair_input, pair_output, starts, num_destination, items, initial):
     pairs = int(starts[-1])
     out = initial.copy()
     forward_plan = _cpu_kernels.tile_plan(pair_output, pair_input, starts, num_destination, items)
     _cpu_kernels.tiled_forward(source, forward_plan, matrices, out, pairs)
     backward_plan = _cpu_kernels.tile_plan(pair_input, pair_output, starts, source.shape[0], items)
-    grad_source, grad_matrices = _cpu_kernels.tiled_backward(source, grad, backward_plan, matrices, pairs, group)
+    grad_source, grad_matrices = _cpu_kernels.tiled_backward(source, grad, backward_plan, matrices, pairs)
     return out, grad_source, grad_matrices
 
 
-@pytest.mark.parametrize("items, group", [(1, 1), (2, 1), (32, 1), (1, 2), (1, 4), (2, 8)])
+@pytest.mark.parametrize("items", [1, 2, 32])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_tiled_kernels_against_pair_loop(items, group, dtype):
+def test_tiled_kernels_against_pair_loop(items, dtype):
     rng = np.random.default_rng(1408)
     volume, num_source, num_destination, channels_in, channels_out = 7, 290, 330, 6, 9
     pair_input, pair_output, starts = _random_pairs(rng, volume, num_source, num_destination)
@@ -219,7 +219,7 @@ def test_tiled_kernels_against_pair_loop(items, group, dtype):
     expected_out, expected_grad_source, expected_grad_matrices = _pair_loop(
         source, grad, matrices, pair_input, pair_output, starts, num_destination)
     out, grad_source, grad_matrices = _tiled_passes(source, grad, matrices, pair_input, pair_output, starts,
-                                                    num_destination, items, initial, group)
+                                                    num_destination, items, initial)
     tolerance = 1e-5 if dtype == np.float32 else 1e-12
     assert out.dtype == grad_source.dtype == grad_matrices.dtype == dtype
     np.testing.assert_allclose(out, initial + expected_out, rtol=tolerance, atol=tolerance)
@@ -248,16 +248,6 @@ def test_tiled_kernels_sum_rows_repeated_within_an_offset():
     np.testing.assert_allclose(out, initial + expected_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad_source, expected_grad_source, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad_matrices, expected_grad_matrices, rtol=1e-12, atol=1e-11)
-
-
-def test_tile_plan_items_bound_the_accumulator_rows():
-    limit = _cpu_kernels.TILE_ACCUMULATOR_BYTES
-    for items, channels, itemsize in ((32, 16, 4), (32, 64, 4), (32, 128, 8), (8, 64, 4), (4, 4096, 8), (1, 3, 4)):
-        plan_items = _cpu_kernels.tile_plan_items(items, channels, itemsize)
-        assert plan_items <= items and items % plan_items == 0  # a whole number of plan items per work item
-        assert plan_items == 1 or plan_items * _cpu_kernels.ROW_BLOCK * channels * itemsize <= limit
-        assert plan_items == items or 2 * plan_items * _cpu_kernels.ROW_BLOCK * channels * itemsize > limit
-    assert _cpu_kernels.tile_plan_items(32, 16, 4) == 32 and _cpu_kernels.tile_plan_items(32, 64, 4) == 8
 
 
 def test_tile_items_bounds_the_partial_weights():

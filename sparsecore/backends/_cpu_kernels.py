@@ -51,11 +51,9 @@ __all__ = [
     "accumulate_rows",
     "TILE_ITEMS",
     "TILE_PARTIAL_MAX_BYTES",
-    "TILE_ACCUMULATOR_BYTES",
     "TILE_MIN_WORKS",
     "TILE_MIN_PAIRS_PER_OFFSET",
     "tile_items",
-    "tile_plan_items",
     "TilePlan",
     "tile_plan",
     "tiled_forward",
@@ -187,9 +185,9 @@ def accumulate_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray,
 # ---------------------------------------------------------------- tiled rows (BLAS on cached tiles)
 
 TILE_ITEMS = 32
-"""Blocks of `ROW_BLOCK` rows per work item of the tiled kernels: 2,048 destination rows
-(`tile_items` adjusts it for small clouds and for the backward's d-weights shares;
-`tile_plan_items` cuts wide layers' items into shorter plan items)."""
+"""Neighbour-table blocks (`ROW_BLOCK` rows each) per work item of the tiled kernels: 2,048
+destination rows, whose tiles stay in a core's cache (`tile_items` adjusts it for small clouds and
+for the backward's d-weights shares)."""
 
 TILE_PARTIAL_MAX_BYTES = 32 * 2**20
 """Most bytes of per-work-item d-weights (``items x K x a x b``) the tiled backward keeps at once."""
@@ -198,12 +196,6 @@ TILE_MIN_PAIRS_PER_OFFSET = 64
 """The backward's work items each write a whole ``K x a x b`` share of the d-weights: a layer is cut into
 at most ``pairs / (64 K)`` items, so that write stays small beside the items' GEMMs (a 212-site
 224 -> 256 layer of the basic network: 4 items wrote 28 MB of shares for 1,662 pairs)."""
-
-TILE_ACCUMULATOR_BYTES = 128 * 1024
-"""Most bytes of the destination rows one plan item sums into (``rows x channels x itemsize``):
-`tile_plan_items` shortens the items of wide layers so their rows stay in L2 beside the tiles
-(SubMConv3d 64 -> 64 on the real scan, one thread: backward 210.6 -> 171.8 ms with 512-row items
-grouped four to a d-weights share, forward 107 -> 98 ms with 512-row items)."""
 
 TILE_MIN_WORKS = 8
 """Fewest work items a tiled pass is cut into where its table allows (smaller items for small clouds,
@@ -227,16 +219,6 @@ def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels:
     while items < blocks and (-(-blocks // items) > most_works or -(-blocks // items) * volume * in_channels
                               * out_channels * itemsize > TILE_PARTIAL_MAX_BYTES):
         items *= 2
-    return items
-
-
-def tile_plan_items(items: int, channels: int, itemsize: int) -> int:
-    """Table blocks per plan item: ``items`` (from `tile_items`), halved while a plan item's
-    accumulator rows (``items * ROW_BLOCK * channels * itemsize`` bytes) pass
-    `TILE_ACCUMULATOR_BYTES`; sizes only. ``channels``: the summed rows' width (the forward's output
-    channels, the backward's input channels)."""
-    while items > 1 and items * ROW_BLOCK * channels * itemsize > TILE_ACCUMULATOR_BYTES:
-        items //= 2
     return items
 
 
@@ -318,17 +300,15 @@ def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out:
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrices: np.ndarray,
-                   pairs: int, group: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                   pairs: int) -> tuple[np.ndarray, np.ndarray]:
     """The tiled forward's gradients: d-features input-stationary, d-weights summed per work item in order.
 
     Args:
         source: ``[N_src, a]`` the forward's input, C-contiguous float32/float64.
         grad: ``[N_dst, b]`` the output gradient, C-contiguous, ``source``'s dtype.
-        plan: the reversed pairs' `tile_plan` (keys: source rows), its items from `tile_plan_items`.
+        plan: the reversed pairs' `tile_plan` (keys: source rows), ``tile_items`` of the backward's sizes.
         matrices: ``[K, a, b]``, ``source``'s dtype.
         pairs: the number of pairs.
-        group: plan items per work item (one d-weights share each): `tile_items` of the backward's
-            sizes over the plan's items.
 
     Returns:
         ``(grad_source [N_src, a], grad_matrices [K, a, b])``.
@@ -338,12 +318,11 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrice
     if source.shape[0] == 0 or volume == 0 or pairs == 0 or in_channels == 0 or out_channels == 0:
         return np.zeros(source.shape, dtype=source.dtype), grad_matrices
     grad_source = np.empty(source.shape, dtype=source.dtype)
-    works = -(-((plan.starts.shape[0] - 1) // volume) // group)
-    partial = np.empty((works, volume, in_channels, out_channels), dtype=source.dtype)
+    partial = np.empty(((plan.starts.shape[0] - 1) // volume, volume, in_channels, out_channels), dtype=source.dtype)
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))
     kernels = _tile_sources()
     with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
         kernels.tiled_backward_kernel(source, grad, plan.starts, plan.sources, plan.local_rows, transposed, grad_source,
-                                      partial, plan.capacity, plan.most, group, lanes)
+                                      partial, plan.capacity, plan.most, lanes)
         kernels.sum_partials(partial, grad_matrices, lanes)
     return grad_source, grad_matrices

@@ -16,12 +16,10 @@ kernels listed each item's pairs from the neighbour table on every pass
 (16 -> 16 on the real scan, one thread: forward 24.9 -> 17.9 ms, backward
 33.5 -> 22.5 ms with the plan; building the plan takes 6 ms, the table 13).
 
-The backward runs input-stationary over the reversed pairs' plan: per plan item
-and offset, one GEMM adds the d-features, and a second one adds the item's
-share of the offset's d-weights into its work item's partial buffer (a work
-item runs ``group`` consecutive plan items in order: short plan items keep the
-summed rows in L2, whole work items keep the partial buffer small);
-`sum_partials` then adds the work items' shares in order. Work items are fixed by the sizes alone and every
+The backward runs input-stationary over the reversed pairs' plan: per item and
+offset, one GEMM adds the d-features, and a second one writes the item's share
+of the offset's d-weights into a partial buffer; `sum_partials` then adds the
+items' shares in item order. Work items are fixed by the sizes alone and every
 sum has a fixed order, so results are bitwise identical at every thread count
 (BLAS runs on one thread inside a pass, `sparsecore.cpu_dataflow.cpu_blas_threads`).
 
@@ -192,19 +190,17 @@ def tiled_forward_kernel(source: Any, starts: Any, sources: Any, locals_: Any, m
 
 @njit(**_OPTIONS)
 def tiled_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any, locals_: Any, transposed: Any,
-                          grad_source: Any, partial: Any, capacity: int, most: int, group: int, lanes: int) -> None:
+                          grad_source: Any, partial: Any, capacity: int, most: int, lanes: int) -> None:
     """d-features into ``grad_source``, each work item's d-weights into ``partial[item]``.
 
     ``source [N_src, a]`` the forward's input, ``grad [N_dst, b]``, the backward plan (keys: source
-    rows, ``destinations``: destination rows; its items of ``capacity`` rows), ``transposed [K, b, a]``,
-    ``grad_source [N_src, a]`` (every row written), ``partial [W, K, a, b]`` (every entry written).
-    A work item runs ``group`` consecutive plan items in order (their accumulators stay small; their
-    d-weights shares add up in one partial); ``lanes`` as for `tiled_forward_kernel`.
+    rows, ``destinations``: destination rows), ``transposed [K, b, a]``, ``grad_source [N_src, a]``
+    (every row written), ``partial [W, K, a, b]`` (every entry written); ``lanes`` as for
+    `tiled_forward_kernel`.
     """
     volume, rows = transposed.shape[0], source.shape[0]
     in_channels, out_channels = source.shape[1], grad.shape[1]
-    plan_items = (starts.shape[0] - 1) // volume
-    works = (plan_items + group - 1) // group
+    works = (starts.shape[0] - 1) // volume
     counter = new_counter()
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
         work = claim(counter)
@@ -212,35 +208,22 @@ def tiled_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any
             grad_tile = np.empty((most, out_channels), dtype=source.dtype)
             source_tile = np.empty((most, in_channels), dtype=source.dtype)
             products = np.empty((most, in_channels), dtype=source.dtype)
-            share = np.empty((in_channels, out_channels), dtype=source.dtype)
-            written = np.zeros(volume, dtype=np.bool_)
-            for item in range(work * group, min(plan_items, (work + 1) * group)):
-                first_row, count_rows = _work_rows(item, capacity, rows)
-                accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
-                accumulator[:] = 0
-                for offset in range(volume):
-                    start, stop = starts[item * volume + offset], starts[item * volume + offset + 1]
-                    count = stop - start
-                    if count == 0:
-                        continue
-                    _multiply_into(grad, destinations[start:stop], count, grad_tile, transposed[offset], products,
-                                   locals_[start:stop], accumulator)
-                    for position in range(count):
-                        row = first_row + locals_[start + position]
-                        for column in range(in_channels):
-                            source_tile[position, column] = source[row, column]
-                    if written[offset]:  # a later plan item: its share added in plan-item order
-                        np.dot(source_tile[:count].T, grad_tile[:count], share)
-                        target = partial[work, offset]
-                        for channel in range(in_channels):
-                            for column in range(out_channels):
-                                target[channel, column] += share[channel, column]
-                    else:
-                        np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
-                        written[offset] = True
+            first_row, count_rows = _work_rows(work, capacity, rows)
+            accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
+            accumulator[:] = 0
             for offset in range(volume):
-                if not written[offset]:
+                start, stop = starts[work * volume + offset], starts[work * volume + offset + 1]
+                count = stop - start
+                if count == 0:
                     partial[work, offset] = 0
+                    continue
+                _multiply_into(grad, destinations[start:stop], count, grad_tile, transposed[offset], products,
+                               locals_[start:stop], accumulator)
+                for position in range(count):
+                    row = first_row + locals_[start + position]
+                    for column in range(in_channels):
+                        source_tile[position, column] = source[row, column]
+                np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
             work = claim(counter)
 
 
