@@ -185,12 +185,7 @@ def neighbour_table(rulebook: Rulebook | PairMap, direction: str) -> Any:
     Returns:
         int32 ``[ceil(rows / ROW_BLOCK), K, ROW_BLOCK]``; read only, never written.
     """
-    def build(keys: Any, values: Any, rows: int, offset_starts: tuple[int, ...]) -> Any:
-        table = _cpu_kernels.neighbour_table(keys, values, offset_starts, rows)
-        table.setflags(write=False)
-        return table
-
-    return _derived_layout(rulebook, direction, f"neighbour_table_{direction}", build)
+    return _derived_layout(rulebook, direction, f"neighbour_table_{direction}", _cpu_kernels.neighbour_table)
 
 
 def fused_forward(source: Any, matrices: Any, rulebook: Rulebook | PairMap, out: Any) -> None:
@@ -264,14 +259,13 @@ def tile_plan(rulebook: Rulebook | PairMap, direction: str, items: int) -> _cpu_
     Returns:
         The plan; read only.
     """
-    def build(keys: Any, values: Any, rows: int, offset_starts: tuple[int, ...]) -> _cpu_kernels.TilePlan:
-        return _cpu_kernels.tile_plan(keys, values, offset_starts, rows, items)
-
-    return _derived_layout(rulebook, direction, f"tile_plan_{direction}_{items}", build)
+    return _derived_layout(rulebook, direction, f"tile_plan_{direction}_{items}",
+                           lambda keys, values, offset_starts, rows: _cpu_kernels.tile_plan(
+                               keys, values, offset_starts, rows, items))
 
 
 def _derived_layout(rulebook: Rulebook | PairMap, direction: str, key: str, build: Callable[..., Any]) -> Any:
-    """``pair_map.derived[key]``, first built by ``build(keys, values, rows, offset_starts)`` from the
+    """``pair_map.derived[key]``, first built by ``build(keys, values, offset_starts, rows)`` from the
     pairs seen from ``direction`` (forward: keyed by output rows; backward: by input rows)."""
     pair_map = rulebook.pair_map if isinstance(rulebook, Rulebook) else rulebook
     layout = pair_map.derived.get(key)
@@ -282,7 +276,7 @@ def _derived_layout(rulebook: Rulebook | PairMap, direction: str, key: str, buil
             keys, values, rows = pair_map.pair_input, pair_map.pair_output, pair_map.num_input
         else:
             raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-        layout = build(keys, values, rows, tuple(pair_map.offset_starts))
+        layout = build(keys, values, tuple(pair_map.offset_starts), rows)
         pair_map.derived[key] = layout
     return layout
 

@@ -126,7 +126,7 @@ def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[i
 
     Returns:
         int32 ``[ceil(num_rows / ROW_BLOCK), K, ROW_BLOCK]``, -1 where a row has no pair through an
-        offset.
+        offset; read only.
 
     Raises:
         ValueError: when a destination row repeats within one offset (a pair map that is not
@@ -134,11 +134,11 @@ def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[i
     """
     volume = len(offset_starts) - 1
     table = np.full((-(-num_rows // ROW_BLOCK), volume, ROW_BLOCK), -1, dtype=np.int32)
-    if volume == 0 or num_rows == 0 or offset_starts[-1] == 0:
-        return table
     collisions = np.zeros(volume, dtype=np.int64)
-    with kernel_threads(2 * int(offset_starts[-1])) as lanes:
-        _sources().fill_table(keys, values, np.asarray(offset_starts, dtype=np.int64), table, collisions, lanes)
+    if volume and num_rows and offset_starts[-1]:
+        with kernel_threads(2 * int(offset_starts[-1])) as lanes:
+            _sources().fill_table(keys, values, np.asarray(offset_starts, dtype=np.int64), table, collisions, lanes)
+    table.setflags(write=False)
     if collisions.any():
         offset = int(np.flatnonzero(collisions)[0])
         raise ValueError(
