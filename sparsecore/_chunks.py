@@ -88,24 +88,27 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
     return tuple(chunks)
 
 
-def chunk_rows(xp: Any, pair_arrays: tuple[Any, ...], chunk: PairChunk) -> tuple[Any, ...]:
+def chunk_rows(xp: Any, pair_arrays: tuple[Any, ...], chunk: PairChunk, width: int | None = None) -> tuple[Any, ...]:
     """A chunk's entries of pair arrays, each as int32 ``[m, W]`` with every offset's row padded with -1.
 
-    One offset gives its rows as they are (``[1, W]``, views). Several are laid
-    out on the device from the chunk's (host) offset starts, with the same few
-    array operations whatever ``m``, shared by all the arrays.
+    One offset at its own width gives its rows as they are (``[1, W]``, views).
+    Otherwise the rows are laid out on the device from the chunk's (host) offset
+    starts, with the same few array operations whatever ``m``, shared by all the arrays.
 
     Args:
         xp: the array module of the arrays.
         pair_arrays: int32 ``[P]`` arrays, e.g. a rulebook's ``(pair_input, pair_output)``.
         chunk: the chunk.
+        width: ``W``, at least ``chunk.width`` (the default): a wider layout pads every offset.
 
     Returns:
         One ``[m, W]`` array per entry of ``pair_arrays``.
     """
-    if len(chunk.offsets) == 1:
+    width = chunk.width if width is None else int(width)
+    if width < chunk.width:
+        raise ValueError(f"chunk_rows: width must be at least the chunk's widest offset ({chunk.width}), got {width}")
+    if len(chunk.offsets) == 1 and width == chunk.width:
         return tuple(rows[chunk.start:chunk.stop].reshape(1, -1) for rows in pair_arrays)
-    width = chunk.width
     starts = [chunk.start + local for local in chunk.local_starts[:-1]]
     counts = [b - a for a, b in zip(chunk.local_starts[:-1], chunk.local_starts[1:])]
     step = xp.arange(width, dtype=xp.int64)[None, :]

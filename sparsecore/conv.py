@@ -10,7 +10,8 @@ Dataflow: the kernel offsets are taken in chunks (`sparsecore._chunks`, sized
 by the backend): per chunk one gather of its input rows laid out ``[m, W]``
 (``m`` offsets padded to ``W`` pairs with row -1), one batched GEMM
 ``[m, W, a] @ [m, a, b]`` (`sparsecore._conv_products`), and one
-`scatter_add_pairs` of the products. A submanifold centre offset (every row to
+`scatter_add_planned` of the products; the layout and its scatter plan are
+built once per rulebook (`sparsecore._conv_products.chunk_layout`). A submanifold centre offset (every row to
 itself) is a plain GEMM that initialises the output. Products run in
 ``backend.compute_dtype``: float32 for float16 inputs on NumPy, float16
 (cuBLAS, float32 accumulation) on the GPU.
@@ -29,16 +30,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._chunks import PairChunk, check_padded_pairs, chunk_rows
+from ._chunks import PairChunk, check_padded_pairs
 from ._conv_products import (
+    ChunkLayout,
     batched_outer,
     batched_product,
+    chunk_layout,
     grouped_outer,
     grouped_product,
     offset_chunks,
     offset_index,
     offset_matrices,
-    uniform_starts,
     weight_from_matrices,
 )
 from ._dispatch import check_same_device, to_core_array
@@ -119,17 +121,16 @@ def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: R
     else:
         out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
 
-    def product(chunk: PairChunk) -> tuple[Any, Any, int]:
-        input_rows, output_rows = chunk_rows(xp, (rulebook.pair_input, rulebook.pair_output), chunk)  # [m, W]
-        count, width = input_rows.shape
-        gathered = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
-        return output_rows, batched_product(backend, gathered, matrices[offset_index(chunk)]), width
+    def product(chunk: PairChunk) -> tuple[ChunkLayout, Any]:
+        layout = chunk_layout(backend, rulebook, chunk, "forward", dtype)  # [m, W] rows, kept per rulebook
+        gathered = backend.gather_rows(source, layout.input_rows).reshape(layout.count, layout.width, -1)
+        return layout, batched_product(backend, gathered, matrices[offset_index(chunk)])
 
     workers = pass_workers(backend, rulebook, features.shape[1], weight.shape[0])
     for wave in waves(offset_chunks(backend, rulebook, features.shape[1], weight.shape[0]), workers):
         # products side by side, scatters in offset order: the sums do not depend on the workers
-        for chunk, (output_rows, products, width) in zip(wave, map_in_order(workers, product, wave)):
-            backend.scatter_add_pairs(out, output_rows.reshape(-1), products, uniform_starts(chunk, width))
+        for layout, products in map_in_order(workers, product, wave):
+            backend.scatter_add_planned(out, layout.scatter, products)
     if bias is not None:
         out += bias.astype(dtype, copy=False)
     return out.astype(features.dtype, copy=False)
@@ -195,19 +196,18 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
     else:
         grad_features = xp.zeros(source.shape, dtype=dtype)
 
-    def products(chunk: PairChunk) -> tuple[Any, Any, Any, int]:
-        input_rows, output_rows = chunk_rows(xp, (rulebook.pair_input, rulebook.pair_output), chunk)  # [m, W]
-        count, width = input_rows.shape
-        gathered_grad = backend.gather_rows(grad, output_rows.reshape(-1)).reshape(count, width, -1)
-        gathered_source = backend.gather_rows(source, input_rows.reshape(-1)).reshape(count, width, -1)
-        return (input_rows, batched_product(backend, gathered_grad, transposed[offset_index(chunk)]),
-                batched_outer(backend, gathered_source, gathered_grad, groups), width)
+    def products(chunk: PairChunk) -> tuple[ChunkLayout, Any, Any]:
+        layout = chunk_layout(backend, rulebook, chunk, "backward", dtype)  # [m, W] rows, kept per rulebook
+        shape = (layout.count, layout.width, -1)
+        gathered_grad = backend.gather_rows(grad, layout.output_rows).reshape(shape)
+        gathered_source = backend.gather_rows(source, layout.input_rows).reshape(shape)
+        return (layout, batched_product(backend, gathered_grad, transposed[offset_index(chunk)]),
+                batched_outer(backend, gathered_source, gathered_grad, groups, layout.outer_split))
 
     workers = pass_workers(backend, rulebook, features.shape[1], weight.shape[0])
     for wave in waves(offset_chunks(backend, rulebook, features.shape[1], weight.shape[0]), workers):
-        for chunk, (input_rows, rows_product, outer, width) in zip(wave, map_in_order(workers, products, wave)):
-            backend.scatter_add_pairs(grad_features, input_rows.reshape(-1), rows_product,
-                                      uniform_starts(chunk, width))
+        for chunk, (layout, rows_product, outer) in zip(wave, map_in_order(workers, products, wave)):
+            backend.scatter_add_planned(grad_features, layout.scatter, rows_product)
             grad_matrices[offset_index(chunk)] = outer
     grad_weight = weight_from_matrices(grad_matrices, weight)
     return grad_features.astype(features.dtype, copy=False), grad_weight.astype(weight.dtype, copy=False)

@@ -217,8 +217,13 @@ def _check_layer(x, n_in, out_sites, layer, oracle, weight, bias, features, rng,
         out = oracle(f, w, b)
         return jnp.vdot(out, jnp.asarray(cotangent)), out
 
-    (expected_value, expected_out), expected = jax.jit(
-        jax.value_and_grad(dense_loss, argnums=args_for_grad, has_aux=True))(jnp.asarray(features), weight, bias)
+    # The oracle runs on JAX's CPU device wherever the sparse layer runs: cuDNN has no float64
+    # transposed convolution for some strided shapes (seen on an H200, 2026-12-04).
+    cpu = jax.devices("cpu")[0]
+    on_cpu = jax.device_put((np.asarray(features), weight, bias), cpu)
+    with jax.default_device(cpu):
+        (expected_value, expected_out), expected = jax.jit(
+            jax.value_and_grad(dense_loss, argnums=args_for_grad, has_aux=True))(*on_cpu)
     np.testing.assert_allclose(np.asarray(out[: out_sites.shape[0]]), np.asarray(expected_out), **TOL)
     assert not np.any(np.asarray(out[out_sites.shape[0]:])), "padding rows must be zero"
     np.testing.assert_allclose(float(value), float(expected_value), **TOL)

@@ -124,6 +124,47 @@ def test_scatter_add_pairs_equals_the_segment_sum_twin(target, dtype_name, run_l
         np.testing.assert_allclose(numpy_target, expected, rtol=1e-5 if dtype_name == "float32" else 1e-12)
 
 
+@pytest.mark.parametrize("run_lengths", [[], [17], [0, 17, 0], [30, 5, 0, 41, 12]])
+@pytest.mark.parametrize("padding", [0, 6])
+def test_one_scatter_plan_serves_several_values(target, run_lengths, padding):
+    # a plan built once adds fresh values each time, as float64 np.add.at does; rows of -1 are dropped
+    rng = rng_for(33, len(run_lengths), sum(run_lengths), padding)
+    rows, run_starts = _pair_runs(rng, 45, run_lengths)
+    if padding and rows.size:
+        rows[rng.choice(rows.shape[0], size=min(padding, rows.shape[0]), replace=False)] = -1
+    plan = target.backend.scatter_plan(target.put(rows), run_starts, 45)
+    start = rng.standard_normal((45, 3))
+    device_target = target.put(start.copy())
+    expected = start.copy()
+    for _ in range(2):
+        values = rng.standard_normal((rows.shape[0], 3))
+        target.backend.scatter_add_planned(device_target, plan, target.put(values))
+        kept = rows >= 0
+        np.add.at(expected, rows[kept], values[kept])
+    np.testing.assert_allclose(target.get(device_target), expected, rtol=1e-12, atol=1e-12)
+    numpy_target = start.copy()  # the NumPy backend's plan (no padding there: it cannot skip rows of -1)
+    if not padding:
+        numpy_plan = NUMPY_BACKEND.scatter_plan(rows, run_starts, 45)
+        NUMPY_BACKEND.scatter_add_planned(numpy_target, numpy_plan, values)
+        np.add.at(start, rows, values)
+        np.testing.assert_allclose(numpy_target, start, rtol=1e-12, atol=1e-12)
+
+
+def test_scatter_plans_reject_bad_arguments(target):
+    rows = target.put(np.array([0, 1, 0], np.int32))
+    with pytest.raises(ValueError, match="run_starts must run from 0 to 3"):
+        target.backend.scatter_plan(rows, (0, 2), 4)
+    plan = target.backend.scatter_plan(rows, (0, 2, 3), 4)
+    with pytest.raises(ValueError, match="the plan scatters 3 rows into 4"):
+        target.backend.scatter_add_planned(target.put(np.zeros((5, 2))), plan, target.put(np.ones((3, 2))))
+    with pytest.raises(TypeError, match="plan must come from scatter_plan"):
+        target.backend.scatter_add_planned(target.put(np.zeros((4, 2))), (rows, (0, 2, 3)), target.put(np.ones((3, 2))))
+    with pytest.raises(TypeError, match="plan must come from scatter_plan"):
+        NUMPY_BACKEND.scatter_add_planned(np.zeros((4, 2)), plan, np.ones((3, 2)))
+    with pytest.raises(ValueError, match="run_starts must run from 0 to 3"):
+        NUMPY_BACKEND.scatter_plan(np.array([0, 1, 0], np.int32), (0, 1), 4)
+
+
 def test_scatter_add_pairs_rejects_bad_arguments(target):
     rows = target.put(np.array([0, 1, 0], np.int32))
     data = target.put(np.ones((3, 2), np.float32))

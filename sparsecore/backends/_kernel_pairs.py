@@ -11,6 +11,7 @@ synchronises with the host except where a size must be known to allocate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ import numpy as np
 from ._launch import INT32_MAX, KernelDevice, check_float, check_integer_vector, check_row_count, check_scatter, vector_width
 from ._sorting import group_starts
 
-__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_rows", "scatter_add_pairs", "max_pool_pairs", "max_pool_backward_pairs",
+__all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_rows", "scatter_add_pairs", "ScatterPlan",
+           "scatter_plan", "scatter_add_planned", "max_pool_pairs", "max_pool_backward_pairs",
            "avg_pool_pairs", "avg_pool_backward_pairs"]
 
 # Entries of a compaction tile per thread: a tile is this many times the block.
@@ -116,28 +118,35 @@ def scatter_add_rows(device: KernelDevice, target: Any, rows: Any, values: Any) 
         target[...] = contiguous_target
 
 
-def scatter_add_pairs(device: KernelDevice, target: Any, rows: Any, values: Any,
-                      run_starts: tuple[int, ...]) -> None:
-    """``target[rows[p]] += values[p]`` (see `ArrayBackend.scatter_add_pairs`).
+@dataclass(frozen=True)
+class ScatterPlan:
+    """Where `scatter_add_planned` adds each entry: built once from the rows, reused for every values.
 
-    One run: ``sc_scatter_add_rows_unique``. Several: one scatter fills a
-    ``[runs, N + 1]`` table of slots (the pair feeding each target row in each
-    run, -1 where none; rows of -1, padding, land in the spare last column),
-    and ``sc_sum_run_rows`` adds each row's values in run order in the
-    accumulator type (float32 for 16-bit storage), rounding once. No sort, no
-    atomics, no host synchronisation.
+    Attributes:
+        count: ``M``, the entries (pairs) the plan scatters.
+        num_rows: ``N``, the target's rows.
+        rows: int32 ``[M]`` contiguous, for a single run (``sc_scatter_add_rows_unique``); else None.
+        slots: int32 ``[runs, N + 1]`` (the entry feeding each target row in each run, -1 where
+            none; the last column takes the padding rows of -1), for several runs; else None.
     """
+
+    count: int
+    num_rows: int
+    rows: Any
+    slots: Any
+
+
+def scatter_plan(device: KernelDevice, rows: Any, run_starts: tuple[int, ...], num_rows: int) -> ScatterPlan:
+    """The `ScatterPlan` of ``rows`` (see `ArrayBackend.scatter_plan`): a few array operations, no launch."""
     xp = device.xp
-    dtype_name, count, channels = check_scatter(target, rows, values, "scatter_add_pairs")
+    check_integer_vector(rows, "rows", "scatter_plan")
+    check_row_count(int(num_rows), "num_rows", "scatter_plan")
+    count, num_rows = int(rows.shape[0]), int(num_rows)
     if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
         raise ValueError(f"scatter_add_pairs: run_starts must run from 0 to {count}, got {tuple(run_starts)}")
     lengths = [stop - start for start, stop in zip(run_starts[:-1], run_starts[1:])]
     if sum(1 for length in lengths if length) <= 1:
-        scatter_add_rows(device, target, rows, values)
-        return
-    if not target.flags.c_contiguous:
-        raise ValueError("scatter_add_pairs: target must be C-contiguous (it is updated in place)")
-    num_rows = int(target.shape[0])
+        return ScatterPlan(count, num_rows, xp.ascontiguousarray(rows, dtype=xp.int32), None)
     if len(set(lengths)) == 1:  # uniform runs (the [m, W] layout; at least two are non-empty, so W > 0)
         run_of_pair = xp.arange(count, dtype=xp.int64) // lengths[0]
     else:
@@ -147,11 +156,48 @@ def scatter_add_pairs(device: KernelDevice, target: Any, rows: Any, values: Any,
     column = xp.where(rows >= 0, rows, num_rows).astype(xp.int64)
     slots.reshape(-1)[run_of_pair * slot_stride + column] = xp.arange(count, dtype=xp.int32)
     slots[:, num_rows] = -1  # the spare column took the padding entries
+    return ScatterPlan(count, num_rows, None, slots)
+
+
+def scatter_add_planned(device: KernelDevice, target: Any, plan: ScatterPlan, values: Any) -> None:
+    """``target[rows[p]] += values[p]`` over a `ScatterPlan`: one launch (see `scatter_add_pairs`)."""
+    xp = device.xp
+    if not isinstance(plan, ScatterPlan):
+        raise TypeError(f"scatter_add_planned: plan must come from scatter_plan, got {type(plan).__name__}")
+    if plan.rows is not None:
+        scatter_add_rows(device, target, plan.rows, values)
+        return
+    dtype_name = check_float(target, "target", "scatter_add_planned")
+    channels = int(target.shape[1])
+    if int(target.shape[0]) != plan.num_rows or tuple(values.shape) != (plan.count, channels):
+        raise ValueError(
+            f"scatter_add_planned: the plan scatters {plan.count} rows into {plan.num_rows}; got values of "
+            f"shape {tuple(values.shape)} and a target of shape {tuple(target.shape)}"
+        )
+    if not target.flags.c_contiguous:
+        raise ValueError("scatter_add_pairs: target must be C-contiguous (it is updated in place)")
     values = xp.ascontiguousarray(values, dtype=target.dtype)
     vector = vector_width(channels, target.dtype.itemsize, values, target)
-    device.run("sc_sum_run_rows", (dtype_name,), num_rows * channels // vector,
-               (values, slots, np.int64(len(lengths)), np.int64(slot_stride), np.int64(num_rows),
+    runs, slot_stride = (int(size) for size in plan.slots.shape)
+    device.run("sc_sum_run_rows", (dtype_name,), plan.num_rows * channels // vector,
+               (values, plan.slots, np.int64(runs), np.int64(slot_stride), np.int64(plan.num_rows),
                 np.int64(channels), np.int32(vector), target))
+
+
+def scatter_add_pairs(device: KernelDevice, target: Any, rows: Any, values: Any,
+                      run_starts: tuple[int, ...]) -> None:
+    """``target[rows[p]] += values[p]`` (see `ArrayBackend.scatter_add_pairs`).
+
+    One run: ``sc_scatter_add_rows_unique``. Several: one scatter fills a
+    ``[runs, N + 1]`` table of slots (the pair feeding each target row in each
+    run, -1 where none; rows of -1, padding, land in the spare last column),
+    and ``sc_sum_run_rows`` adds each row's values in run order in the
+    accumulator type (float32 for 16-bit storage), rounding once. No sort, no
+    atomics, no host synchronisation. The table is `scatter_plan`'s: a pass that
+    scatters through the same rows again keeps the plan (`scatter_add_planned`).
+    """
+    check_scatter(target, rows, values, "scatter_add_pairs")
+    scatter_add_planned(device, target, scatter_plan(device, rows, run_starts, int(target.shape[0])), values)
 
 
 def max_pool_pairs(device: KernelDevice, features: Any, pair_input: Any, pair_output: Any,

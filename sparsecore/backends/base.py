@@ -116,6 +116,22 @@ class ArrayBackend(Protocol):
         are deterministic: the same inputs give bitwise-identical results.
         """
 
+    def scatter_plan(self, rows: Any, run_starts: tuple[int, ...], num_rows: int) -> Any:
+        """An opaque plan of `scatter_add_pairs` through ``rows``, for `scatter_add_planned`.
+
+        A feature pass that scatters through the same rows on every call (a
+        rulebook's chunk) builds the plan once and keeps it (`sparsecore._conv_products.chunk_layout`).
+
+        Args:
+            rows: integer ``[M]`` in ``[0, num_rows)``, or -1 where a backend that
+                `skips_negative_rows` drops the entry; unique within each run.
+            run_starts: host ints from 0 to ``M`` delimiting the runs.
+            num_rows: the target's rows.
+        """
+
+    def scatter_add_planned(self, target: Any, plan: Any, values: Any) -> None:
+        """`scatter_add_pairs` through a `scatter_plan`: ``target [num_rows, C]`` += ``values [M, C]``, in place."""
+
     def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
                        num_output: int) -> tuple[Any, Any]:
         """Maximum of ``features[pair_input[p]]`` over the pairs of each output row.

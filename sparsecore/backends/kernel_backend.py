@@ -267,6 +267,14 @@ class KernelBackend:
         """``target[rows] += values`` over several offsets' pairs with ``sc_sum_run_rows`` (`_kernel_pairs`)."""
         _kernel_pairs.scatter_add_pairs(self.device, target, rows, values, run_starts)
 
+    def scatter_plan(self, rows: Any, run_starts: tuple[int, ...], num_rows: int) -> Any:
+        """The slot table of `scatter_add_pairs` (a `_kernel_pairs.ScatterPlan`), built once per rows."""
+        return _kernel_pairs.scatter_plan(self.device, rows, run_starts, num_rows)
+
+    def scatter_add_planned(self, target: Any, plan: Any, values: Any) -> None:
+        """`scatter_add_pairs` over a `scatter_plan`: one ``sc_sum_run_rows`` launch."""
+        _kernel_pairs.scatter_add_planned(self.device, target, plan, values)
+
     def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
                        num_output: int) -> tuple[Any, Any]:
         """Per-output maxima and argmax rows with ``sc_max_pool_forward`` (``run_starts`` unused)."""

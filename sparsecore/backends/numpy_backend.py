@@ -39,6 +39,15 @@ _SENTINEL = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
+class RowRuns:
+    """The NumPy backend's `scatter_plan`: the rows and their runs as given (one scatter per run)."""
+
+    rows: np.ndarray
+    run_starts: tuple[int, ...]
+    num_rows: int
+
+
+@dataclass(frozen=True)
 class NumpyBackend:
     """Primitives on NumPy arrays (see `sparsecore.backends.base.ArrayBackend`).
 
@@ -157,6 +166,20 @@ class NumpyBackend:
         for start, stop in zip(run_starts[:-1], run_starts[1:]):
             if stop > start:
                 self.scatter_add_rows(target, rows[start:stop], values[start:stop])
+
+    def scatter_plan(self, rows: np.ndarray, run_starts: tuple[int, ...], num_rows: int) -> RowRuns:
+        starts = tuple(int(start) for start in run_starts)
+        if not starts or starts[0] != 0 or starts[-1] != rows.shape[0]:
+            raise ValueError(f"scatter_plan: run_starts must run from 0 to {rows.shape[0]}, got {starts}")
+        return RowRuns(rows, starts, int(num_rows))
+
+    def scatter_add_planned(self, target: np.ndarray, plan: RowRuns, values: np.ndarray) -> None:
+        if not isinstance(plan, RowRuns):
+            raise TypeError(f"scatter_add_planned: plan must come from scatter_plan, got {type(plan).__name__}")
+        if target.shape[0] != plan.num_rows:
+            raise ValueError(f"scatter_add_planned: the plan scatters into {plan.num_rows} rows, "
+                             f"the target has {target.shape[0]}")
+        self.scatter_add_pairs(target, plan.rows, values, plan.run_starts)
 
     def max_pool_pairs(self, features: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
                        run_starts: tuple[int, ...], num_output: int) -> tuple[np.ndarray, np.ndarray]:

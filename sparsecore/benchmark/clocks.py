@@ -201,7 +201,7 @@ class InstrumentedBackend:
     """An `ArrayBackend` that records its feature primitives as stages.
 
     ``gather_rows`` is recorded as ``"gather"``, ``matmul`` as ``"GEMM"``,
-    ``scatter_add_rows`` and ``scatter_add_pairs`` as ``"scatter"``,
+    ``scatter_add_rows``, ``scatter_add_pairs`` and ``scatter_add_planned`` as ``"scatter"``,
     ``index_add`` as ``"index add"``; every other attribute and primitive
     (hashing, sorting, compaction, candidate generation, the max-pool pair
     passes) is the inner backend's, unrecorded: rulebook builds and pools are
@@ -234,6 +234,10 @@ class InstrumentedBackend:
     def scatter_add_pairs(self, target: Any, rows: Any, values: Any, run_starts: tuple[int, ...]) -> None:
         with self.recorder.interval("scatter"):
             self.inner.scatter_add_pairs(target, rows, values, run_starts)
+
+    def scatter_add_planned(self, target: Any, plan: Any, values: Any) -> None:
+        with self.recorder.interval("scatter"):
+            self.inner.scatter_add_planned(target, plan, values)
 
     def index_add(self, size: int, index: Any, values: Any) -> Any:
         with self.recorder.interval("index add"):
