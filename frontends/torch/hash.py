@@ -41,12 +41,14 @@ class HashTable:
             raise ValueError(f"key_dtype must be torch.int32 or torch.int64, got {key_dtype}")
         if value_dtype not in _VALUE_DTYPES:
             raise ValueError(f"value_dtype must be one of {_VALUE_DTYPES}, got {value_dtype}")
-        self.device = torch.device(device)
+        self._keys = torch.empty(0, dtype=key_dtype, device=torch.device(device))
+        # the device as torch resolves it: "cuda" is the current GPU, "cuda:0" say, which is what
+        # the keys' and values' .device will read (a bare "cuda" compared unequal: seen on an H200)
+        self.device = self._keys.device
         self.is_cpu = self.device.type == "cpu"
         self.key_dtype = key_dtype
         self.value_dtype = value_dtype
         self.max_size = max_size
-        self._keys = torch.empty(0, dtype=key_dtype, device=self.device)
         self._values = torch.zeros(0, dtype=value_dtype, device=self.device)
         self._table: Optional[sc.HashTable] = None
 
