@@ -191,12 +191,21 @@ def chunk_layout(backend: ArrayBackend, rulebook: Rulebook | PairMap, chunk: Pai
     width, split = _outer_split(backend, chunk, direction, dtype)
     key = ("chunk layout", backend.name, backend.xp.__name__, direction, width, chunk)
     layout = pair_map.derived.get(key)
-    if layout is None:
-        input_rows, output_rows = chunk_rows(backend.xp, (pair_map.pair_input, pair_map.pair_output), chunk, width)
-        count = int(input_rows.shape[0])
-        written, num_rows = ((output_rows, pair_map.num_output) if direction == "forward"
-                             else (input_rows, pair_map.num_input))
-        plan = backend.scatter_plan(written.reshape(-1), uniform_starts(chunk, width), num_rows)
-        layout = ChunkLayout(input_rows.reshape(-1), output_rows.reshape(-1), count, width, plan, split)
-        pair_map.derived[key] = layout
+    if layout is not None:
+        return layout
+    num_rows = pair_map.num_output if direction == "forward" else pair_map.num_input
+    padded = getattr(backend, "padded_chunk_layout", None)
+    if padded is not None and (len(chunk.offsets) > 1 or width > chunk.width):
+        # the kernel backend: rows and slot table in one launch
+        counts = tuple(b - a for a, b in zip(chunk.local_starts[:-1], chunk.local_starts[1:]))
+        starts = tuple(chunk.start + local for local in chunk.local_starts[:-1])
+        input_rows, output_rows, plan = padded(pair_map.pair_input, pair_map.pair_output, starts, counts, width,
+                                               direction == "forward", num_rows)
+    else:
+        input_rows, output_rows = (rows.reshape(-1) for rows in chunk_rows(
+            backend.xp, (pair_map.pair_input, pair_map.pair_output), chunk, width))
+        written = output_rows if direction == "forward" else input_rows
+        plan = backend.scatter_plan(written, uniform_starts(chunk, width), num_rows)
+    layout = ChunkLayout(input_rows, output_rows, len(chunk.offsets), width, plan, split)
+    pair_map.derived[key] = layout
     return layout

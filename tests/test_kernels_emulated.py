@@ -427,6 +427,26 @@ def test_conv_candidates(backend, n, geometry, transposed):
     np.testing.assert_array_equal(backend.get(keys), expected)
 
 
+@pytest.mark.parametrize("counts, width", [([5, 0, 9, 3], 9), ([4], 7), ([0, 0], 3), ([6, 6], 6)])
+@pytest.mark.parametrize("write_output", [True, False])
+def test_chunk_layout(backend, counts, width, write_output):
+    rng = _rng(12, len(counts), width, int(write_output))
+    num_rows, gap = 11, 2
+    starts = [gap + sum(counts[:r]) + r * gap for r in range(len(counts))]  # offsets need not touch
+    total = starts[-1] + counts[-1] + gap
+    pair_input = rng.integers(-1, num_rows, size=total).astype(np.int32)  # -1: padded pair maps
+    pair_output = np.empty(total, np.int32)
+    for start, count in zip(starts, counts):  # rows unique within each offset, as in a rulebook
+        pair_output[start:start + count] = rng.choice(num_rows, size=count, replace=False)
+        pair_input[start:start + count] = rng.choice(num_rows, size=count, replace=False)
+    pair_input[starts[0]] = -1 if counts[0] else pair_input[starts[0]]
+    got = backend.launch.chunk_layout(backend.put(pair_input), backend.put(pair_output), starts, counts, width,
+                                      write_output, num_rows)
+    expected = twins.chunk_layout(pair_input, pair_output, starts, counts, width, write_output, num_rows)
+    for actual, wanted in zip(got, expected):
+        np.testing.assert_array_equal(backend.get(actual), wanted)
+
+
 def test_submanifold_rulebook_composes(backend):
     """pack (padded) -> hash -> lookup_offsets -> compact gives exactly the brute-force pairs."""
     rng = _rng(10)

@@ -10,18 +10,20 @@
 #   pytest     pytest -m gpu: a smoke subset of the GPU integrations first, the torch CUDA tests, then the others
 #              (--durations=15 each; the GPU tests run wherever CuPy sees a device)
 #   benchmark  python -m sparsecore.benchmark gpu (JSON and Markdown rewritten after every case)
+#   demo       python -m sparsecore.demo --device cuda, with torch and with --frontend jax
+#   profile    tools/gpu_profile.py: host time per CuPy operation, launches per pass, cProfile
 # Results go to $OUT (the device tool's folder that comes back; /tmp/sparsecore_gpu_check
 # elsewhere): gpu_check.md (steps, device, test summary, benchmark table), gpu_check.log,
-# pytest_gpu.log, gpu_benchmark.txt, gpu_benchmark.json, gpu_benchmark.md.
+# pytest_gpu.log, gpu_benchmark.txt, gpu_benchmark.json, gpu_benchmark.md, gpu_demo.txt, gpu_profile.txt.
 #
-# Environment: GPU_CHECK_BUDGET_S (default 460 s in all), PYTHON (default python3),
+# Environment: GPU_CHECK_BUDGET_S (default 520 s in all), PYTHON (default python3),
 # GPU_CHECK_SKIP_INSTALL=1 (dry runs on a machine where sparsecore is installed already).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 out=${OUT:-/tmp/sparsecore_gpu_check}
 mkdir -p "$out"
-budget=${GPU_CHECK_BUDGET_S:-460}
+budget=${GPU_CHECK_BUDGET_S:-520}
 py=${PYTHON:-python3}
 log=$out/gpu_check.log
 : >"$log"
@@ -134,12 +136,18 @@ run_step pytest-torch-cuda 60 "$out/pytest_gpu.log" "$py" -P -m pytest -m gpu -q
 run_step pytest 130 "$out/pytest_gpu.log" "$py" -P -m pytest -m gpu -q -p no:cacheprovider \
   --continue-on-collection-errors --durations=15 "${timeout_flag[@]}" "${deselect[@]}"
 
-# --- benchmark
+# --- benchmark (at most 170 s, so that the demos and the profile below still run)
 left=$((budget - (SECONDS - began)))
-bench_cap=$((left < 320 ? left : 320))
+bench_cap=$((left < 170 ? left : 170))
 run_step benchmark "$bench_cap" "$out/gpu_benchmark.txt" "$py" -P -m sparsecore.benchmark gpu \
-  --max-seconds 3 --time-limit $((bench_cap > 90 ? bench_cap - 60 : bench_cap / 2)) \
-  --child-timeout 150 --json "$out/gpu_benchmark.json" --markdown "$out/gpu_benchmark.md"
+  --max-seconds 2 --time-limit $((bench_cap > 90 ? bench_cap - 40 : bench_cap / 2)) \
+  --child-timeout 120 --json "$out/gpu_benchmark.json" --markdown "$out/gpu_benchmark.md"
+
+# --- the demo on the GPU, through torch and through JAX, and where the host time goes
+run_step demo-cuda 45 "$out/gpu_demo.txt" "$py" -P -m sparsecore.demo --device cuda
+run_step demo-jax 60 "$out/gpu_demo.txt" "$py" -P -m sparsecore.demo --device cuda --frontend jax
+run_step profile 40 "$scratch/profile.txt" "$py" -P tools/gpu_profile.py --repeat 5 \
+  --output "$out/gpu_profile.txt"
 
 # --- summary
 summary=$out/gpu_check.md
@@ -168,6 +176,16 @@ summary=$out/gpu_check.md
     tail -n 25 "$out/gpu_benchmark.txt" 2>/dev/null
     echo '```'
   fi
+  echo
+  echo "## demo (torch, then JAX; last lines)"
+  echo '```'
+  tail -n 30 "$out/gpu_demo.txt" 2>/dev/null
+  echo '```'
+  echo
+  echo "## tools/gpu_profile.py (the start; all of it in gpu_profile.txt)"
+  echo '```'
+  head -n 25 "$out/gpu_profile.txt" 2>/dev/null
+  echo '```'
 } >"$summary"
 
 # The reply shows the end of the output: the steps, the test summary, the network rows.

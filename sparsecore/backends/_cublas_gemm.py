@@ -80,6 +80,17 @@ _DATA_TYPES = {
 }
 
 
+def _read_only(value: float, dtype: Any) -> np.ndarray:
+    scalar = np.full(1, value, dtype=dtype)
+    scalar.setflags(write=False)
+    return scalar
+
+
+# alpha = 1 and beta = 0 as host scalars of each scalar type, made once (read only): cuBLAS
+# reads them before gemmStridedBatchedEx returns
+_ALPHA_BETA = {np.dtype(dtype): (_read_only(1.0, dtype), _read_only(0.0, dtype)) for dtype in (np.float32, np.float64)}
+
+
 def tf32_from_environment(environment: Any = None) -> bool:
     """Whether ``CUPY_TF32`` asks for TF32, read as CuPy reads it: an integer > 0.
 
@@ -286,8 +297,10 @@ class CublasGemm:
         batch_count = math.prod(batch_shape)
         if rows == 0 or cols == 0 or batch_count == 0 or inner == 0:
             return xp.zeros(batch_shape + (rows, cols), dtype=left.dtype)
-        left = xp.broadcast_to(left, batch_shape + (rows, inner))
-        right = xp.broadcast_to(right, batch_shape + (inner, cols))
+        if tuple(left.shape) != batch_shape + (rows, inner):
+            left = xp.broadcast_to(left, batch_shape + (rows, inner))
+        if tuple(right.shape) != batch_shape + (inner, cols):
+            right = xp.broadcast_to(right, batch_shape + (inner, cols))
         left, left_layout = self._in_place_or_copy(xp, left)
         right, right_layout = self._in_place_or_copy(xp, right)
         plan = plan_gemm(left_layout, right_layout, batch_count, rows, inner, cols, dtype_name, self.tf32)
@@ -313,10 +326,10 @@ class CublasGemm:
         context = self.context if self.context is not None else CupyCublasContext()
         handle = context.handle()
         library.setStream(handle, context.stream_pointer())
-        alpha = np.ones(1, dtype=scalar_dtype)  # host scalars: read before the call returns
-        beta = np.zeros(1, dtype=scalar_dtype)
+        alpha, beta = _ALPHA_BETA[np.dtype(scalar_dtype)]  # host scalars: read before the call returns
         previous_mode = library.getPointerMode(handle)
-        library.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+        if previous_mode != CUBLAS_POINTER_MODE_HOST:
+            library.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
         try:
             library.gemmStridedBatchedEx(
                 handle, plan.transa, plan.transb, plan.m, plan.n, plan.k,

@@ -271,6 +271,17 @@ class KernelBackend:
         """The slot table of `scatter_add_pairs` (a `_kernel_pairs.ScatterPlan`), built once per rows."""
         return _kernel_pairs.scatter_plan(self.device, rows, run_starts, num_rows)
 
+    def padded_chunk_layout(self, pair_input: Any, pair_output: Any, starts: tuple[int, ...],
+                            counts: tuple[int, ...], width: int, write_output: bool,
+                            num_rows: int) -> tuple[Any, Any, Any]:
+        """A chunk's ``[m, W]`` rows and scatter plan in one launch (`_kernel_pairs.chunk_layout`).
+
+        `sparsecore._conv_products.chunk_layout` uses it where present, in place of
+        `sparsecore._chunks.chunk_rows` and `scatter_plan` (about 25 array operations).
+        """
+        return _kernel_pairs.chunk_layout(self.device, pair_input, pair_output, starts, counts, width, write_output,
+                                          num_rows)
+
     def scatter_add_planned(self, target: Any, plan: Any, values: Any) -> None:
         """`scatter_add_pairs` over a `scatter_plan`: one ``sc_sum_run_rows`` launch."""
         _kernel_pairs.scatter_add_planned(self.device, target, plan, values)

@@ -145,6 +145,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_compact_write"),
             KernelSpec("sc_regular_conv_candidates"),
             KernelSpec("sc_transposed_conv_candidates"),
+            KernelSpec("sc_chunk_layout"),
         ),
     ),
     KernelFile("int8.cu", (_per_type("sc_int8_conv", ("signed char", "float")), KernelSpec("sc_int8_max_pool"))),

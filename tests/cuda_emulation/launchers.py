@@ -249,6 +249,21 @@ class Launcher:
                          blocks=num_tiles)
         return pair_column, pair_value, row_counts
 
+    def chunk_layout(self, pair_input: Any, pair_output: Any, starts: Sequence[int], counts: Sequence[int],
+                     width: int, write_output: bool, num_rows: int) -> tuple[Any, Any, Any]:
+        """``(input_rows [m * W], output_rows [m * W], slots [m, num_rows + 1])`` int32 of a chunk."""
+        xp = self.xp
+        m = len(starts)
+        starts_counts = self._small([list(starts), list(counts)], np.int64)
+        input_rows = xp.empty(m * width, dtype=xp.int32)
+        output_rows = xp.empty(m * width, dtype=xp.int32)
+        slots = xp.full((m, num_rows + 1), -1, dtype=xp.int32)
+        self._launch("sc_chunk_layout", [], m * width,
+                     [self._contiguous(pair_input, xp.int32), self._contiguous(pair_output, xp.int32), starts_counts,
+                      np.int64(m), np.int64(width), np.int32(int(write_output)), np.int64(num_rows), input_rows,
+                      output_rows, slots])
+        return input_rows, output_rows, slots
+
     def conv_candidates(self, indices: Any, kernel_positions: Any, stride: Sequence[int], padding: Sequence[int],
                         dilation: Sequence[int], output_shape: Sequence[int], transposed: bool = False) -> Any:
         """Output keys ``[K, N]`` int64 (-1 where invalid) of a strided or transposed conv."""

@@ -207,3 +207,19 @@ def conv_candidates(indices, kernel_positions, stride, padding, dilation, output
         keys = keys * output_shape[axis] + out[..., axis]
     keys[~valid.all(axis=2) | (indices[None, :, 0] < 0)] = -1
     return keys
+
+
+def chunk_layout(pair_input, pair_output, starts, counts, width, write_output, num_rows):
+    """``sc_chunk_layout`` by loops: each offset's pairs padded with -1 to ``width``, and the slot table."""
+    m = len(starts)
+    input_rows = np.full((m, width), -1, dtype=np.int32)
+    output_rows = np.full((m, width), -1, dtype=np.int32)
+    slots = np.full((m, num_rows + 1), -1, dtype=np.int32)
+    for r, (start, count) in enumerate(zip(starts, counts)):
+        for j in range(count):
+            input_rows[r, j] = pair_input[start + j]
+            output_rows[r, j] = pair_output[start + j]
+            written = output_rows[r, j] if write_output else input_rows[r, j]
+            if written >= 0:
+                slots[r, written] = r * width + j
+    return input_rows.reshape(-1), output_rows.reshape(-1), slots
