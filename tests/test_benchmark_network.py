@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsecore.benchmark import network
+from sparsecore.benchmark import network, network_checks
 from sparsecore.benchmark.cli import build_parser
 from sparsecore.benchmark.network_command import network_options
 from sparsecore.benchmark.network_suite import case_row_keys, run_network_suite
@@ -96,6 +97,18 @@ def test_spconv_pool_floor_is_max_with_zero() -> None:
     assert np.any(plain.output < 0)
 
 
+def test_relative_error_is_the_norm_ratio() -> None:
+    rng = np.random.default_rng(41)
+    reference = rng.standard_normal((30, 4))
+    noise = rng.standard_normal((30, 4))
+    values = (reference + 1e-3 * noise).astype(np.float16)
+    expected = np.linalg.norm(values.astype(np.float64) - reference) / np.linalg.norm(reference)
+    assert network_checks.relative_error(values, reference) == pytest.approx(expected, rel=1e-12)
+    assert network_checks.relative_error(np.zeros((0, 4)), np.zeros((0, 4))) == 0.0
+    with pytest.raises(ValueError, match=r"shapes \(2, 4\) and \(3, 4\) differ"):
+        network_checks.relative_error(np.ones((2, 4)), np.ones((3, 4)))
+
+
 def test_network_options_defaults_and_errors() -> None:
     parser = build_parser()
     cpu = network_options(parser.parse_args(["network", "--scale", "small"]))
@@ -140,6 +153,10 @@ def test_network_benchmark_on_small_synthetic_scene_cpu(tmp_path: Path) -> None:
         for row in rows[:2]:
             assert row["spconv_ms"] is not None and row["ratio_spconv_over_sparsecore"] is not None, row
             assert row["agreement"].startswith("ok"), row
+        # both engines against the float64 network: float32 rounding only
+        note = next(note for note in rows[1]["notes"] if note.startswith("rel. error vs float64"))
+        errors = [float(value) for value in re.findall(r"\d\.\de[+-]\d+", note)]
+        assert len(errors) == 4 and all(0 < error < 1e-3 for error in errors), note
     else:
         assert all(row["spconv_ms"] is None for row in rows)
 

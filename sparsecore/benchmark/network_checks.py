@@ -30,6 +30,7 @@ __all__ = [
     "MEMORY_CHANNELS",
     "compare_network_arrays",
     "compare_with_spconv",
+    "relative_error",
     "core_subm_memory_row",
 ]
 
@@ -73,9 +74,19 @@ def compare_network_arrays(name: str, ours: np.ndarray, theirs: np.ndarray, dtyp
     return f"ok ({summary})"
 
 
+def relative_error(values: np.ndarray, reference: np.ndarray) -> float:
+    """``|values - reference| / |reference|`` in Frobenius norms, computed in float64 (0 for empty arrays)."""
+    if values.shape != reference.shape:
+        raise ValueError(f"relative_error: shapes {values.shape} and {reference.shape} differ")
+    reference64 = reference.astype(np.float64)
+    difference = float(np.linalg.norm(values.astype(np.float64) - reference64))
+    return difference / max(float(np.linalg.norm(reference64)), 1e-30) if values.size else 0.0
+
+
 def compare_with_spconv(torch: Any, device_name: str, dtype_name: str, scene: Any, sorted_indices: np.ndarray,
                          sorted_output: np.ndarray, grad_features: np.ndarray, grad_sorted: np.ndarray,
-                         forward_row: Row, backward_row: Row, options: Any) -> list[Row]:
+                         forward_row: Row, backward_row: Row, options: Any,
+                         reference: tuple[np.ndarray, np.ndarray] | None = None) -> list[Row]:
     """Runs spconv's network for every algorithm of the options and checks it against sparsecore's.
 
     Args:
@@ -90,6 +101,9 @@ def compare_with_spconv(torch: Any, device_name: str, dtype_name: str, scene: An
         forward_row: the case's forward row, filled from the first algorithm.
         backward_row: the case's backward row, likewise.
         options: the suite's `NetworkOptions`.
+        reference: sparsecore's float64 output (sorted sites) and input gradient of the
+            same network, or None: each backward row then notes both engines' relative
+            errors against it, which says which engine is closer where they disagree.
 
     Returns:
         Forward and backward rows for each further algorithm.
@@ -126,6 +140,13 @@ def compare_with_spconv(torch: Any, device_name: str, dtype_name: str, scene: An
                                                    dtype_name)
         backward.agreement = compare_network_arrays("input gradient", grad_features, peer.grad_features,
                                                     dtype_name, gradient=True)
+        if reference is not None:
+            exact_output, exact_grad = reference
+            backward.notes.append(
+                f"rel. error vs float64 (outputs / input gradients): sparsecore "
+                f"{relative_error(sorted_output, exact_output):.1e} / {relative_error(grad_features, exact_grad):.1e}, "
+                f"spconv {relative_error(peer.output_features[peer_order], exact_output):.1e} / "
+                f"{relative_error(peer.grad_features, exact_grad):.1e}")
     return extra_rows
 
 

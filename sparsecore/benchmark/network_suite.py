@@ -225,9 +225,15 @@ def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: st
     # the check runs with spconv's max-pool floor at 0 (see network.core_forward)
     floored = network.core_forward(features, indices, shape, weights, spconv_pool_floor=True)
     floored_grad, _ = network.core_backward(floored, grad_output, weights)
+    # the same network in float64 (same sites, same floor): how far each engine is from exact arithmetic
+    weights64 = tuple(None if weight is None else device.put(weight, np.float64) for weight in host_weights)
+    exact = network.core_forward(device.put(scene.features, np.float64), indices, shape, weights64,
+                                 spconv_pool_floor=True)
+    exact_grad, _ = network.core_backward(exact, device.put(grad_rows, np.float64), weights64)
     extra_rows = compare_with_spconv(spconv_torch, device.name, dtype_name, scene, output_indices[order],
                                       device.get(floored.output)[order], device.get(floored_grad), grad_sorted,
-                                      rows[0], rows[1], options)
+                                      rows[0], rows[1], options,
+                                      reference=(device.get(exact.output)[order], device.get(exact_grad)))
     return rows[:2] + extra_rows + rows[2:]
 
 
