@@ -277,6 +277,11 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
         backend.hash_lookup_window(table, sorted_keys + deltas[run_start], width, last_step,
                                    out=found[run_start:run_start + width])
     columns, found_rows, row_starts = backend.compact_pairs(found)
+    mirrored = getattr(backend, "mirrored_pairs", None)
+    if mirrored is not None:  # the kernel backend: the pairs below the centre, mirrored, in one launch
+        pair_input, pair_output, starts = mirrored(found_rows, columns, sorted_rows, row_starts, indices.shape[0])
+        return _made_rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
+                              starts, identity_offset=centre)
     matched_rows = xp.take(sorted_rows, columns).astype(xp.int32)
     pieces: list[tuple[Any, Any] | None] = [None] * volume
     for offset in range(centre):

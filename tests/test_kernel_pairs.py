@@ -14,7 +14,6 @@ import pytest
 
 import sparsecore as sc
 from sparsecore import conv
-from sparsecore._chunks import chunk_rows, pair_chunks
 from sparsecore.backends import NUMPY_BACKEND
 from sparsecore.backends.kernel_backend import KernelBackend
 
@@ -149,29 +148,6 @@ def test_one_scatter_plan_serves_several_values(target, run_lengths, padding):
         NUMPY_BACKEND.scatter_add_planned(numpy_target, numpy_plan, values)
         np.add.at(start, rows, values)
         np.testing.assert_allclose(numpy_target, start, rtol=1e-12, atol=1e-12)
-
-
-def test_padded_chunk_layout_equals_chunk_rows_and_its_plan(target):
-    # the one-launch layout gives the rows of sparsecore._chunks.chunk_rows and the same scatter
-    rng = rng_for(34)
-    rows_in = rng.integers(0, 30, size=40).astype(np.int32)
-    rows_out = np.concatenate([rng.choice(30, size=n, replace=False) for n in (12, 0, 20, 8)]).astype(np.int32)
-    chunk = pair_chunks((0, 12, 12, 32, 40), 3, 1 << 20)[0]
-    assert len(chunk.offsets) == 3
-    got_in, got_out, plan = target.backend.padded_chunk_layout(
-        target.put(rows_in), target.put(rows_out), (0, 12, 32), (12, 20, 8), 24, True, 30)
-    want_in, want_out = chunk_rows(np, (rows_in, rows_out), chunk, 24)
-    np.testing.assert_array_equal(target.get(got_in), want_in.reshape(-1))
-    np.testing.assert_array_equal(target.get(got_out), want_out.reshape(-1))
-    values = rng.standard_normal((72, 2))
-    out = target.put(np.zeros((30, 2)))
-    target.backend.scatter_add_planned(out, plan, target.put(values))
-    expected = np.zeros((30, 2))
-    kept = want_out.reshape(-1) >= 0
-    np.add.at(expected, want_out.reshape(-1)[kept], values[kept])
-    np.testing.assert_allclose(target.get(out), expected, rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match="at most 10 each"):
-        target.backend.padded_chunk_layout(target.put(rows_in), target.put(rows_out), (0, 12), (12, 20), 10, True, 30)
 
 
 def test_scatter_plans_reject_bad_arguments(target):

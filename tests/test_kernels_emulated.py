@@ -447,6 +447,21 @@ def test_chunk_layout(backend, counts, width, write_output):
         np.testing.assert_array_equal(backend.get(actual), wanted)
 
 
+@pytest.mark.parametrize("lengths, num_sites", [([3, 0, 5, 2], 9), ([], 4), ([0, 0], 0), ([6], 6)])
+def test_mirror_pairs(backend, lengths, num_sites):
+    rng = _rng(13, len(lengths), num_sites)
+    half = sum(lengths)
+    half_starts = [0, *np.cumsum(lengths).tolist()] if lengths else [0]
+    found_rows = rng.integers(0, max(num_sites, 1), size=half).astype(np.int32)
+    columns = rng.integers(0, max(num_sites, 1), size=half).astype(np.int32)
+    sorted_rows = rng.permutation(max(num_sites, 1)).astype(np.int64)[:num_sites]
+    got = backend.launch.mirror_pairs(backend.put(found_rows), backend.put(columns), backend.put(sorted_rows),
+                                      half_starts, num_sites)
+    expected = twins.mirror_pairs(found_rows, columns, sorted_rows, half_starts, num_sites)
+    for actual, wanted in zip(got, expected):
+        np.testing.assert_array_equal(backend.get(actual), wanted)
+
+
 def test_submanifold_rulebook_composes(backend):
     """pack (padded) -> hash -> lookup_offsets -> compact gives exactly the brute-force pairs."""
     rng = _rng(10)

@@ -20,7 +20,7 @@ from ._launch import INT32_MAX, KernelDevice, check_float, check_integer_vector,
 from ._sorting import group_starts
 
 __all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_rows", "scatter_add_pairs", "ScatterPlan",
-           "scatter_plan", "scatter_add_planned", "chunk_layout", "max_pool_pairs", "max_pool_backward_pairs",
+           "scatter_plan", "scatter_add_planned", "max_pool_pairs", "max_pool_backward_pairs",
            "avg_pool_pairs", "avg_pool_backward_pairs"]
 
 # Entries of a compaction tile per thread: a tile is this many times the block.
@@ -157,39 +157,6 @@ def scatter_plan(device: KernelDevice, rows: Any, run_starts: tuple[int, ...], n
     slots.reshape(-1)[run_of_pair * slot_stride + column] = xp.arange(count, dtype=xp.int32)
     slots[:, num_rows] = -1  # the spare column took the padding entries
     return ScatterPlan(count, num_rows, None, slots)
-
-
-def chunk_layout(device: KernelDevice, pair_input: Any, pair_output: Any, starts: tuple[int, ...],
-                 counts: tuple[int, ...], width: int, write_output: bool,
-                 num_rows: int) -> tuple[Any, Any, ScatterPlan]:
-    """A chunk's ``[m, W]`` rows and its `ScatterPlan` in one ``sc_chunk_layout`` launch.
-
-    Args:
-        device: the kernel device.
-        pair_input, pair_output: int32 ``[P]``, the rulebook's pairs.
-        starts, counts: host ints, the first pair and the pair count of each of the ``m`` offsets.
-        width: ``W >= max(counts)``.
-        write_output: the pass writes output rows (forward) rather than input rows (backward).
-        num_rows: the rows the pass writes.
-
-    Returns:
-        ``(input_rows [m * W], output_rows [m * W], plan)``, -1 in the padding.
-    """
-    xp = device.xp
-    m, width, num_rows = len(starts), int(width), int(num_rows)
-    if len(counts) != m or m == 0 or width < max(counts):
-        raise ValueError(f"chunk_layout: {m} starts and {len(counts)} counts (at most {width} each) are needed")
-    check_row_count(m * width, "chunk layout", "chunk_layout")
-    check_row_count(num_rows, "num_rows", "chunk_layout")
-    starts_counts = xp.asarray(np.array([starts, counts], dtype=np.int64))  # one host-to-device copy
-    input_rows = xp.empty(m * width, dtype=xp.int32)
-    output_rows = xp.empty(m * width, dtype=xp.int32)
-    slots = xp.full((m, num_rows + 1), -1, dtype=xp.int32)
-    device.run("sc_chunk_layout", (), m * width,
-               (xp.ascontiguousarray(pair_input, dtype=xp.int32), xp.ascontiguousarray(pair_output, dtype=xp.int32),
-                starts_counts, np.int64(m), np.int64(width), np.int32(int(write_output)), np.int64(num_rows),
-                input_rows, output_rows, slots))
-    return input_rows, output_rows, ScatterPlan(m * width, num_rows, None, slots)
 
 
 def scatter_add_planned(device: KernelDevice, target: Any, plan: ScatterPlan, values: Any) -> None:

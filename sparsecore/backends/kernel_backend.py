@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernel_int8, _kernel_pairs, _launch
+from . import _kernel_int8, _kernel_layouts, _kernel_pairs, _launch
 from ._launch import INT64_MAX, KernelDevice, KernelLauncher, check_float, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
@@ -274,13 +274,18 @@ class KernelBackend:
     def padded_chunk_layout(self, pair_input: Any, pair_output: Any, starts: tuple[int, ...],
                             counts: tuple[int, ...], width: int, write_output: bool,
                             num_rows: int) -> tuple[Any, Any, Any]:
-        """A chunk's ``[m, W]`` rows and scatter plan in one launch (`_kernel_pairs.chunk_layout`).
+        """A chunk's ``[m, W]`` rows and scatter plan in one launch (`_kernel_layouts.chunk_layout`).
 
         `sparsecore._conv_products.chunk_layout` uses it where present, in place of
         `sparsecore._chunks.chunk_rows` and `scatter_plan` (about 25 array operations).
         """
-        return _kernel_pairs.chunk_layout(self.device, pair_input, pair_output, starts, counts, width, write_output,
-                                          num_rows)
+        return _kernel_layouts.chunk_layout(self.device, pair_input, pair_output, starts, counts, width,
+                                            write_output, num_rows)
+
+    def mirrored_pairs(self, found_rows: Any, columns: Any, sorted_rows: Any, half_starts: tuple[int, ...],
+                       num_sites: int) -> tuple[Any, Any, tuple[int, ...]]:
+        """A submanifold rulebook's pairs from the half below the centre, in one launch (`_kernel_layouts`)."""
+        return _kernel_layouts.mirrored_pairs(self.device, found_rows, columns, sorted_rows, half_starts, num_sites)
 
     def scatter_add_planned(self, target: Any, plan: Any, values: Any) -> None:
         """`scatter_add_pairs` over a `scatter_plan`: one ``sc_sum_run_rows`` launch."""
