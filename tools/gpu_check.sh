@@ -10,11 +10,12 @@
 #   pytest     pytest -m gpu: a smoke subset of the GPU integrations first, the torch CUDA tests, then the others
 #              (--durations=15 each; the GPU tests run wherever CuPy sees a device)
 #   benchmark  python -m sparsecore.benchmark gpu (JSON and Markdown rewritten after every case)
-#   demo       python -m sparsecore.demo --device cuda, with torch and with --frontend jax
+#   frontends  python -m sparsecore.demo --device cuda, with torch and with --frontend jax, and
+#              python -m sparsecore.jax.benchmark (impl="callback" against impl="jnp") on the GPU
 #   profile    tools/gpu_profile.py: host time per CuPy operation, launches per pass, cProfile
 # Results go to $OUT (the device tool's folder that comes back; /tmp/sparsecore_gpu_check
 # elsewhere): gpu_check.md (steps, device, test summary, benchmark table), gpu_check.log,
-# pytest_gpu.log, gpu_benchmark.txt, gpu_benchmark.json, gpu_benchmark.md, gpu_demo.txt, gpu_profile.txt.
+# pytest_gpu.log, gpu_benchmark.txt, gpu_benchmark.json, gpu_benchmark.md, gpu_frontends.txt, gpu_profile.txt.
 #
 # Environment: GPU_CHECK_BUDGET_S (default 520 s in all), PYTHON (default python3),
 # GPU_CHECK_SKIP_INSTALL=1 (dry runs on a machine where sparsecore is installed already).
@@ -143,9 +144,12 @@ run_step benchmark "$bench_cap" "$out/gpu_benchmark.txt" "$py" -P -m sparsecore.
   --max-seconds 2 --time-limit $((bench_cap > 90 ? bench_cap - 40 : bench_cap / 2)) \
   --child-timeout 120 --json "$out/gpu_benchmark.json" --markdown "$out/gpu_benchmark.md"
 
-# --- the demo on the GPU, through torch and through JAX, and where the host time goes
-run_step demo-cuda 45 "$out/gpu_demo.txt" "$py" -P -m sparsecore.demo --device cuda
-run_step demo-jax 60 "$out/gpu_demo.txt" "$py" -P -m sparsecore.demo --device cuda --frontend jax
+# --- the frontends on the GPU: the demo through torch and through JAX, the JAX callback against
+# jnp; then where the host time goes
+run_step demo-cuda 45 "$out/gpu_frontends.txt" "$py" -P -m sparsecore.demo --device cuda
+run_step demo-jax 60 "$out/gpu_frontends.txt" "$py" -P -m sparsecore.demo --device cuda --frontend jax
+run_step jax-benchmark 60 "$out/gpu_frontends.txt" "$py" -P -m sparsecore.jax.benchmark --voxels 100000 \
+  --channels 32 64 --reps 5
 run_step profile 40 "$scratch/profile.txt" "$py" -P tools/gpu_profile.py --repeat 5 \
   --output "$out/gpu_profile.txt"
 
@@ -177,9 +181,9 @@ summary=$out/gpu_check.md
     echo '```'
   fi
   echo
-  echo "## demo (torch, then JAX; last lines)"
+  echo "## frontends: the demo (torch, then JAX) and the JAX benchmark (last lines)"
   echo '```'
-  tail -n 30 "$out/gpu_demo.txt" 2>/dev/null
+  tail -n 40 "$out/gpu_frontends.txt" 2>/dev/null
   echo '```'
   echo
   echo "## tools/gpu_profile.py (the start; all of it in gpu_profile.txt)"

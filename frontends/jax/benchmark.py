@@ -1,4 +1,8 @@
-"""CPU benchmarks of sparsecore.jax: ``python -m sparsecore.jax.benchmark [--plan | --streaming]``.
+"""Benchmarks of sparsecore.jax: ``python -m sparsecore.jax.benchmark [--plan | --streaming]``.
+
+They run on JAX's default device: the CPU here, the GPU where JAX sees one
+(there ``impl="callback"`` runs the core's CUDA kernels on XLA's stream); the
+header names the device.
 
 Default: the two feature-pass implementations (below). ``--plan``: the geometry
 cost of the demo's U-Net on the 125k-voxel scan: `sparsecore.jax.plan` (trace +
@@ -230,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streaming", action="store_true", help="RSS and compilations over a stream of clouds")
     parser.add_argument("--clouds", type=int, default=300, help="clouds streamed by --streaming")
     args = parser.parse_args(argv)
-    print(f"# sparsecore.jax CPU benchmark, {datetime.date.today().isoformat()}")
+    device = jax.devices()[0]
+    print(f"# sparsecore.jax benchmark on {device.platform} ({device.device_kind}), "
+          f"{datetime.date.today().isoformat()}")
     if args.plan:
         r = plan_cost(args.reps)
         torch_s = r.get("torch rulebooks")
