@@ -10,7 +10,7 @@ It prints, and writes to ``$OUT/gpu_profile.txt`` (or ``--output``):
   round trip that reads a device scalar back (a synchronisation);
 - the network's forward (rulebooks included) and backward: wall time per pass
   with the device synchronised at its end, kernel launches and cuBLAS GEMMs
-  per pass, and per layer;
+  per pass and per layer;
 - cProfile of ``--repeat`` forward+backward passes, the top functions by own
   time and by cumulative time (the device reads, ``tolist``/``get``/``item``,
   show up here as calls).
@@ -51,9 +51,27 @@ def _per_operation_cost(cupy: Any) -> str:
             f"one device scalar read back: {round_trip * 1e6:.1f} us")
 
 
+class _LayerLabels:
+    """A recorder for `network.core_forward` / `core_backward` that knows which layer is running."""
+
+    def __init__(self) -> None:
+        self.stack = ["outside the layers"]
+
+    @contextmanager
+    def interval(self, label: str) -> Iterator[None]:
+        layered = label.startswith(("forward ", "backward "))
+        if layered:
+            self.stack.append(label)
+        try:
+            yield
+        finally:
+            if layered:
+                self.stack.pop()
+
+
 @contextmanager
-def _counting(counts: Counter) -> Iterator[None]:
-    """Counts kernel launches and cuBLAS GEMMs of the CuPy backend inside the block."""
+def _counting(counts: Counter, labels: _LayerLabels) -> Iterator[None]:
+    """Counts kernel launches and cuBLAS GEMMs of the CuPy backend inside the block, also per layer."""
     from sparsecore.backends import cupy_backend
     from sparsecore.backends._cublas_gemm import CublasGemm
 
@@ -64,6 +82,7 @@ def _counting(counts: Counter) -> Iterator[None]:
     def counted_launch(self: Any, expression: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
         counts["launches"] += 1
         counts["kernel " + expression.split("<")[0]] += 1
+        counts[(labels.stack[-1], "launches")] += 1
         launch(self, expression, grid, block, args)
 
     def wrap(name: str) -> Any:
@@ -71,6 +90,7 @@ def _counting(counts: Counter) -> Iterator[None]:
 
         def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
             counts["cublas " + name] += 1
+            counts[(labels.stack[-1], "GEMMs")] += 1
             return original(self, *args, **kwargs)
         return counted
 
@@ -147,20 +167,24 @@ def main(argv: list[str] | None = None) -> int:
     for name, values in times.items():
         lines.append(f"{name}: median {np.median(values) * 1e3:.2f} ms wall (device synchronised at the end)")
 
-    counts: Counter = Counter()
-    with _counting(counts) if args.device == "cuda" else _nothing():
-        state = forward()
-        synchronize()
-    lines.append(f"forward: {counts['launches']} kernel launches, "
-                 f"{sum(v for k, v in counts.items() if k.startswith('cublas'))} cuBLAS GEMMs")
-    lines.extend(f"  {name}: {value}" for name, value in counts.most_common() if name != "launches")
-    counts = Counter()
-    with _counting(counts) if args.device == "cuda" else _nothing():
-        backward(state)
-        synchronize()
-    lines.append(f"backward: {counts['launches']} kernel launches, "
-                 f"{sum(v for k, v in counts.items() if k.startswith('cublas'))} cuBLAS GEMMs")
-    lines.extend(f"  {name}: {value}" for name, value in counts.most_common() if name != "launches")
+    labels = _LayerLabels()
+    for direction in ("forward", "backward"):
+        counts: Counter = Counter()
+        with _counting(counts, labels) if args.device == "cuda" else _nothing():
+            if direction == "forward":
+                state = network.core_forward(features, indices, scene.spatial_shape, weights, recorder=labels)
+            else:
+                network.core_backward(state, grad_output, weights, recorder=labels)
+            synchronize()
+        totals = {name: value for name, value in counts.items() if isinstance(name, str)}
+        lines.append(f"{direction}: {totals.get('launches', 0)} kernel launches, "
+                     f"{sum(v for k, v in totals.items() if k.startswith('cublas'))} cuBLAS GEMMs")
+        lines.extend(f"  {name}: {value}" for name, value in sorted(totals.items(), key=lambda item: -item[1])
+                     if name != "launches")
+        for layer in network.REFERENCE_NETWORK:
+            label = f"{direction} {layer.index}"
+            lines.append(f"  {layer.name} {direction}: {counts[(label, 'launches')]} launches, "
+                         f"{counts[(label, 'GEMMs')]} GEMMs")
 
     profile = cProfile.Profile()
     profile.enable()
