@@ -517,6 +517,34 @@ def test_cupy_launcher_with_a_stand_in_cupy(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("channels, groups", [(16, 1), (8, 2)])
+def test_feature_passes_do_not_synchronise_with_the_host(target, channels, groups):
+    """Once a rulebook's layouts are built, conv forward and backward on CuPy never wait for the device.
+
+    ``cupyx.allow_synchronize(False)`` makes every CuPy operation that would synchronise
+    (a device read, a size from the device) raise; the first pass builds the layouts it keeps.
+    """
+    if target.name != "cupy":
+        pytest.skip("CuPy only")
+    import cupyx
+
+    rng = rng_for(17, channels, groups)
+    indices = random_sites(rng, 3000, (30, 40, 50), 2)
+    rulebook = sc.build_rulebook(target.put(indices), (30, 40, 50), 2, sc.ConvGeometry.create(3, 3, kind="subm"),
+                                 backend=target.backend)
+    features = target.put(random_floats(rng, (3000, channels), np.dtype(np.float32)))
+    weight = target.put(random_floats(rng, (channels, 3, 3, 3, channels // groups), np.dtype(np.float32)))
+    grad = target.put(random_floats(rng, (3000, channels), np.dtype(np.float32)))
+    expected = (conv.conv_forward(features, weight, rulebook, groups=groups, backend=target.backend),
+                *conv.conv_backward(grad, features, weight, rulebook, groups, backend=target.backend))
+    with cupyx.allow_synchronize(False):
+        actual = (conv.conv_forward(features, weight, rulebook, groups=groups, backend=target.backend),
+                  *conv.conv_backward(grad, features, weight, rulebook, groups, backend=target.backend))
+    for got, want in zip(actual, expected):  # deterministic: the same bits with the kept layouts
+        assert_equal(target.get(got), target.get(want), "second pass")
+
+
+@pytest.mark.gpu
 def test_cupy_kernels_launch_on_the_current_stream(target):
     """Captured into a CUDA graph on a new stream, a scatter runs only when the graph is replayed.
 

@@ -133,6 +133,23 @@ def test_second_gpu():
     _compare(cuda_out, cpu_out, cuda_grads, cpu_grads)
 
 
+def test_memory_is_steady_over_100_training_steps():
+    """Training steps on fresh inputs (new rulebooks each step) leave no memory behind."""
+    model = _model().cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    allocated = []
+    for step in range(100):
+        x = _input("cuda", step % 4)
+        loss = model(x).features.square().sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del x, loss
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert max(allocated[20:]) <= allocated[20] + 2**20, (allocated[20], max(allocated[20:]), allocated[-1])
+
+
 def test_mixed_devices_error():
     x = _input("cuda")
     with pytest.raises(ValueError, match="different devices"):
