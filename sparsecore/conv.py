@@ -201,8 +201,9 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
         shape = (layout.count, layout.width, -1)
         gathered_grad = backend.gather_rows(grad, layout.output_rows).reshape(shape)
         gathered_source = backend.gather_rows(source, layout.input_rows).reshape(shape)
-        return (layout, batched_product(backend, gathered_grad, transposed[offset_index(chunk)]),
-                batched_outer(backend, gathered_source, gathered_grad, groups, layout.outer_split))
+        outer = batched_outer(backend, gathered_source, gathered_grad, groups, layout.outer_split)
+        del gathered_source  # two chunk-sized buffers at a time, not three (the GPU's peak memory)
+        return layout, batched_product(backend, gathered_grad, transposed[offset_index(chunk)]), outer
 
     workers = pass_workers(backend, rulebook, features.shape[1], weight.shape[0])
     for wave in waves(offset_chunks(backend, rulebook, features.shape[1], weight.shape[0]), workers):
