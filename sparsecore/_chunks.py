@@ -37,9 +37,19 @@ class PairChunk:
     local_starts: tuple[int, ...]
 
     @property
+    def counts(self) -> tuple[int, ...]:
+        """The pairs of each offset of the chunk."""
+        return tuple(b - a for a, b in zip(self.local_starts[:-1], self.local_starts[1:]))
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """The first pair of each offset of the chunk (index into the rulebook's pair arrays)."""
+        return tuple(self.start + local for local in self.local_starts[:-1])
+
+    @property
     def width(self) -> int:
         """``W``: the most pairs of one offset in the chunk."""
-        return max(b - a for a, b in zip(self.local_starts[:-1], self.local_starts[1:]))
+        return max(self.counts)
 
 
 def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: int,
@@ -109,11 +119,9 @@ def chunk_rows(xp: Any, pair_arrays: tuple[Any, ...], chunk: PairChunk, width: i
         raise ValueError(f"chunk_rows: width must be at least the chunk's widest offset ({chunk.width}), got {width}")
     if len(chunk.offsets) == 1 and width == chunk.width:
         return tuple(rows[chunk.start:chunk.stop].reshape(1, -1) for rows in pair_arrays)
-    starts = [chunk.start + local for local in chunk.local_starts[:-1]]
-    counts = [b - a for a, b in zip(chunk.local_starts[:-1], chunk.local_starts[1:])]
     step = xp.arange(width, dtype=xp.int64)[None, :]
-    valid = step < xp.asarray(counts, dtype=xp.int64)[:, None]
-    positions = xp.minimum(xp.asarray(starts, dtype=xp.int64)[:, None] + step, chunk.stop - 1)
+    valid = step < xp.asarray(chunk.counts, dtype=xp.int64)[:, None]
+    positions = xp.minimum(xp.asarray(chunk.starts, dtype=xp.int64)[:, None] + step, chunk.stop - 1)
     return tuple(xp.where(valid, xp.take(rows, positions), -1).astype(xp.int32, copy=False) for rows in pair_arrays)
 
 

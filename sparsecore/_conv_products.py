@@ -197,10 +197,8 @@ def chunk_layout(backend: ArrayBackend, rulebook: Rulebook | PairMap, chunk: Pai
     padded = getattr(backend, "padded_chunk_layout", None)
     if padded is not None and (len(chunk.offsets) > 1 or width > chunk.width):
         # the kernel backend: rows and slot table in one launch
-        counts = tuple(b - a for a, b in zip(chunk.local_starts[:-1], chunk.local_starts[1:]))
-        starts = tuple(chunk.start + local for local in chunk.local_starts[:-1])
-        input_rows, output_rows, plan = padded(pair_map.pair_input, pair_map.pair_output, starts, counts, width,
-                                               direction == "forward", num_rows)
+        input_rows, output_rows, plan = padded(pair_map.pair_input, pair_map.pair_output, chunk.starts,
+                                               chunk.counts, width, direction == "forward", num_rows)
     else:
         input_rows, output_rows = (rows.reshape(-1) for rows in chunk_rows(
             backend.xp, (pair_map.pair_input, pair_map.pair_output), chunk, width))

@@ -28,7 +28,7 @@ import pstats
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 
@@ -75,9 +75,7 @@ def _counting(counts: Counter, labels: _LayerLabels) -> Iterator[None]:
     from sparsecore.backends import cupy_backend
     from sparsecore.backends._cublas_gemm import CublasGemm
 
-    launch = cupy_backend.CupyLauncher.launch
-    gemm_methods = ["matmul"]
-    saved = {name: getattr(CublasGemm, name) for name in gemm_methods}
+    launch, matmul = cupy_backend.CupyLauncher.launch, CublasGemm.matmul
 
     def counted_launch(self: Any, expression: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
         counts["launches"] += 1
@@ -85,29 +83,16 @@ def _counting(counts: Counter, labels: _LayerLabels) -> Iterator[None]:
         counts[(labels.stack[-1], "launches")] += 1
         launch(self, expression, grid, block, args)
 
-    def wrap(name: str) -> Any:
-        original = saved[name]
+    def counted_matmul(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["cublas matmul"] += 1
+        counts[(labels.stack[-1], "GEMMs")] += 1
+        return matmul(self, *args, **kwargs)
 
-        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-            counts["cublas " + name] += 1
-            counts[(labels.stack[-1], "GEMMs")] += 1
-            return original(self, *args, **kwargs)
-        return counted
-
-    cupy_backend.CupyLauncher.launch = counted_launch
-    for name in gemm_methods:
-        setattr(CublasGemm, name, wrap(name))
+    cupy_backend.CupyLauncher.launch, CublasGemm.matmul = counted_launch, counted_matmul
     try:
         yield
     finally:
-        cupy_backend.CupyLauncher.launch = launch
-        for name, method in saved.items():
-            setattr(CublasGemm, name, method)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+        cupy_backend.CupyLauncher.launch, CublasGemm.matmul = launch, matmul
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     labels = _LayerLabels()
     for direction in ("forward", "backward"):
         counts: Counter = Counter()
-        with _counting(counts, labels) if args.device == "cuda" else _nothing():
+        with _counting(counts, labels) if args.device == "cuda" else nullcontext():
             if direction == "forward":
                 state = network.core_forward(features, indices, scene.spatial_shape, weights, recorder=labels)
             else:

@@ -62,8 +62,7 @@ def compare_network_arrays(name: str, ours: np.ndarray, theirs: np.ndarray, dtyp
     if not np.all(np.isfinite(ours64)):
         return f"MISMATCH: {name} of sparsecore hold {int(np.sum(~np.isfinite(ours64)))} non-finite values"
     difference = ours64 - theirs64
-    reference = max(float(np.linalg.norm(theirs64)), 1e-30)
-    relative = float(np.linalg.norm(difference)) / reference
+    relative = relative_error(ours64, theirs64)
     worst = float(np.max(np.abs(difference)))
     scale = float(np.max(np.abs(theirs64)))
     tolerance = TOLERANCES[dtype_name][1 if gradient else 0]
