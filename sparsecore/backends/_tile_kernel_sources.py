@@ -211,6 +211,7 @@ def tiled_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any
             first_row, count_rows = _work_rows(work, capacity, rows)
             accumulator = grad_source[first_row:first_row + count_rows]  # the item's own rows: sums in place
             accumulator[:] = 0
+            local_source = source[first_row:first_row + count_rows]
             for offset in range(volume):
                 start, stop = starts[work * volume + offset], starts[work * volume + offset + 1]
                 count = stop - start
@@ -219,10 +220,7 @@ def tiled_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any
                     continue
                 _multiply_into(grad, destinations[start:stop], count, grad_tile, transposed[offset], products,
                                locals_[start:stop], accumulator)
-                for position in range(count):
-                    row = first_row + locals_[start + position]
-                    for column in range(in_channels):
-                        source_tile[position, column] = source[row, column]
+                _copy_rows(local_source, locals_[start:stop], count, source_tile)
                 np.dot(source_tile[:count].T, grad_tile[:count], partial[work, offset])
             work = claim(counter)
 
