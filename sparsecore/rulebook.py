@@ -268,14 +268,9 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
                                                 last_size, last_step)
         return _made_rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
                               starts, identity_offset=centre)
-    # Offsets before the centre, looked up a run of the last kernel axis at a
-    # time (offsets that share all but the last axis are one windowed lookup),
-    # into one [centre, N] table of input rows, compacted in one pass.
-    found = xp.empty((centre, indices.shape[0]), dtype=xp.int64)
-    for run_start in range(0, centre, last_size):
-        width = min(last_size, centre - run_start)
-        backend.hash_lookup_window(table, sorted_keys + deltas[run_start], width, last_step,
-                                   out=found[run_start:run_start + width])
+    # Offsets before the centre, looked up in one pass into a [centre, N] table
+    # of input rows, compacted in one pass.
+    found = backend.hash_lookup_offsets(table, sorted_keys, deltas[:centre])
     columns, found_rows, row_starts = backend.compact_pairs(found)
     mirrored = getattr(backend, "mirrored_pairs", None)
     if mirrored is not None:  # the kernel backend: the pairs below the centre, mirrored, in one launch

@@ -92,16 +92,22 @@ def test_hash_build_reports_duplicates(target, keys, values):
     assert (found >= 0).all() and set(found.tolist()) <= set(values.tolist())
 
 
-@pytest.mark.parametrize("count,width,step", [(0, 3, 1), (60, 0, 1), (1, 1, 1), (90, 3, 1), (120, 5, 7)])
-def test_hash_lookup_window(target, count, width, step):
-    rng = rng_for(2, count, width, step)
+@pytest.mark.parametrize("count,deltas", [(0, (0, 1, 2)), (60, ()), (1, (0,)), (90, (-1, 0, 1)),
+                                          (120, (-33, 7, 7, 0, 250, -5))])
+def test_hash_lookup_offsets(target, count, deltas):
+    rng = rng_for(2, count, len(deltas))
     keys = rng.choice(4 * count + 40, size=count, replace=False).astype(np.int64)
     values = rng.permutation(count).astype(np.int64)
     queries = np.sort(rng.integers(0, 4 * count + 40, size=count + 5)).astype(np.int64)
-    expected = NUMPY_BACKEND.hash_lookup_window(NUMPY_BACKEND.hash_build(keys, values)[0], queries, width, step)
+    # an integer reference: a dict of the keys
+    stored = dict(zip(keys.tolist(), values.tolist()))
+    expected = np.array([[stored.get(query + delta, -1) for query in queries.tolist()] for delta in deltas],
+                        dtype=np.int64).reshape(len(deltas), len(queries))
+    numpy_table = NUMPY_BACKEND.hash_build(keys, values)[0]
+    assert_equal(NUMPY_BACKEND.hash_lookup_offsets(numpy_table, queries, deltas), expected, "NumPy lookup")
     table, _ = target.backend.hash_build(target.put(keys), target.put(values))
-    actual = target.backend.hash_lookup_window(table, target.put(queries), width, step)
-    assert_equal(target.get(actual), expected, "hash_lookup_window")
+    actual = target.backend.hash_lookup_offsets(table, target.put(queries), deltas)
+    assert_equal(target.get(actual), expected, "hash_lookup_offsets")
 
 
 @pytest.mark.parametrize("count", [0, 1, 230])
@@ -193,7 +199,7 @@ def test_empty_inputs_launch_nothing(target):
     table, duplicate = backend.hash_build(empty_keys, empty_keys)
     assert duplicate is None and table.capacity == 2
     assert target.get(backend.hash_lookup(table, empty_keys)).shape == (0,)
-    assert target.get(backend.hash_lookup_window(table, empty_keys, 3, 1)).shape == (3, 0)
+    assert target.get(backend.hash_lookup_offsets(table, empty_keys, (0, 1, 2))).shape == (3, 0)
     assert [target.get(part).shape for part in backend.hash_items(table)] == [(0,), (0,)]
     source = target.put(np.zeros((4, 3), np.float32))
     no_rows = target.put(np.zeros(0, np.int32))

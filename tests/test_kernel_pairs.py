@@ -267,26 +267,24 @@ def test_avg_pool_runs_one_kernel_per_pass_and_skips_padding(target):
     assert_equal(target.get(grad), expected_grad, "padded avg_pool_backward")
 
 
-# ========================================= lookup windows, compute dtypes, half GEMMs
+# ========================================= offset lookups, compute dtypes, half GEMMs
 
 
-def test_hash_lookup_window_writes_into_out(target):
+def test_hash_lookup_offsets_answers_minus_one_for_negative_queries(target):
+    # every delta of a negative query is -1, on both backends, even where query + delta is a stored key
     rng = rng_for(36)
     keys = rng.choice(5000, size=300, replace=False).astype(np.int64)
-    table, _ = target.backend.hash_build(target.put(keys), target.put(np.arange(300, dtype=np.int64)))
-    queries = target.put(np.sort(rng.choice(5000, size=120, replace=False)).astype(np.int64))
-    expected = target.get(target.backend.hash_lookup_window(table, queries, 3, 7))
-    out = target.put(np.full((5, 120), 9, np.int64))
-    returned = target.backend.hash_lookup_window(table, queries, 3, 7, out=out[1:4])
-    assert_equal(target.get(returned), expected, "window into out")
-    assert_equal(target.get(out[1:4]), expected, "out rows")
-    assert (target.get(out[[0, 4]]) == 9).all()
-    numpy_table, _ = NUMPY_BACKEND.hash_build(keys, np.arange(300, dtype=np.int64))
-    numpy_out = np.empty((3, 120), np.int64)
-    NUMPY_BACKEND.hash_lookup_window(numpy_table, target.get(queries), 3, 7, out=numpy_out)
-    assert_equal(numpy_out, expected, "NumPy window into out")
-    with pytest.raises(ValueError, match=r"out must be a C-contiguous int64 \[3, 120\]"):
-        target.backend.hash_lookup_window(table, queries, 3, 7, out=target.put(np.empty((3, 120), np.int32)))
+    values = np.arange(300, dtype=np.int64)
+    queries = np.concatenate([[-5, -1], np.sort(rng.choice(5000, size=120, replace=False))]).astype(np.int64)
+    deltas = (int(keys[0]) + 5, int(keys[1]) + 1, 0, 3)  # -5 + deltas[0] and -1 + deltas[1] are keys
+    stored = dict(zip(keys.tolist(), values.tolist()))
+    expected = np.array([[stored.get(query + delta, -1) if query >= 0 else -1 for query in queries.tolist()]
+                         for delta in deltas], dtype=np.int64)
+    table, _ = target.backend.hash_build(target.put(keys), target.put(values))
+    assert_equal(target.get(target.backend.hash_lookup_offsets(table, target.put(queries), deltas)), expected,
+                 "kernel lookup")
+    numpy_table, _ = NUMPY_BACKEND.hash_build(keys, values)
+    assert_equal(NUMPY_BACKEND.hash_lookup_offsets(numpy_table, queries, deltas), expected, "NumPy lookup")
 
 
 def test_compute_dtypes():

@@ -7,7 +7,7 @@ A backend implements primitives only, never an algorithm.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 __all__ = ["ArrayBackend"]
 
@@ -63,12 +63,12 @@ class ArrayBackend(Protocol):
         Sorted queries may be faster (the NumPy backend uses a merge-friendly search).
         """
 
-    def hash_lookup_window(self, table: Any, queries: Any, width: int, step: int, out: Any | None = None) -> Any:
-        """Values of the keys ``queries + j * step`` for ``j < width``: int64 ``[width, M]``, -1 if absent.
+    def hash_lookup_offsets(self, table: Any, queries: Any, deltas: Sequence[int]) -> Any:
+        """Values of the keys ``queries + deltas[j]``: int64 ``[len(deltas), M]``, -1 where absent.
 
-        The window runs along the last packed axis (a row of kernel offsets).
-        ``out``, when given, is a C-contiguous int64 ``[width, M]`` array the
-        values are written into (and returned).
+        ``queries`` are int64 ``[M]`` keys of the table's packing (non-negative; a negative
+        query answers -1 for every delta); ``deltas`` are host ints (a submanifold rulebook's
+        kernel offsets as key distances), so one call looks up every offset.
         """
 
     def hash_items(self, table: Any) -> tuple[Any, Any]:

@@ -23,7 +23,7 @@ bfloat16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -178,41 +178,31 @@ class KernelBackend:
                   (flat, np.int64(count), table.table_keys, table.table_values, np.int64(table.capacity), out))
         return out.reshape(queries.shape)
 
-    def hash_lookup_window(self, table: KernelHashTable, queries: Any, width: int, step: int,
-                           out: Any | None = None) -> Any:
-        """Values of ``queries + j * step`` for ``j < width``, with ``sc_hash_lookup_offsets<long long>``.
+    def hash_lookup_offsets(self, table: KernelHashTable, queries: Any, deltas: Sequence[int]) -> Any:
+        """Values of ``queries + deltas[j]`` for every host int ``deltas[j]``, in one
+        ``sc_hash_lookup_offsets<long long>`` launch.
 
         Args:
             table: from `hash_build`.
             queries: integer ``[M]``, non-negative (padded-grid keys, as the rulebook
-                builders pass): a negative query answers -1 across its whole window.
-            width: window length, >= 0.
-            step: key distance between window positions.
-            out: optional C-contiguous int64 ``[width, M]`` array to write into.
+                builders pass): a negative query answers -1 for every delta.
+            deltas: host ints, the key distances to look up.
 
         Returns:
-            int64 ``[width, M]`` (``out`` when given), -1 where absent.
+            int64 ``[len(deltas), M]``, -1 where absent.
         """
         xp = self.xp
-        check_integer_vector(queries, "queries", "hash_lookup_window")
-        width, step = int(width), int(step)
-        if width < 0:
-            raise ValueError(f"hash_lookup_window: width must be >= 0, got {width}")
-        if width > np.iinfo(np.int32).max:
-            raise ValueError(f"hash_lookup_window: width {width} exceeds the kernel's int32 offset count")
+        check_integer_vector(queries, "queries", "hash_lookup_offsets")
+        deltas = np.asarray(deltas, dtype=np.int64).reshape(-1)
+        if deltas.shape[0] > np.iinfo(np.int32).max:
+            raise ValueError(f"hash_lookup_offsets: {deltas.shape[0]} deltas exceed the kernel's int32 offset count")
         queries = xp.ascontiguousarray(queries, dtype=xp.int64)
-        count = int(queries.shape[0])
-        deltas = xp.arange(width, dtype=xp.int64) * np.int64(step)
-        if out is None:
-            out = xp.empty((width, count), dtype=xp.int64)
-        elif tuple(out.shape) != (width, count) or out.dtype != xp.int64 or not out.flags.c_contiguous:
-            raise ValueError(
-                f"hash_lookup_window: out must be a C-contiguous int64 [{width}, {count}] array, got "
-                f"{out.dtype} {tuple(out.shape)}"
-            )
-        self._run("sc_hash_lookup_offsets", ("int64",), count * width,
-                  (queries, np.int64(count), deltas, np.int32(width), table.table_keys, table.table_values,
-                   np.int64(table.capacity), out))
+        count, width = int(queries.shape[0]), int(deltas.shape[0])
+        out = xp.empty((width, count), dtype=xp.int64)
+        if count and width:
+            self._run("sc_hash_lookup_offsets", ("int64",), count * width,
+                      (queries, np.int64(count), xp.asarray(deltas), np.int32(width), table.table_keys,
+                       table.table_values, np.int64(table.capacity), out))
         return out
 
     def hash_items(self, table: KernelHashTable) -> tuple[Any, Any]:

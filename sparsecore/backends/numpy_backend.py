@@ -11,7 +11,7 @@ kernels of `sparsecore.backends._rulebook_kernels`: ``submanifold_pairs``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -87,26 +87,12 @@ class NumpyBackend:
         np.minimum(position, table.keys.shape[0] - 1, out=position)
         return np.where(table.keys[position] == queries, table.values[position], np.int64(-1))
 
-    def hash_lookup_window(self, table: SortedTable, queries: np.ndarray, width: int, step: int,
-                           out: np.ndarray | None = None) -> np.ndarray:
-        # One binary search for the window's first key, then at most `step`
-        # one-key moves per further window position: keys are unique integers,
-        # so between q and q + step there are at most `step` of them. The
-        # sentinel key stops every move inside the array.
-        if out is None:
-            out = np.empty((width, queries.shape[0]), dtype=np.int64)
-        position = np.searchsorted(table.keys, queries)
-        np.minimum(position, table.keys.shape[0] - 1, out=position)
-        current = table.keys[position]
-        target = queries.copy()
-        for column in range(width):
-            if column:
-                target += step
-                for _ in range(step):
-                    position += current < target
-                    current = table.keys[position]
-            np.copyto(out[column], table.values[position])
-            out[column][current != target] = -1
+    def hash_lookup_offsets(self, table: SortedTable, queries: np.ndarray, deltas: Sequence[int]) -> np.ndarray:
+        queries = np.asarray(queries, dtype=np.int64)
+        out = np.empty((len(deltas), queries.shape[0]), dtype=np.int64)
+        for row, delta in enumerate(deltas):
+            out[row] = self.hash_lookup(table, queries + np.int64(delta))
+        out[:, queries < 0] = -1
         return out
 
     def hash_items(self, table: SortedTable) -> tuple[np.ndarray, np.ndarray]:
