@@ -1,14 +1,15 @@
 """Chunks of kernel offsets: how a feature pass batches its gathers and scatters.
 
 A feature pass walks the kernel offsets of a rulebook; its pairs are stored
-offset by offset, so consecutive offsets own one contiguous range of pairs. A
-`PairChunk` is such a range, sized by the backend's ``chunk_elements``. A conv
-lays a chunk's rows out as ``[m, W]`` (`chunk_rows`: ``m`` offsets, each padded
-with row -1 to the widest one's ``W`` pairs), so a chunk costs one gather, one
-batched GEMM (``[m, W, a] @ [m, a, b]``) and one
-`ArrayBackend.scatter_add_pairs`. The NumPy backend takes one offset per chunk
-(cache-sized work, no padding); the GPU backend takes as many as fit, so a
-layer costs a few launches instead of three per offset.
+offset by offset. A `PairChunk` is a run of offsets (each located by its own
+first pair and count, so a chunk may step over a submanifold centre, which
+runs as a plain GEMM), sized by the backend's ``chunk_elements``. A conv lays a
+chunk's rows out as ``[m, W]`` (`chunk_rows`: ``m`` offsets, each padded with
+row -1 to the widest one's ``W`` pairs), so a chunk costs one gather, one
+batched GEMM (``[m, W, a] @ [m, a, b]``) and one scatter. The NumPy backend
+takes one offset per chunk (cache-sized work, no padding); the GPU backend
+takes as many as fit, so a layer costs a few launches instead of three per
+offset.
 """
 
 from __future__ import annotations
@@ -21,30 +22,17 @@ __all__ = ["PairChunk", "pair_chunks", "chunk_rows", "check_padded_pairs"]
 
 @dataclass(frozen=True)
 class PairChunk:
-    """Consecutive kernel offsets whose pairs a feature pass handles together.
+    """Kernel offsets whose pairs a feature pass handles together.
 
     Attributes:
         offsets: the kernel offsets, increasing, each with at least one pair.
-        start: the chunk's first pair (index into the rulebook's pair arrays).
-        stop: one past its last pair.
-        local_starts: ``len(offsets) + 1`` pair positions relative to ``start``:
-            offset ``offsets[j]`` owns ``[local_starts[j], local_starts[j + 1])``.
+        starts: the first pair of each offset (index into the rulebook's pair arrays).
+        counts: the pairs of each offset.
     """
 
     offsets: tuple[int, ...]
-    start: int
-    stop: int
-    local_starts: tuple[int, ...]
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        """The pairs of each offset of the chunk."""
-        return tuple(b - a for a, b in zip(self.local_starts[:-1], self.local_starts[1:]))
-
-    @property
-    def starts(self) -> tuple[int, ...]:
-        """The first pair of each offset of the chunk (index into the rulebook's pair arrays)."""
-        return tuple(self.start + local for local in self.local_starts[:-1])
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
 
     @property
     def width(self) -> int:
@@ -64,37 +52,33 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
             to the widest one's ``W`` pairs, the `chunk_rows` layout); an offset
             larger than that is a chunk of its own. 0 gives one offset per chunk.
         skip: an offset to leave out (a submanifold centre, run as a plain
-            GEMM), or -1. Chunks never reach across it.
+            GEMM), or -1. A chunk may hold the offsets on both sides of it (each
+            offset's pairs are located by its own start), so a layer whose pairs
+            fit the budget is one chunk.
 
     Returns:
         The chunks, in offset order.
     """
     chunks: list[PairChunk] = []
     offsets: list[int] = []
-    chunk_start = 0
     widest = 0
 
-    def close(stop: int) -> None:
+    def close() -> None:
         if offsets:
-            local = tuple(offset_starts[offset] - chunk_start for offset in offsets) + (stop - chunk_start,)
-            chunks.append(PairChunk(tuple(offsets), chunk_start, stop, local))
+            chunks.append(PairChunk(tuple(offsets), tuple(offset_starts[offset] for offset in offsets),
+                                    tuple(offset_starts[offset + 1] - offset_starts[offset] for offset in offsets)))
         offsets.clear()
 
     for offset in range(len(offset_starts) - 1):
-        start, stop = offset_starts[offset], offset_starts[offset + 1]
-        if stop == start:
+        count = offset_starts[offset + 1] - offset_starts[offset]
+        if count == 0 or offset == skip:
             continue
-        if offset == skip:
-            close(start)
-            continue
-        contiguous = bool(offsets) and offset_starts[offsets[-1] + 1] == start
-        fits = (len(offsets) + 1) * max(widest, stop - start) * channels <= chunk_elements
-        if not (contiguous and fits):
-            close(offset_starts[offsets[-1] + 1] if offsets else start)
-            chunk_start, widest = start, 0
+        if (len(offsets) + 1) * max(widest, count) * channels > chunk_elements:
+            close()
+            widest = 0
         offsets.append(offset)
-        widest = max(widest, stop - start)
-    close(offset_starts[offsets[-1] + 1] if offsets else 0)
+        widest = max(widest, count)
+    close()
     return tuple(chunks)
 
 
@@ -118,10 +102,12 @@ def chunk_rows(xp: Any, pair_arrays: tuple[Any, ...], chunk: PairChunk, width: i
     if width < chunk.width:
         raise ValueError(f"chunk_rows: width must be at least the chunk's widest offset ({chunk.width}), got {width}")
     if len(chunk.offsets) == 1 and width == chunk.width:
-        return tuple(rows[chunk.start:chunk.stop].reshape(1, -1) for rows in pair_arrays)
+        first = chunk.starts[0]
+        return tuple(rows[first:first + chunk.counts[0]].reshape(1, -1) for rows in pair_arrays)
     step = xp.arange(width, dtype=xp.int64)[None, :]
-    valid = step < xp.asarray(chunk.counts, dtype=xp.int64)[:, None]
-    positions = xp.minimum(xp.asarray(chunk.starts, dtype=xp.int64)[:, None] + step, chunk.stop - 1)
+    counts = xp.asarray(chunk.counts, dtype=xp.int64)[:, None]
+    valid = step < counts
+    positions = xp.asarray(chunk.starts, dtype=xp.int64)[:, None] + xp.minimum(step, counts - 1)  # in each offset
     return tuple(xp.where(valid, xp.take(rows, positions), -1).astype(xp.int32, copy=False) for rows in pair_arrays)
 
 
