@@ -133,3 +133,37 @@ __global__ void sc_hash_lookup_offsets(const long long* __restrict__ keys, long 
     out[e] = sc::find_value(table_keys, table_values, capacity, query);
   }
 }
+
+// Packed keys of sites (the layout of sparsecore.hashing.pack_keys): for site i of
+// indices int32 [n, columns] (batch first), key[i] = sum_c (indices[i, c] + addends[c])
+// * strides[c], with strides int64 [columns] (the packed grid's row-major strides, the
+// last 1) and addends int64 [columns] (0 for the batch, the margin for each axis). The
+// caller checks that every key fits int64 and every site lies in the padded grid.
+// Launch over n threads.
+__global__ void sc_pack_keys(const int* __restrict__ indices, long long n, int columns,
+                             const long long* __restrict__ strides,
+                             const long long* __restrict__ addends, long long* __restrict__ keys) {
+  sc::for_each_element(n, 1, [&](long long i, long long, long long) {
+    long long key = 0;
+    for (int c = 0; c < columns; ++c) {
+      key += (static_cast<long long>(indices[i * columns + c]) + __ldg(addends + c)) * __ldg(strides + c);
+    }
+    keys[i] = key;
+  });
+}
+
+// The inverse of sc_pack_keys for keys >= 0 of the packed grid: indices[i, c] =
+// (key[i] % strides[c - 1]) / strides[c] - addends[c] (the batch: key[i] / strides[0]),
+// as int32 [n, columns]. Launch over n threads.
+__global__ void sc_unpack_keys(const long long* __restrict__ keys, long long n, int columns,
+                               const long long* __restrict__ strides,
+                               const long long* __restrict__ addends, int* __restrict__ indices) {
+  sc::for_each_element(n, 1, [&](long long i, long long, long long) {
+    long long remainder = keys[i];
+    for (int c = 0; c < columns; ++c) {
+      const long long stride = __ldg(strides + c);
+      indices[i * columns + c] = static_cast<int>(remainder / stride - __ldg(addends + c));
+      remainder %= stride;
+    }
+  });
+}

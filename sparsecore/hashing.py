@@ -58,6 +58,7 @@ def pack_keys(
     margin: Sequence[int] | None = None,
     *,
     assume_in_range: bool = False,
+    backend: Any | None = None,
 ) -> Any:
     """Packs ``(batch, coords...)`` rows into int64 keys, row-major.
 
@@ -69,6 +70,8 @@ def pack_keys(
             it on both sides (rulebook builders use the kernel's reach).
         assume_in_range: skip the range check, for sites the library checked or
             produced (no host synchronisation on the GPU).
+        backend: the primitives to run on; by default the backend of ``indices``
+            (on the GPU, int32 sites are packed by one kernel launch).
 
     Returns:
         int64 ``[N]`` keys; ``key = ((b * S_0 + c_0 + m_0) * S_1 + c_1 + m_1) ...``
@@ -99,6 +102,9 @@ def pack_keys(
     if not assume_in_range:
         _check_packable_sites(indices, spatial_shape, batch_size, margin)
     strides = key_strides(spatial_shape, margin)
+    packed = getattr(backend if backend is not None else backend_for(indices), "pack_site_keys", None)
+    if packed is not None and indices.dtype == xp.int32:  # the kernel backend: one launch
+        return packed(indices, strides, (0, *margin))
     keys = indices[:, 0].astype(xp.int64) * strides[0]
     for axis, extra in enumerate(margin):
         column = indices[:, axis + 1].astype(xp.int64)
@@ -127,13 +133,21 @@ def _check_packable_sites(indices: Any, spatial_shape: tuple[int, ...], batch_si
         )
 
 
-def unpack_keys(keys: Any, spatial_shape: Sequence[int], margin: Sequence[int] | None = None) -> Any:
-    """Inverse of `pack_keys`: int64 keys ``[N]`` to int32 ``[N, 1 + D]`` indices."""
+def unpack_keys(keys: Any, spatial_shape: Sequence[int], margin: Sequence[int] | None = None, *,
+                backend: Any | None = None) -> Any:
+    """Inverse of `pack_keys`: int64 keys ``[N]`` to int32 ``[N, 1 + D]`` indices.
+
+    ``backend``: the primitives to run on; by default the backend of ``keys`` (on the
+    GPU, one kernel launch).
+    """
     keys = check_integer_array(keys, "keys", ndim=1)
     xp = array_module(keys)
     spatial_shape = tuple(int(size) for size in spatial_shape)
-    margin = tuple(margin) if margin is not None else (0,) * len(spatial_shape)
+    margin = tuple(int(extra) for extra in margin) if margin is not None else (0,) * len(spatial_shape)
     strides = key_strides(spatial_shape, margin)
+    unpacked = getattr(backend if backend is not None else backend_for(keys), "unpack_site_keys", None)
+    if unpacked is not None:  # the kernel backend: one launch
+        return unpacked(keys, strides, (0, *margin))
     out = xp.empty((keys.shape[0], len(spatial_shape) + 1), dtype=xp.int32)
     remainder = keys
     out[:, 0] = remainder // strides[0]

@@ -250,7 +250,7 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
                  backend: ArrayBackend, assume_unique: bool) -> Rulebook:
     xp = backend.xp
     reach = tuple(d * (k - 1) // 2 for k, d in zip(geometry.kernel_size, geometry.dilation))
-    keys = pack_keys(indices, shape, batch, margin=reach, assume_in_range=True)
+    keys = pack_keys(indices, shape, batch, margin=reach, assume_in_range=True, backend=backend)
     rows = xp.arange(indices.shape[0], dtype=xp.int64)
     table, duplicate = backend.hash_build(keys, rows, check_duplicates=not assume_unique)
     if duplicate is not None:
@@ -304,13 +304,13 @@ def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeo
         )
     check_packable(out_shape, batch)
     if not assume_unique and indices.shape[0] > 1:
-        keys = pack_keys(indices, shape, batch, assume_in_range=True)
+        keys = pack_keys(indices, shape, batch, assume_in_range=True, backend=backend)
         _, duplicate = backend.hash_build(keys, xp.arange(indices.shape[0], dtype=xp.int64))
         if duplicate is not None:
             _raise_duplicate(indices, duplicate, "indices")
     pair_input, candidate_keys, starts = backend.conv_candidate_pairs(indices, geometry, out_shape)
     output_keys, inverse = backend.unique_inverse(candidate_keys)
-    output_indices = unpack_keys(output_keys, out_shape)
+    output_indices = unpack_keys(output_keys, out_shape, backend=backend)
     return _made_rulebook(geometry, shape, out_shape, batch, indices, output_indices,
                           pair_input, inverse.astype(xp.int32), starts)
 

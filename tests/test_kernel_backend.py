@@ -110,6 +110,20 @@ def test_hash_lookup_offsets(target, count, deltas):
     assert_equal(target.get(actual), expected, "hash_lookup_offsets")
 
 
+@pytest.mark.parametrize("count", [0, 1, 200])
+def test_pack_and_unpack_keys_launch_one_kernel_each(target, count):
+    # sparsecore.pack_keys / unpack_keys on the kernel backend: one launch each, the NumPy results
+    rng = rng_for(40, count)
+    shape, margin = (9, 40, 33), (1, 2, 1)
+    indices = random_sites(rng, count, shape, 3).reshape(count, 4)
+    backend, launcher = target.recording()
+    keys = sc.pack_keys(target.put(indices), shape, 3, margin=margin, backend=backend)
+    assert_equal(target.get(keys), sc.pack_keys(indices, shape, 3, margin=margin), "pack_keys")
+    back = sc.unpack_keys(keys, shape, margin, backend=backend)
+    assert_equal(target.get(back), indices.astype(np.int32), "unpack_keys")
+    assert [record.expression for record in launcher.records] == (["sc_pack_keys", "sc_unpack_keys"] if count else [])
+
+
 @pytest.mark.parametrize("count", [0, 1, 230])
 def test_unique_inverse(target, count):
     keys = rng_for(3, count).integers(0, max(count // 3, 1), size=count).astype(np.int64)
@@ -301,20 +315,21 @@ def test_duplicate_sites_raise_the_same_error(target, kind):
 
 
 @pytest.mark.parametrize("case, kernels", [
-    (RULEBOOK_CASES[2], {"sc_hash_insert", "sc_hash_lookup_offsets", "sc_compact_count", "sc_compact_write",
-                         "sc_mirror_pairs"}),
-    (RULEBOOK_CASES[6], {"sc_hash_insert", "sc_regular_conv_candidates", "sc_compact_count", "sc_compact_write"}),
-    (RULEBOOK_CASES[10], {"sc_hash_insert", "sc_transposed_conv_candidates", "sc_compact_count",
-                          "sc_compact_write"}),
+    (RULEBOOK_CASES[2], {"sc_pack_keys", "sc_hash_insert", "sc_hash_lookup_offsets", "sc_compact_count",
+                         "sc_compact_write", "sc_mirror_pairs"}),
+    (RULEBOOK_CASES[6], {"sc_pack_keys", "sc_hash_insert", "sc_regular_conv_candidates", "sc_compact_count",
+                         "sc_compact_write", "sc_unpack_keys"}),
+    (RULEBOOK_CASES[10], {"sc_pack_keys", "sc_hash_insert", "sc_transposed_conv_candidates", "sc_compact_count",
+                          "sc_compact_write", "sc_unpack_keys"}),
 ], ids=["subm", "regular", "transposed"])
 def test_rulebook_builders_run_the_kernels(target, case, kernels):
     backend, launcher = target.recording()
     indices = target.put(random_sites(rng_for(12), 100, case[1], 1))
     sc.build_rulebook(indices, case[1], 1, _geometry(case), backend=backend)
     assert launcher.kernel_names() == kernels
-    # a constant number of launches, not a few per kernel offset (subm: one insert, one windowed lookup
-    # per row of the kernel's last axis, the two compaction passes, one mirror)
-    assert len(launcher.records) <= 9, [record.expression for record in launcher.records]
+    # one launch per kernel, none per kernel offset (subm: the sites packed, one insert, one lookup of
+    # every offset below the centre, the two compaction passes, one mirror)
+    assert len(launcher.records) == len(kernels), [record.expression for record in launcher.records]
 
 
 # ============================================================== feature passes

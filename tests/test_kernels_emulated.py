@@ -20,6 +20,7 @@ try:
 except ImportError:  # tests/ is a package: import through it
     from tests.cuda_emulation import harness, launchers, numpy_twins as twins
 
+import sparsecore as sc
 from sparsecore.backends import kernel_registry
 
 DTYPES = tuple(twins.STORAGE_DTYPES)
@@ -138,6 +139,25 @@ def test_hash_lookup_offsets_padded_grid(backend, n):
 
 
 # ------------------------------------------------------------ gather_scatter.cu
+
+
+@pytest.mark.parametrize("n, shape, margin", [(0, (4, 5), (0, 0)), (1, (7,), (2,)), (150, (9, 10, 11), (1, 1, 1)),
+                                             (90, (300, 2, 70000), (3, 0, 1))])
+def test_pack_and_unpack_keys(backend, n, shape, margin):
+    rng = _rng(14, n, len(shape))
+    batch = 3
+    indices = np.column_stack([rng.integers(0, batch, size=n)]
+                              + [rng.integers(-extra, size + extra, size=n) for size, extra in zip(shape, margin)])
+    indices = indices.astype(np.int32).reshape(n, 1 + len(shape))
+    strides = sc.hashing.key_strides(shape, margin)
+    addends = (0, *margin)
+    keys = backend.launch.pack_keys(backend.put(indices), strides, addends)
+    np.testing.assert_array_equal(backend.get(keys), twins.pack_keys(indices, strides, addends))
+    if n:  # the library's NumPy packing agrees (sites in the padded grid)
+        np.testing.assert_array_equal(backend.get(keys), sc.pack_keys(indices, shape, batch, margin=margin))
+    back = backend.launch.unpack_keys(keys, strides, addends)
+    np.testing.assert_array_equal(backend.get(back), twins.unpack_keys(backend.get(keys), strides, addends))
+    np.testing.assert_array_equal(backend.get(back), indices)
 
 
 def _row_case(dtype_name: str, channels: int, vector: int, *seed: int) -> tuple[np.random.Generator, str]:

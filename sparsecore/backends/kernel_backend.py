@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _kernel_int8, _kernel_layouts, _kernel_pairs, _launch
+from . import _kernel_int8, _kernel_keys, _kernel_layouts, _kernel_pairs, _launch
 from ._launch import INT64_MAX, KernelDevice, KernelLauncher, check_float, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
@@ -204,6 +204,14 @@ class KernelBackend:
                       (queries, np.int64(count), xp.asarray(deltas), np.int32(width), table.table_keys,
                        table.table_values, np.int64(table.capacity), out))
         return out
+
+    def pack_site_keys(self, indices: Any, strides: Sequence[int], addends: Sequence[int]) -> Any:
+        """int64 keys of int32 sites in one launch (`_kernel_keys`; `sparsecore.hashing.pack_keys` calls it)."""
+        return _kernel_keys.pack_site_keys(self.device, indices, strides, addends)
+
+    def unpack_site_keys(self, keys: Any, strides: Sequence[int], addends: Sequence[int]) -> Any:
+        """int32 sites of int64 keys in one launch (`_kernel_keys`; `sparsecore.hashing.unpack_keys` calls it)."""
+        return _kernel_keys.unpack_site_keys(self.device, keys, strides, addends)
 
     def hash_items(self, table: KernelHashTable) -> tuple[Any, Any]:
         """``(keys, values)`` int64 ``[N]`` each, sorted by key (``xp.argsort`` on the device)."""

@@ -118,6 +118,8 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             _per_type("sc_hash_insert", HASH_VALUE_TYPES),
             _per_type("sc_hash_lookup", HASH_VALUE_TYPES),
             _per_type("sc_hash_lookup_offsets", HASH_VALUE_TYPES),
+            KernelSpec("sc_pack_keys"),
+            KernelSpec("sc_unpack_keys"),
         ),
     ),
     KernelFile(

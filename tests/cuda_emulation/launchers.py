@@ -127,6 +127,26 @@ class Launcher:
                       np.int64(table.capacity), out])
         return out
 
+    def pack_keys(self, indices: Any, strides: Sequence[int], addends: Sequence[int]) -> Any:
+        """int64 ``[N]`` keys ``sum_c (indices[:, c] + addends[c]) * strides[c]`` of int32 ``[N, C]`` sites."""
+        xp = self.xp
+        indices = self._contiguous(indices, xp.int32)
+        n, columns = indices.shape
+        keys = xp.empty(n, dtype=xp.int64)
+        self._launch("sc_pack_keys", [], n, [indices, np.int64(n), np.int32(columns), self._small(list(strides), np.int64),
+                                             self._small(list(addends), np.int64), keys])
+        return keys
+
+    def unpack_keys(self, keys: Any, strides: Sequence[int], addends: Sequence[int]) -> Any:
+        """int32 ``[N, C]`` sites of int64 ``keys`` (the inverse of `pack_keys`)."""
+        xp = self.xp
+        keys = self._contiguous(keys, xp.int64)
+        n, columns = keys.shape[0], len(strides)
+        indices = xp.empty((n, columns), dtype=xp.int32)
+        self._launch("sc_unpack_keys", [], n, [keys, np.int64(n), np.int32(columns), self._small(list(strides), np.int64),
+                                               self._small(list(addends), np.int64), indices])
+        return indices
+
     # ---- gather_scatter.cu ----
 
     def gather_rows(self, source: Any, rows: Any, element_type: str | None = None, vector: int = 1) -> Any:

@@ -80,6 +80,25 @@ def hash_lookup(keys: np.ndarray, values: np.ndarray, queries: np.ndarray) -> np
     return out
 
 
+def pack_keys(indices: np.ndarray, strides, addends) -> np.ndarray:
+    """``sc_pack_keys``: one Python integer sum per site (no int64 wrap-around to hide an error)."""
+    keys = [sum((int(value) + int(addend)) * int(stride) for value, addend, stride in zip(row, addends, strides))
+            for row in np.asarray(indices).tolist()]
+    return np.array(keys, dtype=np.int64)
+
+
+def unpack_keys(keys: np.ndarray, strides, addends) -> np.ndarray:
+    """``sc_unpack_keys``: the mixed-radix digits of each key, minus the addends."""
+    rows = []
+    for key in np.asarray(keys).tolist():
+        row = []
+        for stride, addend in zip(strides, addends):
+            row.append(key // int(stride) - int(addend))
+            key %= int(stride)
+        rows.append(row)
+    return np.array(rows, dtype=np.int32).reshape(len(rows), len(strides))
+
+
 def gather_rows(source: np.ndarray, rows: np.ndarray) -> np.ndarray:
     out = np.zeros((rows.shape[0], source.shape[1]), dtype=source.dtype)
     valid = rows >= 0
