@@ -20,6 +20,8 @@
 // it was inserted more than once (the answer is the smallest value given).
 //
 // Negative keys and queries are skipped by insert and answer -1 on lookup.
+//
+// Also here: sc_pack_keys / sc_unpack_keys, the keys of sites (at the end).
 
 #include "sc_common.cuh"
 
