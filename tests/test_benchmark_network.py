@@ -257,5 +257,9 @@ def test_cuda_path_dry_run_on_a_stand_in_cupy(tmp_path: Path) -> None:
     memory = [row for row in document["rows"] if row["case"].startswith("memory SubMConv3d 64->64")]
     assert [row["stage"] for row in memory] == ["float32 peak MiB (not ms)", "float16 peak MiB (not ms)"]
     assert all(row["sparsecore_ms"] is not None for row in memory), memory
+    for row in memory:  # the chunk-budget sweep: the backend's own budget (NumPy's: one offset) and two smaller
+        sweep = next(note for note in row["notes"] if note.startswith("chunk budget"))
+        assert re.findall(r"(one offset per chunk|2\^\d+): [\d.]+ MiB, [\d.]+ ms", sweep) == [
+            "one offset per chunk", "2^24", "2^22"], sweep
     assert "CUPY_TF32=1" in document["header"]["child"]
     assert "Stand-in GPU" in document["header"]["device"]

@@ -37,6 +37,9 @@ __all__ = [
 # dtype -> (outputs, input gradient) relative tolerances
 TOLERANCES = {"float32": (1e-4, 5e-3), "tf32": (2e-2, 1e-1), "float16": (2e-2, 1e-1)}
 MEMORY_CHANNELS = 64
+MEMORY_CHUNK_BUDGETS = (1 << 24, 1 << 22)
+"""Chunk budgets (`ArrayBackend.chunk_elements`) the memory row also measures, beside the backend's own:
+peak memory against time per build + forward + backward, the trade-off of a smaller budget."""
 _MEBIBYTE = 2.0**20
 
 
@@ -183,10 +186,10 @@ def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: s
     geometry = sc.ConvGeometry.create(3, 3, kind="subm")
     shape = tuple(scene.spatial_shape)
 
-    def layer() -> Any:
-        rulebook = sc.build_rulebook(indices, shape, 1, geometry)
-        output = sc.conv_forward(features, weight, rulebook)
-        return output, sc.conv_backward(grad, features, weight, rulebook)
+    def layer(backend: Any | None = None) -> Any:
+        rulebook = sc.build_rulebook(indices, shape, 1, geometry, backend=backend)
+        output = sc.conv_forward(features, weight, rulebook, backend=backend)
+        return output, sc.conv_backward(grad, features, weight, rulebook, backend=backend)
 
     row = Row(f"memory SubMConv3d {MEMORY_CHANNELS}->{MEMORY_CHANNELS} {scene_name} ({count} voxels)",
               f"{dtype_name} peak MiB (not ms)")
@@ -200,6 +203,7 @@ def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: s
     row.sparsecore_ms = peak.peak_bytes / _MEBIBYTE
     row.notes.append(f"sparsecore: CuPy pool peak in use, inputs excluded; pool reservation "
                      f"+{peak.reserved_growth_bytes / _MEBIBYTE:.1f} MiB, {peak.blocks} allocations")
+    row.notes.append(_chunk_budget_note(device, features, layer))
     if not spconv_algorithms:
         return row
     try:
@@ -217,3 +221,31 @@ def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: s
     row.spconv_ms = peak_bytes / _MEBIBYTE
     row.notes.append(f"spconv {spconv_algorithm}: torch max_memory_allocated above start")
     return row
+
+
+def _chunk_budget_note(device: Any, features: Any, layer: Any) -> str:
+    """Peak MiB and median ms of ``layer(backend)`` at the backend's chunk budget and at `MEMORY_CHUNK_BUDGETS`."""
+    import dataclasses
+
+    from sparsecore.backends import backend_for
+    from sparsecore.benchmark.clocks import measure_median_ms
+    from sparsecore.benchmark.gpu_memory import measure_pool_peak
+
+    default = backend_for(features)
+    parts = []
+    for budget in (default.chunk_elements, *MEMORY_CHUNK_BUDGETS):
+        backend = dataclasses.replace(default, chunk_elements=budget)
+        try:
+            peak = measure_pool_peak(device.xp, lambda: layer(backend))
+            milliseconds, _ = measure_median_ms(device.clock, lambda _: layer(backend), lambda: None, 3, 1, 10.0)
+        except Exception as error:  # keep the row, say what broke
+            parts.append(f"{_budget_label(budget)}: failed ({type(error).__name__}: {error})")
+            continue
+        parts.append(f"{_budget_label(budget)}: {peak.peak_bytes / _MEBIBYTE:.1f} MiB, {milliseconds:.2f} ms")
+    return "chunk budget (elements): peak in use and time of rulebook + forward + backward: " + "; ".join(parts)
+
+
+def _budget_label(budget: int) -> str:
+    if budget <= 0:
+        return "one offset per chunk"
+    return f"2^{budget.bit_length() - 1}" if budget & (budget - 1) == 0 else str(budget)
