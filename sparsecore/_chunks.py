@@ -44,6 +44,11 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
                 skip: int = -1) -> tuple[PairChunk, ...]:
     """Groups the non-empty kernel offsets into chunks of at most ``chunk_elements`` gathered elements.
 
+    The fewest chunks of consecutive offsets that keep to the budget (greedy packing),
+    balanced where that count allows: offset counts that differ by at most one when
+    such a split keeps to the budget too (a layer that needs two chunks gets two
+    halves, not a full chunk and a remainder, so its peak memory stays lower).
+
     Args:
         offset_starts: ``K + 1`` pair positions of a rulebook.
         channels: the widest row a chunk gathers or produces (the more of the
@@ -59,27 +64,22 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
     Returns:
         The chunks, in offset order.
     """
-    chunks: list[PairChunk] = []
-    offsets: list[int] = []
-    widest = 0
+    counts = {offset: offset_starts[offset + 1] - offset_starts[offset] for offset in range(len(offset_starts) - 1)}
+    offsets = [offset for offset, count in counts.items() if count > 0 and offset != skip]
 
-    def close() -> None:
-        if offsets:
-            chunks.append(PairChunk(tuple(offsets), tuple(offset_starts[offset] for offset in offsets),
-                                    tuple(offset_starts[offset + 1] - offset_starts[offset] for offset in offsets)))
-        offsets.clear()
+    def fits(group: list[int]) -> bool:
+        return len(group) == 1 or len(group) * max(counts[offset] for offset in group) * channels <= chunk_elements
 
-    for offset in range(len(offset_starts) - 1):
-        count = offset_starts[offset + 1] - offset_starts[offset]
-        if count == 0 or offset == skip:
-            continue
-        if (len(offsets) + 1) * max(widest, count) * channels > chunk_elements:
-            close()
-            widest = 0
-        offsets.append(offset)
-        widest = max(widest, count)
-    close()
-    return tuple(chunks)
+    greedy: list[list[int]] = []  # the fewest chunks of consecutive offsets that keep to the budget
+    for offset in offsets:
+        if not greedy or not fits(greedy[-1] + [offset]):
+            greedy.append([])
+        greedy[-1].append(offset)
+    number = len(greedy)
+    balanced = [offsets[len(offsets) * part // number:len(offsets) * (part + 1) // number] for part in range(number)]
+    groups = balanced if all(fits(group) for group in balanced) else greedy
+    return tuple(PairChunk(tuple(group), tuple(offset_starts[offset] for offset in group),
+                           tuple(counts[offset] for offset in group)) for group in groups)
 
 
 def chunk_rows(xp: Any, pair_arrays: tuple[Any, ...], chunk: PairChunk, width: int | None = None) -> tuple[Any, ...]:

@@ -32,10 +32,27 @@ def test_chunks_cover_every_nonempty_offset_once_in_order(seed):
         assert chunk.width == max(chunk.counts)
         # the padded [m, W] layout of a chunk keeps to the budget, unless it is one offset
         assert len(chunk.offsets) == 1 or len(chunk.offsets) * chunk.width * channels <= budget
+    # the fewest chunks that keep to the budget, balanced (offset counts within one) where that count allows it
+    assert len(chunks) == min((number for number in range(1, len(expected) + 1)
+                               if _greedy_fits(expected, starts, channels, budget, number)), default=0)
+    sizes = [len(chunk.offsets) for chunk in chunks]
+    if chunks and _balanced_fits(expected, starts, channels, budget, len(chunks)):
+        assert max(sizes) - min(sizes) <= 1, sizes
     if budget == 0:
         assert all(len(chunk.offsets) == 1 for chunk in chunks)
     if budget == 10**9:  # everything fits: one chunk, across the skipped offset too
         assert len(chunks) <= 1
+
+
+def _greedy_fits(offsets, starts, channels, budget, number):
+    """Whether ``number`` chunks of consecutive offsets can keep to the budget (greedy packing is optimal here)."""
+    used, widest, members = 1, 0, 0
+    for offset in offsets:
+        count = starts[offset + 1] - starts[offset]
+        if members and (members + 1) * max(widest, count) * channels > budget:
+            used, widest, members = used + 1, 0, 0
+        widest, members = max(widest, count), members + 1
+    return used <= number
 
 
 def test_no_pairs_no_chunks():
@@ -56,3 +73,13 @@ def test_chunk_rows_pad_each_offset_to_the_widest(seed):
                 mine = source[starts[offset]:starts[offset + 1]]
                 np.testing.assert_array_equal(line[: mine.shape[0]], mine)
                 assert (line[mine.shape[0]:] == -1).all()
+
+
+def _balanced_fits(offsets, starts, channels, budget, number):
+    """Whether ``number`` consecutive groups of near-equal size (in offsets) each keep to the budget."""
+    for part in range(number):
+        group = offsets[len(offsets) * part // number:len(offsets) * (part + 1) // number]
+        widest = max(starts[offset + 1] - starts[offset] for offset in group)
+        if len(group) > 1 and len(group) * widest * channels > budget:
+            return False
+    return True
