@@ -14,6 +14,7 @@ offset.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ class PairChunk:
         return max(self.counts)
 
 
+@functools.lru_cache(maxsize=1024)
 def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: int,
                 skip: int = -1) -> tuple[PairChunk, ...]:
     """Groups the non-empty kernel offsets into chunks of at most ``chunk_elements`` gathered elements.
@@ -62,7 +64,7 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
             fit the budget is one chunk.
 
     Returns:
-        The chunks, in offset order.
+        The chunks, in offset order (memoised: a layer's passes ask again with the same sizes).
     """
     counts = {offset: offset_starts[offset + 1] - offset_starts[offset] for offset in range(len(offset_starts) - 1)}
     offsets = [offset for offset, count in counts.items() if count > 0 and offset != skip]
@@ -71,9 +73,12 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
         return len(group) == 1 or len(group) * max(counts[offset] for offset in group) * channels <= chunk_elements
 
     greedy: list[list[int]] = []  # the fewest chunks of consecutive offsets that keep to the budget
+    widest = 0
     for offset in offsets:
-        if not greedy or not fits(greedy[-1] + [offset]):
+        widest = max(widest, counts[offset])
+        if not greedy or (len(greedy[-1]) + 1) * widest * channels > chunk_elements:
             greedy.append([])
+            widest = counts[offset]
         greedy[-1].append(offset)
     number = len(greedy)
     balanced = [offsets[len(offsets) * part // number:len(offsets) * (part + 1) // number] for part in range(number)]
