@@ -73,12 +73,9 @@ def pair_chunks(offset_starts: tuple[int, ...], channels: int, chunk_elements: i
         return len(group) == 1 or len(group) * max(counts[offset] for offset in group) * channels <= chunk_elements
 
     greedy: list[list[int]] = []  # the fewest chunks of consecutive offsets that keep to the budget
-    widest = 0
     for offset in offsets:
-        widest = max(widest, counts[offset])
-        if not greedy or (len(greedy[-1]) + 1) * widest * channels > chunk_elements:
+        if not greedy or not fits(greedy[-1] + [offset]):
             greedy.append([])
-            widest = counts[offset]
         greedy[-1].append(offset)
     number = len(greedy)
     balanced = [offsets[len(offsets) * part // number:len(offsets) * (part + 1) // number] for part in range(number)]

@@ -52,8 +52,11 @@ class _Tally:
         self.kinds: Counter = Counter()
         self.sites: Counter = Counter()
         self.stages = ["outside the layers"]
+        self.paused = 0  # inside the emulation's own GEMM: not counted
 
     def add(self, kind: str, what: str) -> None:
+        if self.paused:
+            return
         stage = self.stages[-1]
         self.kinds[(stage, kind)] += 1
         frame = sys._getframe(2)
@@ -158,11 +161,11 @@ def _counting(tally: _Tally, backend: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _silenced(tally: _Tally) -> Iterator[None]:
-    kinds, sites = tally.kinds.copy(), tally.sites.copy()
+    tally.paused += 1
     try:
         yield
     finally:
-        tally.kinds, tally.sites = kinds, sites
+        tally.paused -= 1
 
 
 @contextlib.contextmanager

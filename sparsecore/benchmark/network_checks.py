@@ -203,7 +203,7 @@ def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: s
     row.sparsecore_ms = peak.peak_bytes / _MEBIBYTE
     row.notes.append(f"sparsecore: CuPy pool peak in use, inputs excluded; pool reservation "
                      f"+{peak.reserved_growth_bytes / _MEBIBYTE:.1f} MiB, {peak.blocks} allocations")
-    row.notes.append(_chunk_budget_note(device, features, layer))
+    row.notes.append(_chunk_budget_note(device, features, layer, peak.peak_bytes))
     if not spconv_algorithms:
         return row
     try:
@@ -223,8 +223,9 @@ def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: s
     return row
 
 
-def _chunk_budget_note(device: Any, features: Any, layer: Any) -> str:
-    """Peak MiB and median ms of ``layer(backend)`` at the backend's chunk budget and at `MEMORY_CHUNK_BUDGETS`."""
+def _chunk_budget_note(device: Any, features: Any, layer: Any, default_peak_bytes: int) -> str:
+    """Peak MiB and median ms of ``layer(backend)`` at the backend's chunk budget (its peak measured
+    already: ``default_peak_bytes``) and at `MEMORY_CHUNK_BUDGETS`."""
     import dataclasses
 
     from sparsecore.backends import backend_for
@@ -236,12 +237,13 @@ def _chunk_budget_note(device: Any, features: Any, layer: Any) -> str:
     for budget in (default.chunk_elements, *MEMORY_CHUNK_BUDGETS):
         backend = dataclasses.replace(default, chunk_elements=budget)
         try:
-            peak = measure_pool_peak(device.xp, lambda: layer(backend))
+            peak_bytes = (default_peak_bytes if budget == default.chunk_elements
+                          else measure_pool_peak(device.xp, lambda: layer(backend)).peak_bytes)
             milliseconds, _ = measure_median_ms(device.clock, lambda _: layer(backend), lambda: None, 3, 1, 10.0)
         except Exception as error:  # keep the row, say what broke
             parts.append(f"{_budget_label(budget)}: failed ({type(error).__name__}: {error})")
             continue
-        parts.append(f"{_budget_label(budget)}: {peak.peak_bytes / _MEBIBYTE:.1f} MiB, {milliseconds:.2f} ms")
+        parts.append(f"{_budget_label(budget)}: {peak_bytes / _MEBIBYTE:.1f} MiB, {milliseconds:.2f} ms")
     return "chunk budget (elements): peak in use and time of rulebook + forward + backward: " + "; ".join(parts)
 
 
