@@ -207,7 +207,8 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
             "scene": f"{scene.source}: {len(scene.indices)} voxels, spatial shape {scene.spatial_shape}, "
             f"batch {scene.batch_size}",
             "points": f"{inputs.points_source}: {len(inputs.points)} points",
-            "timing": f"median of {arguments.repeat} after 1 warm-up, time.perf_counter, float32",
+            "timing": (f"median of {arguments.repeat} after 1 warm-up, time.perf_counter, float32; sparsecore and "
+                       "spconv taking turns run by run"),
         }
     )
     print(report.format_table(header, rows), end="")

@@ -22,9 +22,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
-
-from sparsecore.benchmark.timing import median_seconds_with_setup
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 __all__ = [
     "Clock",
@@ -32,6 +30,8 @@ __all__ = [
     "EventClock",
     "CupyEventClock",
     "TorchEventClock",
+    "TimedWork",
+    "measure_interleaved_ms",
     "measure_median_ms",
     "StageRecorder",
     "NULL_RECORDER",
@@ -104,50 +104,82 @@ def TorchEventClock(torch: Any) -> EventClock:  # noqa: N802 (named as the clock
                       lambda start, stop: start.elapsed_time(stop))
 
 
-def measure_median_ms(clock: Clock, function: Callable[[Any], Any], setup: Callable[[], Any],
-                      repeat: int, warmup: int, max_seconds: float) -> tuple[float, int]:
-    """Median time of ``function(setup())`` after warm-up, timing ``function`` only.
+@dataclass(frozen=True)
+class TimedWork:
+    """One engine's work in an interleaved measurement (`measure_interleaved_ms`).
 
-    The number of timed runs is ``repeat``, fewer when the last warm-up run
-    (the first may compile kernels) shows that ``repeat`` runs would take
-    longer than ``max_seconds`` (at least 3 then, or ``repeat`` if smaller).
-
-    Args:
-        clock: the device's clock.
+    Attributes:
+        clock: the clock of the device the work runs on.
         function: the work to time, given what ``setup`` returned.
         setup: builds one run's argument (not timed), e.g. a fresh autograd graph.
-        repeat: timed runs wanted (at least 1).
-        warmup: untimed runs first (at least 1: it sizes the repeat count).
-        max_seconds: time budget for the timed runs.
+    """
+
+    clock: Clock
+    function: Callable[[Any], Any]
+    setup: Callable[[], Any] = field(default=lambda: None)
+
+
+def measure_interleaved_ms(works: Sequence[TimedWork], repeat: int, warmup: int,
+                           max_seconds: float) -> list[tuple[float, int]]:
+    """Median time of each work's ``function(setup())``, the works taking turns run by run.
+
+    Taking turns (sparsecore, spconv, sparsecore, spconv, ...) spreads a shared
+    machine's changing load over every engine alike, so the ratio of two
+    medians compares the engines under the same conditions. The number of
+    timed runs is ``repeat`` for every work, fewer when the last warm-up round
+    (the first may compile kernels) shows that ``repeat`` runs of the slowest
+    work would take longer than ``max_seconds`` (at least 3 then, or
+    ``repeat`` if smaller).
+
+    Args:
+        works: what to time, in the order each round runs them.
+        repeat: timed runs wanted per work (at least 1).
+        warmup: untimed rounds first (at least 1: it sizes the repeat count).
+        max_seconds: time budget per work for its timed runs.
+
+    Returns:
+        Per work, in order: ``(median milliseconds, number of timed runs)``.
+
+    Raises:
+        ValueError: when ``repeat`` is below 1.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+    per_run = [0.0] * len(works)
+    for _ in range(max(warmup, 1)):
+        for position, work in enumerate(works):
+            argument = work.setup()
+            work.clock.synchronize()
+            started = time.perf_counter()
+            work.function(argument)
+            work.clock.synchronize()
+            per_run[position] = time.perf_counter() - started
+    runs = repeat
+    slowest = max(per_run, default=0.0)
+    if slowest * repeat > max_seconds:
+        runs = max(min(repeat, 3), int(max_seconds / max(slowest, 1e-9)))
+    durations: list[list[float]] = [[] for _ in works]
+    for _ in range(runs):
+        for position, work in enumerate(works):
+            argument = work.setup()
+            work.clock.synchronize()
+            start = work.clock.mark()
+            work.function(argument)
+            stop = work.clock.mark()
+            work.clock.synchronize()
+            durations[position].append(work.clock.elapsed_ms(start, stop))
+    return [(statistics.median(times), runs) for times in durations]
+
+
+def measure_median_ms(clock: Clock, function: Callable[[Any], Any], setup: Callable[[], Any],
+                      repeat: int, warmup: int, max_seconds: float) -> tuple[float, int]:
+    """Median time of ``function(setup())`` after warm-up, timing ``function`` only: one work of
+    `measure_interleaved_ms` (whose arguments this shares).
 
     Returns:
         ``(median milliseconds, number of timed runs)``.
     """
-    if repeat < 1:
-        raise ValueError(f"repeat must be at least 1, got {repeat}")
-    per_run = 0.0
-    for _ in range(max(warmup, 1)):
-        argument = setup()
-        clock.synchronize()
-        started = time.perf_counter()
-        function(argument)
-        clock.synchronize()
-        per_run = time.perf_counter() - started
-    runs = repeat
-    if per_run * repeat > max_seconds:
-        runs = max(min(repeat, 3), int(max_seconds / max(per_run, 1e-9)))
-    if isinstance(clock, HostClock):
-        return median_seconds_with_setup(setup, function, runs, warmup=0) * 1000.0, runs
-    durations = []
-    for _ in range(runs):
-        argument = setup()
-        clock.synchronize()
-        start = clock.mark()
-        function(argument)
-        stop = clock.mark()
-        clock.synchronize()
-        durations.append(clock.elapsed_ms(start, stop))
-    return statistics.median(durations), runs
+    return measure_interleaved_ms([TimedWork(clock, function, setup)], repeat, warmup, max_seconds)[0]
 
 
 @dataclass

@@ -5,12 +5,14 @@ same scene: building the rulebook from the indices, the forward feature pass
 given the rulebook, and the backward pass (gradients of features and weight)
 given the rulebook. It then times voxelization of the first points of the raw
 scan. Where spconv is importable, the same layers run in spconv with the same
-weights in the same process, and the outputs and gradients of both are
-checked against each other.
+weights in the same process, the two engines taking turns run by run within
+each stage (so a shared machine's changing load falls on both alike), and the
+outputs and gradients of both are checked against each other.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,8 @@ from sparsecore.benchmark.cases import (
     Row,
     VoxelizeSpec,
 )
-from sparsecore.benchmark.timing import MachinePeaks, median_seconds, median_seconds_with_setup
+from sparsecore.benchmark.clocks import HostClock, TimedWork, measure_interleaved_ms
+from sparsecore.benchmark.timing import MachinePeaks
 
 __all__ = [
     "RELATIVE_TOLERANCE",
@@ -122,11 +125,26 @@ def _sorted_rows(indices: np.ndarray) -> np.ndarray:
     return np.lexsort(indices.T[::-1])
 
 
+def _interleaved_seconds(ours: TimedWork, theirs: TimedWork | None, repeat: int) -> tuple[float, float | None]:
+    """Median seconds of ``ours`` and ``theirs`` (None: not timed), the two taking turns run by run."""
+    works = [ours] if theirs is None else [ours, theirs]
+    medians = [milliseconds / MILLISECONDS for milliseconds, _ in measure_interleaved_ms(works, repeat, 1, math.inf)]
+    return medians[0], (medians[1] if theirs is not None else None)
+
+
+def _spconv_failure(rows: list[Row], error: Exception) -> None:
+    """Notes spconv's failure on ``rows`` (its numbers stay out; sparsecore's are timed alone)."""
+    message = f"spconv failed: {type(error).__name__}: {error}"
+    for row in rows:
+        row.agreement = "MISMATCH" if isinstance(error, ValueError) else "-"
+        row.notes.append(message)
+
+
 def run_layer(
     layer: LayerSpec, scene: scenes.VoxelScene, repeat: int, spconv_torch: Any | None, seed: int = 0,
     peaks: MachinePeaks | None = None,
 ) -> list[Row]:
-    """Times one layer's stages in sparsecore (and spconv), checking they agree.
+    """Times one layer's stages in sparsecore (and spconv, each stage's runs taking turns), checking they agree.
 
     Args:
         layer: the layer.
@@ -152,54 +170,37 @@ def run_layer(
     def build() -> Any:
         return sc.build_rulebook(scene.indices, scene.spatial_shape, scene.batch_size, geometry)
 
-    rulebook_seconds = median_seconds(build, repeat)
     rulebook = build()
-    forward_seconds = median_seconds(lambda: sc.conv_forward(features, weight, rulebook), repeat)
     output = np.asarray(sc.conv_forward(features, weight, rulebook))
     grad_output = generator.standard_normal(output.shape).astype(np.float32)
-    backward_seconds = median_seconds_with_setup(
-        lambda: None, lambda _: sc.conv_backward(grad_output, features, weight, rulebook), repeat
-    )
     grad_features, grad_weight = sc.conv_backward(grad_output, features, weight, rulebook)
-
     size_note = f"{rulebook.num_input} -> {rulebook.num_output} sites, {rulebook.num_pairs} pairs"
-    rows = [
-        Row(layer.name, "rulebook", rulebook_seconds * MILLISECONDS, notes=[size_note]),
-        Row(layer.name, "forward", forward_seconds * MILLISECONDS,
-            notes=[rate_note(*layer_work(layer, rulebook.num_pairs, "forward"), forward_seconds, peaks)]),
-        Row(layer.name, "backward", backward_seconds * MILLISECONDS,
-            notes=[rate_note(*layer_work(layer, rulebook.num_pairs, "backward"), backward_seconds, peaks)]),
-    ]
-    if spconv_torch is None:
-        return rows
-
-    from sparsecore.benchmark.peer_spconv import run_spconv_layer
-
+    rows = [Row(layer.name, "rulebook", notes=[size_note]), Row(layer.name, "forward"), Row(layer.name, "backward")]
+    peer = None
     output_indices = np.asarray(rulebook.output_indices)
     order = _sorted_rows(output_indices)
-    try:
-        peer = run_spconv_layer(
-            spconv_torch,
-            layer,
-            features,
-            scene.indices,
-            scene.spatial_shape,
-            scene.batch_size,
-            weight,
-            output_indices[order],
-            grad_output[order],
-            repeat,
-        )
-    except Exception as error:  # report spconv's failure in the table, keep sparsecore's numbers
-        message = f"spconv failed: {type(error).__name__}: {error}"
-        for row in rows:
-            row.agreement = "MISMATCH" if isinstance(error, ValueError) else "-"
-            row.notes.append(message)
+    if spconv_torch is not None:
+        from sparsecore.benchmark.peer_spconv import prepare_spconv_layer
+
+        try:
+            peer = prepare_spconv_layer(spconv_torch, layer, features, scene.indices, scene.spatial_shape,
+                                        scene.batch_size, weight, output_indices[order], grad_output[order])
+        except Exception as error:  # report spconv's failure in the table, keep sparsecore's numbers
+            _spconv_failure(rows, error)
+    clock = HostClock()
+    ours = (TimedWork(clock, lambda _: build()),
+            TimedWork(clock, lambda _: sc.conv_forward(features, weight, rulebook)),
+            TimedWork(clock, lambda _: sc.conv_backward(grad_output, features, weight, rulebook)))
+    theirs = (None, None, None) if peer is None else (peer.rulebook, peer.forward, peer.backward)
+    for row, our_work, their_work in zip(rows, ours, theirs):
+        our_seconds, their_seconds = _interleaved_seconds(our_work, their_work, repeat)
+        row.sparsecore_ms = our_seconds * MILLISECONDS
+        row.spconv_ms = None if their_seconds is None else their_seconds * MILLISECONDS
+        if row.stage != "rulebook":
+            row.notes.append(rate_note(*layer_work(layer, rulebook.num_pairs, row.stage), our_seconds, peaks))
+    if peer is None:
         return rows
 
-    rows[0].spconv_ms = peer.rulebook_seconds * MILLISECONDS
-    rows[1].spconv_ms = peer.forward_seconds * MILLISECONDS
-    rows[2].spconv_ms = peer.backward_seconds * MILLISECONDS
     peer_order = _sorted_rows(peer.output_indices)
     sites_agree = np.array_equal(peer.output_indices[peer_order], output_indices[order])
     rows[0].agreement = "ok" if sites_agree else "MISMATCH: output sites"
@@ -218,7 +219,7 @@ def run_layer(
 
 
 def run_voxelize(spec: VoxelizeSpec, points: np.ndarray, repeat: int, spconv_torch: Any | None) -> Row:
-    """Times voxelization of the first ``spec.num_points`` points.
+    """Times voxelization of the first ``spec.num_points`` points (beside spconv's, taking turns).
 
     Args:
         spec: voxel size, range and capacities.
@@ -238,22 +239,24 @@ def run_voxelize(spec: VoxelizeSpec, points: np.ndarray, repeat: int, spconv_tor
             subset, spec.voxel_size, spec.coordinate_range, spec.max_num_points_per_voxel, spec.max_num_voxels
         )
 
-    seconds = median_seconds(run, repeat)
     result = run()
     ours = np.asarray(result.indices)
-    row = Row(spec.name, VOXELIZE_STAGE, seconds * MILLISECONDS)
+    row = Row(spec.name, VOXELIZE_STAGE)
     row.notes.append(f"{len(subset)} points -> {len(ours)} voxels")
-    if spconv_torch is None:
-        return row
+    peer = None
+    if spconv_torch is not None:
+        from sparsecore.benchmark.peer_spconv import prepare_spconv_voxelize
 
-    from sparsecore.benchmark.peer_spconv import run_spconv_voxelize
-
-    try:
-        peer = run_spconv_voxelize(spconv_torch, spec, subset, repeat)
-    except Exception as error:  # report spconv's failure in the table
-        row.notes.append(f"spconv failed: {type(error).__name__}: {error}")
+        try:
+            peer = prepare_spconv_voxelize(spconv_torch, spec, subset)
+        except Exception as error:  # report spconv's failure in the table
+            row.notes.append(f"spconv failed: {type(error).__name__}: {error}")
+    our_seconds, their_seconds = _interleaved_seconds(
+        TimedWork(HostClock(), lambda _: run()), None if peer is None else peer.voxelize, repeat)
+    row.sparsecore_ms = our_seconds * MILLISECONDS
+    if peer is None:
         return row
-    row.spconv_ms = peer.seconds * MILLISECONDS
+    row.spconv_ms = their_seconds * MILLISECONDS
     same_order = np.array_equal(ours, peer.coordinates)
     same_counts = np.array_equal(np.asarray(result.num_points_per_voxel), peer.num_points_per_voxel)
     if same_order and same_counts:

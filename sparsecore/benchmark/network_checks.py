@@ -29,6 +29,7 @@ __all__ = [
     "TOLERANCES",
     "MEMORY_CHANNELS",
     "compare_network_arrays",
+    "prepare_spconv_peers",
     "compare_with_spconv",
     "relative_error",
     "core_subm_memory_row",
@@ -85,11 +86,9 @@ def relative_error(values: np.ndarray, reference: np.ndarray) -> float:
     return difference / max(float(np.linalg.norm(reference64)), 1e-30) if values.size else 0.0
 
 
-def compare_with_spconv(torch: Any, device_name: str, dtype_name: str, scene: Any, sorted_indices: np.ndarray,
-                         sorted_output: np.ndarray, grad_features: np.ndarray, grad_sorted: np.ndarray,
-                         forward_row: Row, backward_row: Row, options: Any,
-                         reference: tuple[np.ndarray, np.ndarray] | None = None) -> list[Row]:
-    """Runs spconv's network for every algorithm of the options and checks it against sparsecore's.
+def prepare_spconv_peers(torch: Any, device_name: str, dtype_name: str, scene: Any, sorted_indices: np.ndarray,
+                         grad_sorted: np.ndarray, options: Any) -> list[Any]:
+    """spconv's network for every algorithm of the options, run once and ready to be timed.
 
     Args:
         torch: from an open `network_spconv.spconv_network_session`.
@@ -97,12 +96,44 @@ def compare_with_spconv(torch: Any, device_name: str, dtype_name: str, scene: An
         dtype_name: the benchmark dtype.
         scene: the `scenes.VoxelScene` (host arrays).
         sorted_indices: sparsecore's output sites, sorted.
-        sorted_output: sparsecore's output (with spconv's pool floor) on those sites.
-        grad_features: sparsecore's gradient of the input features for that network.
         grad_sorted: the output gradient on the sorted sites.
+        options: the suite's `NetworkOptions`.
+
+    Returns:
+        Per algorithm of ``options.spconv_algorithms``, in order: its
+        `network_spconv.SpconvNetwork`, or the exception it raised (reported
+        in the table by `compare_with_spconv`; a ValueError says the output
+        sites differ).
+    """
+    from sparsecore.benchmark import network
+    from sparsecore.benchmark.network_spconv import prepare_spconv_network
+
+    peers: list[Any] = []
+    for algorithm in options.spconv_algorithms:
+        try:
+            peers.append(prepare_spconv_network(
+                torch, device_name, dtype_name, algorithm, network.REFERENCE_NETWORK,
+                network.network_weights(network.REFERENCE_NETWORK, options.seed), scene.features, scene.indices,
+                tuple(scene.spatial_shape), sorted_indices, grad_sorted))
+        except Exception as error:  # reported in the table, sparsecore's numbers kept
+            peers.append(error)
+    return peers
+
+
+def compare_with_spconv(peers: list[Any], peer_times: list[tuple[float, float, int] | None], dtype_name: str,
+                        sorted_output: np.ndarray, grad_features: np.ndarray, forward_row: Row,
+                        backward_row: Row, reference: tuple[np.ndarray, np.ndarray] | None = None) -> list[Row]:
+    """Fills the rows with spconv's times and checks its results against sparsecore's.
+
+    Args:
+        peers: `prepare_spconv_peers`'s list (networks or the errors they raised).
+        peer_times: per peer, ``(forward ms, backward ms, backward runs)`` timed beside
+            sparsecore's, or None for a peer that failed.
+        dtype_name: the benchmark dtype.
+        sorted_output: sparsecore's output (with spconv's pool floor) on its sorted sites.
+        grad_features: sparsecore's gradient of the input features for that network.
         forward_row: the case's forward row, filled from the first algorithm.
         backward_row: the case's backward row, likewise.
-        options: the suite's `NetworkOptions`.
         reference: sparsecore's float64 output (sorted sites) and input gradient of the
             same network, or None: each backward row then notes both engines' relative
             errors against it, which says which engine is closer where they disagree.
@@ -110,33 +141,25 @@ def compare_with_spconv(torch: Any, device_name: str, dtype_name: str, scene: An
     Returns:
         Forward and backward rows for each further algorithm.
     """
-    from sparsecore.benchmark import network
-    from sparsecore.benchmark.network_spconv import run_spconv_network
-
     extra_rows: list[Row] = []
-    for position, algorithm in enumerate(options.spconv_algorithms):
+    for position, (peer, times) in enumerate(zip(peers, peer_times)):
+        algorithm = getattr(peer, "algorithm", None) or f"algorithm {position}"
         if position == 0:
             forward, backward = forward_row, backward_row
         else:
             forward = Row(forward_row.case, f"forward, spconv {algorithm}", forward_row.sparsecore_ms)
             backward = Row(backward_row.case, f"backward, spconv {algorithm}", backward_row.sparsecore_ms)
             extra_rows += [forward, backward]
-        forward.notes.append(f"spconv {algorithm}; checked with spconv's max-pool floor at 0 (spconv#754)"
-                             if position == 0 else f"spconv {algorithm}")
-        try:
-            peer = run_spconv_network(
-                torch, device_name, dtype_name, algorithm, network.REFERENCE_NETWORK,
-                network.network_weights(network.REFERENCE_NETWORK, options.seed), scene.features, scene.indices,
-                tuple(scene.spatial_shape), sorted_indices, grad_sorted, options.repeat, options.warmup,
-                options.max_seconds)
-        except Exception as error:  # report spconv's failure, keep sparsecore's numbers
-            message = f"spconv failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            forward.notes.append(message)
-            if isinstance(error, ValueError):
+        if isinstance(peer, Exception):
+            text = str(peer).splitlines()[0] if str(peer) else ""
+            forward.notes.append(f"spconv failed: {type(peer).__name__}: {text}")
+            if isinstance(peer, ValueError):
                 forward.agreement = "MISMATCH: output sites"
             continue
-        forward.spconv_ms, backward.spconv_ms = peer.forward_ms, peer.backward_ms
-        backward.notes.append(f"spconv median of {peer.backward_runs}")
+        forward.notes.append(f"spconv {algorithm}; checked with spconv's max-pool floor at 0 (spconv#754)"
+                             if position == 0 else f"spconv {algorithm}")
+        forward.spconv_ms, backward.spconv_ms, backward_runs = times
+        backward.notes.append(f"spconv median of {backward_runs}, taking turns with sparsecore")
         peer_order = np.lexsort(peer.output_indices.T[::-1])
         forward.agreement = compare_network_arrays("outputs", sorted_output, peer.output_features[peer_order],
                                                    dtype_name)

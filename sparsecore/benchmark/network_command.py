@@ -106,7 +106,7 @@ def _full_header(options: NetworkOptions, threads_applied: str, suite_header: di
     header.update({"threads requested": threads_applied, **suite_header})
     header["timing"] = (
         f"median of up to {options.repeat} runs after {options.warmup} warm-up ({clock}), at most "
-        f"~{options.max_seconds:g} s per measurement; stage and layer rows from {options.profile_runs} "
+        f"~{options.max_seconds:g} s per measurement, sparsecore and spconv taking turns run by run; stage and layer rows from {options.profile_runs} "
         "instrumented run(s) with a mark around every gather, GEMM and scatter"
     )
     if options.device == "cpu":  # the marks need the primitives: that run is per offset, the timed one is not

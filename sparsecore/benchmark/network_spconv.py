@@ -20,14 +20,14 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from sparsecore.benchmark.clocks import HostClock, TorchEventClock, measure_median_ms
+from sparsecore.benchmark.clocks import HostClock, TimedWork, TorchEventClock
 from sparsecore.benchmark.network import NetworkLayer
 
 __all__ = [
     "SPCONV_ALGORITHMS",
     "spconv_network_session",
-    "SpconvNetworkResult",
-    "run_spconv_network",
+    "SpconvNetwork",
+    "prepare_spconv_network",
     "spconv_subm_peak_bytes",
 ]
 
@@ -76,25 +76,21 @@ def spconv_network_session(device_name: str, dtype_name: str) -> Iterator[Any]:
 
 
 @dataclass(frozen=True)
-class SpconvNetworkResult:
-    """spconv's timings and results for the network.
+class SpconvNetwork:
+    """spconv's network, ready to be timed beside sparsecore's, and its results.
 
     Attributes:
         algorithm: the ``--spconv-algo`` name.
-        forward_ms: median forward time (rulebooks included).
-        forward_runs: timed forward runs.
-        backward_ms: median backward time.
-        backward_runs: timed backward runs.
+        forward: the forward, rulebooks included (no autograd graph).
+        backward: the backward (a fresh graph per run, built untimed).
         output_indices: int32 ``[N_out, 4]`` in spconv's row order.
         output_features: float32 ``[N_out, 256]`` rows matching ``output_indices``.
         grad_features: float32 ``[N, 3]`` gradient of the input features.
     """
 
     algorithm: str
-    forward_ms: float
-    forward_runs: int
-    backward_ms: float
-    backward_runs: int
+    forward: TimedWork
+    backward: TimedWork
     output_indices: np.ndarray
     output_features: np.ndarray
     grad_features: np.ndarray
@@ -121,12 +117,11 @@ def _build_network(torch: Any, layers: tuple[NetworkLayer, ...], weights: tuple[
     return spconv.SparseSequential(*modules).to(device).to(dtype).train()
 
 
-def run_spconv_network(torch: Any, device_name: str, dtype_name: str, algorithm_name: str,
-                       layers: tuple[NetworkLayer, ...], weights: tuple[Any, ...], features: np.ndarray,
-                       indices: np.ndarray, spatial_shape: tuple[int, ...], sorted_output_indices: np.ndarray,
-                       grad_output_sorted: np.ndarray, repeat: int, warmup: int,
-                       max_seconds: float) -> SpconvNetworkResult:
-    """Times spconv's network forward and backward, and returns its outputs.
+def prepare_spconv_network(torch: Any, device_name: str, dtype_name: str, algorithm_name: str,
+                           layers: tuple[NetworkLayer, ...], weights: tuple[Any, ...], features: np.ndarray,
+                           indices: np.ndarray, spatial_shape: tuple[int, ...],
+                           sorted_output_indices: np.ndarray, grad_output_sorted: np.ndarray) -> SpconvNetwork:
+    """Runs spconv's network forward and backward once, and prepares both for timing.
 
     Args:
         torch: from `spconv_network_session`.
@@ -141,12 +136,9 @@ def run_spconv_network(torch: Any, device_name: str, dtype_name: str, algorithm_
         sorted_output_indices: sparsecore's output sites, sorted, to align the
             output gradient with spconv's rows.
         grad_output_sorted: float32 gradient of the output for those sites.
-        repeat: timed runs wanted.
-        warmup: untimed runs first.
-        max_seconds: time budget per measurement.
 
     Returns:
-        The timings and spconv's outputs.
+        The forward and backward to time, and spconv's outputs.
 
     Raises:
         ValueError: when spconv's output sites differ from sparsecore's.
@@ -184,9 +176,6 @@ def run_spconv_network(torch: Any, device_name: str, dtype_name: str, algorithm_
     grad_rows[order] = grad_output_sorted
     grad_tensor = torch.from_numpy(np.ascontiguousarray(grad_rows, dtype=np.float32)).to(device).to(dtype)
 
-    forward_ms, forward_runs = measure_median_ms(
-        clock, forward_without_grad, lambda: features_tensor, repeat, warmup, max_seconds)
-
     def fresh_graph() -> Any:
         leaf = features_tensor.detach().clone().requires_grad_(True)
         return leaf, forward(leaf)
@@ -194,12 +183,11 @@ def run_spconv_network(torch: Any, device_name: str, dtype_name: str, algorithm_
     def backward(graph: Any) -> None:
         graph[1].features.backward(grad_tensor)
 
-    backward_ms, backward_runs = measure_median_ms(clock, backward, fresh_graph, repeat, warmup, max_seconds)
     leaf, output = fresh_graph()
     backward((leaf, output))
     grad_features = leaf.grad.float().cpu().numpy()
-    return SpconvNetworkResult(algorithm_name, forward_ms, forward_runs, backward_ms, backward_runs,
-                               output_indices, output_features, grad_features)
+    return SpconvNetwork(algorithm_name, TimedWork(clock, forward_without_grad, lambda: features_tensor),
+                         TimedWork(clock, backward, fresh_graph), output_indices, output_features, grad_features)
 
 
 def spconv_subm_peak_bytes(torch: Any, dtype_name: str, algorithm_name: str, features: np.ndarray,

@@ -32,8 +32,8 @@ import numpy as np
 
 from sparsecore.benchmark import network
 from sparsecore.benchmark.cases import Row
-from sparsecore.benchmark.clocks import InstrumentedBackend, StageRecorder, measure_median_ms
-from sparsecore.benchmark.network_checks import compare_with_spconv, core_subm_memory_row
+from sparsecore.benchmark.clocks import InstrumentedBackend, StageRecorder, TimedWork, measure_interleaved_ms
+from sparsecore.benchmark.network_checks import compare_with_spconv, core_subm_memory_row, prepare_spconv_peers
 from sparsecore.benchmark.network import REFERENCE_NETWORK, Device
 
 __all__ = [
@@ -143,6 +143,12 @@ def _stage_values(totals: dict[str, float], direction: str) -> dict[str, float]:
     return values
 
 
+def _peer_times(times: tuple[tuple[float, int], tuple[float, int]]) -> tuple[float, float, int]:
+    """``((forward ms, runs), (backward ms, runs))`` as `compare_with_spconv` takes them."""
+    (forward_ms, _), (backward_ms, backward_runs) = times
+    return forward_ms, backward_ms, backward_runs
+
+
 def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: str,
                      options: NetworkOptions, spconv_torch: Any | None) -> list[Row]:
     """Times one scene in one dtype and checks it against spconv.
@@ -171,8 +177,6 @@ def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: st
     def forward(_: Any = None) -> network.CoreForward:
         return network.core_forward(features, indices, shape, weights)
 
-    forward_ms, forward_runs = measure_median_ms(device.clock, forward, lambda: None, options.repeat,
-                                                 options.warmup, options.max_seconds)
     state = forward()
     output_indices = device.get(state.output_indices)
     order = np.lexsort(output_indices.T[::-1])
@@ -181,9 +185,18 @@ def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: st
     grad_rows = np.empty_like(grad_sorted)
     grad_rows[order] = grad_sorted
     grad_output = device.put(grad_rows, storage)
-    backward_ms, backward_runs = measure_median_ms(
-        device.clock, lambda _: network.core_backward(state, grad_output, weights), lambda: None,
-        options.repeat, options.warmup, options.max_seconds)
+    peers = [] if spconv_torch is None else prepare_spconv_peers(
+        spconv_torch, device.name, dtype_name, scene, output_indices[order], grad_sorted, options)
+    ready = [peer for peer in peers if not isinstance(peer, Exception)]
+    # sparsecore and every spconv algorithm take turns run by run
+    forward_times = measure_interleaved_ms([TimedWork(device.clock, forward)] + [peer.forward for peer in ready],
+                                           options.repeat, options.warmup, options.max_seconds)
+    backward_times = measure_interleaved_ms(
+        [TimedWork(device.clock, lambda _: network.core_backward(state, grad_output, weights))]
+        + [peer.backward for peer in ready], options.repeat, options.warmup, options.max_seconds)
+    (forward_ms, forward_runs), (backward_ms, backward_runs) = forward_times[0], backward_times[0]
+    timed = iter(zip(forward_times[1:], backward_times[1:]))
+    peer_times = [None if isinstance(peer, Exception) else _peer_times(next(timed)) for peer in peers]
 
     forward_recorders, backward_recorders = [], []
     for _ in range(max(options.profile_runs, 1)):
@@ -220,7 +233,7 @@ def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: st
             rows.append(Row(f"{prefix} {layer.name}", "forward", forward_totals.get(f"forward {layer.index}"),
                             notes=[geometry]))
             rows.append(Row(f"{prefix} {layer.name}", "backward", backward_totals.get(f"backward {layer.index}")))
-    if spconv_torch is None:
+    if not peers:
         return rows
     # the check runs with spconv's max-pool floor at 0 (see network.core_forward)
     floored = network.core_forward(features, indices, shape, weights, spconv_pool_floor=True)
@@ -230,10 +243,9 @@ def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: st
     exact = network.core_forward(device.put(scene.features, np.float64), indices, shape, weights64,
                                  spconv_pool_floor=True)
     exact_grad, _ = network.core_backward(exact, device.put(grad_rows, np.float64), weights64)
-    extra_rows = compare_with_spconv(spconv_torch, device.name, dtype_name, scene, output_indices[order],
-                                      device.get(floored.output)[order], device.get(floored_grad), grad_sorted,
-                                      rows[0], rows[1], options,
-                                      reference=(device.get(exact.output)[order], device.get(exact_grad)))
+    extra_rows = compare_with_spconv(peers, peer_times, dtype_name, device.get(floored.output)[order],
+                                     device.get(floored_grad), rows[0], rows[1],
+                                     reference=(device.get(exact.output)[order], device.get(exact_grad)))
     return rows[:2] + extra_rows + rows[2:]
 
 

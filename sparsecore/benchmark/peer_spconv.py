@@ -20,15 +20,15 @@ from typing import Any, Iterator
 import numpy as np
 
 from sparsecore.benchmark.cases import LayerSpec, VoxelizeSpec
-from sparsecore.benchmark.timing import median_seconds, median_seconds_with_setup
+from sparsecore.benchmark.clocks import HostClock, TimedWork
 
 __all__ = [
     "spconv_unavailable_reason",
     "spconv_session",
-    "SpconvConvResult",
-    "run_spconv_layer",
-    "SpconvVoxelizeResult",
-    "run_spconv_voxelize",
+    "SpconvLayer",
+    "prepare_spconv_layer",
+    "SpconvVoxelize",
+    "prepare_spconv_voxelize",
 ]
 
 
@@ -74,22 +74,22 @@ def spconv_session() -> Iterator[Any]:
 
 
 @dataclass(frozen=True)
-class SpconvConvResult:
-    """Timings and outputs of one spconv layer.
+class SpconvLayer:
+    """One spconv layer, ready to be timed beside sparsecore's, and its results.
 
     Attributes:
-        rulebook_seconds: median time of ``ops.get_indice_pairs``.
-        forward_seconds: median time of the feature pass given the rulebook.
-        backward_seconds: median time of the backward pass given the rulebook.
+        rulebook: ``ops.get_indice_pairs``, as the module calls it.
+        forward: the feature pass given the rulebook (no autograd graph).
+        backward: the backward pass given the rulebook (a fresh graph per run, built untimed).
         output_indices: int32 ``[N_out, 4]`` from the layer's end-to-end forward.
         output_features: ``[N_out, C_out]``, rows matching ``output_indices``.
         grad_features: ``[N_in, C_in]`` gradient for ``grad_output``.
         grad_weight: gradient of the weight, spconv layout ``[out, k, k, k, in]``.
     """
 
-    rulebook_seconds: float
-    forward_seconds: float
-    backward_seconds: float
+    rulebook: TimedWork
+    forward: TimedWork
+    backward: TimedWork
     output_indices: np.ndarray
     output_features: np.ndarray
     grad_features: np.ndarray
@@ -100,7 +100,7 @@ def _lexicographic_order(indices: np.ndarray) -> np.ndarray:
     return np.lexsort(indices.T[::-1])
 
 
-def run_spconv_layer(
+def prepare_spconv_layer(
     torch: Any,
     layer: LayerSpec,
     features: np.ndarray,
@@ -110,9 +110,8 @@ def run_spconv_layer(
     weight: np.ndarray,
     sorted_output_indices: np.ndarray,
     grad_output_sorted: np.ndarray,
-    repeat: int,
-) -> SpconvConvResult:
-    """Runs one layer in spconv with sparsecore's weight and times its stages.
+) -> SpconvLayer:
+    """Runs one layer in spconv with sparsecore's weight, and prepares its stages for timing.
 
     Args:
         torch: the torch module (from ``spconv_session``).
@@ -125,10 +124,9 @@ def run_spconv_layer(
         sorted_output_indices: sparsecore's output sites, sorted, to align the
             gradient of the output with spconv's row order.
         grad_output_sorted: gradient of the output for those sorted sites.
-        repeat: timed repeats per stage.
 
     Returns:
-        The timings, spconv's outputs and gradients (input rows in input order).
+        The stages to time, spconv's outputs and gradients (input rows in input order).
 
     Raises:
         ValueError: when spconv's output sites differ from sparsecore's, so the
@@ -190,7 +188,6 @@ def run_spconv_layer(
             False,
         )
 
-    rulebook_seconds = median_seconds(build_pairs, repeat)
     output_ids, pairs, pair_counts = build_pairs()
     num_output = int(output_ids.shape[0])
     feature_pass = (
@@ -202,20 +199,16 @@ def run_spconv_layer(
         with torch.no_grad():
             return feature_pass(input_features.detach(), weight_tensor, pairs, pair_counts, num_output, ConvAlgo.Native)
 
-    forward_seconds = median_seconds(forward, repeat)
-
     def fresh_graph() -> Any:
         leaf_features = input_features.detach().requires_grad_(True)
         leaf_weight = weight_tensor.clone().requires_grad_(True)
         return feature_pass(leaf_features, leaf_weight, pairs, pair_counts, num_output, ConvAlgo.Native)
 
-    backward_seconds = median_seconds_with_setup(
-        fresh_graph, lambda graph_output: graph_output.backward(grad_output_tensor), repeat
-    )
-    return SpconvConvResult(
-        rulebook_seconds,
-        forward_seconds,
-        backward_seconds,
+    clock = HostClock()
+    return SpconvLayer(
+        TimedWork(clock, lambda _: build_pairs()),
+        TimedWork(clock, lambda _: forward()),
+        TimedWork(clock, lambda graph_output: graph_output.backward(grad_output_tensor), fresh_graph),
         output_indices,
         output_features,
         grad_features,
@@ -224,31 +217,30 @@ def run_spconv_layer(
 
 
 @dataclass(frozen=True)
-class SpconvVoxelizeResult:
-    """Timing and output of spconv's ``PointToVoxel``.
+class SpconvVoxelize:
+    """spconv's ``PointToVoxel``, ready to be timed, and its output.
 
     Attributes:
-        seconds: median time of one call.
+        voxelize: one call.
         coordinates: int32 ``[M, 3]`` voxel coordinates (z, y, x).
         num_points_per_voxel: ``[M]`` point counts.
     """
 
-    seconds: float
+    voxelize: TimedWork
     coordinates: np.ndarray
     num_points_per_voxel: np.ndarray
 
 
-def run_spconv_voxelize(torch: Any, spec: VoxelizeSpec, points: np.ndarray, repeat: int) -> SpconvVoxelizeResult:
-    """Voxelizes with spconv's ``PointToVoxel`` and times it.
+def prepare_spconv_voxelize(torch: Any, spec: VoxelizeSpec, points: np.ndarray) -> SpconvVoxelize:
+    """Voxelizes with spconv's ``PointToVoxel``, and prepares the call for timing.
 
     Args:
         torch: the torch module (from ``spconv_session``).
         spec: voxel size, range and capacities.
         points: float32 ``[P, F]`` points, x, y, z first.
-        repeat: timed repeats.
 
     Returns:
-        The median time and spconv's voxel coordinates.
+        The call to time and spconv's voxel coordinates.
     """
     from spconv.pytorch.utils import PointToVoxel
 
@@ -260,8 +252,7 @@ def run_spconv_voxelize(torch: Any, spec: VoxelizeSpec, points: np.ndarray, repe
         max_num_points_per_voxel=spec.max_num_points_per_voxel,
     )
     points_tensor = torch.from_numpy(np.ascontiguousarray(points))
-    seconds = median_seconds(lambda: generator(points_tensor), repeat)
     _, coordinates, num_points = generator(points_tensor)
-    return SpconvVoxelizeResult(
-        seconds, coordinates.numpy().astype(np.int32).copy(), num_points.numpy().copy()
+    return SpconvVoxelize(
+        TimedWork(HostClock(), lambda _: generator(points_tensor)), coordinates.numpy().astype(np.int32).copy(), num_points.numpy().copy()
     )
