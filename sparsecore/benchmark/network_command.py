@@ -18,7 +18,7 @@ from sparsecore.benchmark.thread_control import sparsecore_threads, thread_limit
 __all__ = ["DEFAULTS", "network_options", "summary_markdown", "run_network_command"]
 
 # per-device defaults of the options left unset: repeat, warmup, max_seconds, profile_runs
-DEFAULTS = {"cpu": (3, 1, 60.0, 1), "cuda": (30, 3, 6.0, 3)}
+DEFAULTS = {"cpu": (5, 1, 60.0, 1), "cuda": (30, 3, 6.0, 3)}
 _FAILURE_MARKS = ("MISMATCH", "FAILED")
 
 
@@ -104,10 +104,12 @@ def _full_header(options: NetworkOptions, threads_applied: str, suite_header: di
     header = machine_description()
     clock = "CUDA events on the current stream" if options.device == "cuda" else "time.perf_counter"
     header.update({"threads requested": threads_applied, **suite_header})
+    turns = ", sparsecore and spconv taking turns run by run" if options.compare_spconv else ""
     header["timing"] = (
         f"median of up to {options.repeat} runs after {options.warmup} warm-up ({clock}), at most "
-        f"~{options.max_seconds:g} s per measurement, sparsecore and spconv taking turns run by run; stage and layer rows from {options.profile_runs} "
-        "instrumented run(s) with a mark around every gather, GEMM and scatter"
+        f"~{options.max_seconds:g} s per measurement{turns}; "
+        f"stage and layer rows from {options.profile_runs} instrumented run(s) with a mark around every gather, "
+        "GEMM and scatter"
     )
     if options.device == "cpu":  # the marks need the primitives: that run is per offset, the timed one is not
         header["timing"] += (" (on the CPU the instrumented run takes the per-offset dataflow for every layer, "

@@ -253,6 +253,5 @@ def prepare_spconv_voxelize(torch: Any, spec: VoxelizeSpec, points: np.ndarray) 
     )
     points_tensor = torch.from_numpy(np.ascontiguousarray(points))
     _, coordinates, num_points = generator(points_tensor)
-    return SpconvVoxelize(
-        TimedWork(HostClock(), lambda _: generator(points_tensor)), coordinates.numpy().astype(np.int32).copy(), num_points.numpy().copy()
-    )
+    return SpconvVoxelize(TimedWork(HostClock(), lambda _: generator(points_tensor)),
+                          coordinates.numpy().astype(np.int32).copy(), num_points.numpy().copy())
