@@ -152,7 +152,7 @@ def test_one_scatter_plan_serves_several_values(target, run_lengths, padding):
 
 def test_scatter_plans_reject_bad_arguments(target):
     rows = target.put(np.array([0, 1, 0], np.int32))
-    with pytest.raises(ValueError, match="run_starts must run from 0 to 3"):
+    with pytest.raises(ValueError, match="scatter_plan: run_starts must run from 0 to 3"):
         target.backend.scatter_plan(rows, (0, 2), 4)
     plan = target.backend.scatter_plan(rows, (0, 2, 3), 4)
     with pytest.raises(ValueError, match="the plan scatters 3 rows into 4"):
@@ -168,11 +168,11 @@ def test_scatter_plans_reject_bad_arguments(target):
 def test_scatter_add_pairs_rejects_bad_arguments(target):
     rows = target.put(np.array([0, 1, 0], np.int32))
     data = target.put(np.ones((3, 2), np.float32))
-    with pytest.raises(ValueError, match="run_starts must run from 0 to 3"):
+    with pytest.raises(ValueError, match="scatter_add_pairs: run_starts must run from 0 to 3"):
         target.backend.scatter_add_pairs(target.put(np.zeros((4, 2), np.float32)), rows, data, (0, 2))
     with pytest.raises(ValueError, match=r"values must have shape \[3, 2\]"):
         target.backend.scatter_add_pairs(target.put(np.zeros((4, 2), np.float32)), rows, data[:, :1], (0, 2, 3))
-    with pytest.raises(ValueError, match="target must be C-contiguous"):
+    with pytest.raises(ValueError, match="scatter_add_pairs: target must be C-contiguous"):
         target.backend.scatter_add_pairs(target.put(np.zeros((2, 4), np.float32)).T, rows, data, (0, 2, 3))
 
 

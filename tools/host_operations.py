@@ -10,7 +10,12 @@ that would be a CuPy call is counted per stage (rulebooks, convolution, pool):
 - ``launch``: a kernel launch; ``matmul``: a backend GEMM (one cuBLAS call on the GPU);
 - ``xp``: a call of the array library (``xp.empty``, ``xp.ascontiguousarray``...);
 - ``ufunc`` / ``method``: arithmetic or an array method (``astype``, ``argsort``...);
-- ``index``: indexing that makes a view or a copy.
+- ``index``: indexing that makes a view or a copy;
+- ``read``: a read of device data back to the host (``int(x)``, ``x.get()``,
+  ``xp.asnumpy``, a data-sized function such as ``xp.unique``...): on a GPU
+  each one waits for every launch queued before it, so the host stops
+  running ahead of the device. Counted where `tests.cuda_emulation`'s
+  `forbid_host_reads` would refuse it (the same hook).
 
 Cheap and dear operations count alike (an ``ascontiguousarray`` of a contiguous
 array returns it at once on CuPy; an allocation or a launch costs microseconds),
@@ -42,6 +47,7 @@ from sparsecore.benchmark import network  # noqa: E402
 from tests.cuda_emulation import device_arrays  # noqa: E402
 from tests.kernel_targets import emulated_backend  # noqa: E402
 
+_INTERNAL_FILES = frozenset({__file__, device_arrays.__file__})
 _METHODS = ("astype", "take", "copy", "sum", "cumsum", "argsort", "max", "min", "fill", "ravel", "any", "all")
 
 
@@ -55,11 +61,14 @@ class _Tally:
         self.paused = 0  # inside the emulation's own GEMM: not counted
 
     def add(self, kind: str, what: str) -> None:
+        """Counts one operation at its call site: the first frame outside this tool, the emulation and NumPy."""
         if self.paused:
             return
         stage = self.stages[-1]
         self.kinds[(stage, kind)] += 1
-        frame = sys._getframe(2)
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename in _INTERNAL_FILES or "/numpy/" in frame.f_code.co_filename:
+            frame = frame.f_back
         where = frame.f_code.co_filename.split("sparsecore/")[-1].split("site-packages/")[-1]
         self.sites[f"{stage}: {what} at {where}:{frame.f_lineno}"] += 1
 
@@ -141,6 +150,13 @@ def _counting(tally: _Tally, backend: Any) -> Iterator[None]:
         with _silenced(tally):  # the emulation's GEMM is NumPy's: on the GPU it is one cuBLAS call
             return matmul(self, left, right)
 
+    refuse = device_arrays._refuse
+
+    def counted_refuse(what: str) -> None:
+        tally.add("read", what)
+        refuse(what)
+
+    patch(device_arrays, "_refuse", counted_refuse)
     patch(device_arrays._DeviceNumpy, "__getattr__", counted_getattr)
     patch(device_arrays.DeviceArray, "__array_ufunc__", counted_ufunc)
     for name in _METHODS:

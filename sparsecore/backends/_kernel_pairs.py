@@ -136,14 +136,25 @@ class ScatterPlan:
     slots: Any
 
 
+def _check_run_starts(run_starts: tuple[int, ...], count: int, operation: str) -> None:
+    if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
+        raise ValueError(f"{operation}: run_starts must run from 0 to {count} (the length of rows), got "
+                         f"{tuple(run_starts)}; pass the offset starts of these rows' pairs")
+
+
+def _check_contiguous_target(target: Any, operation: str) -> None:
+    if not target.flags.c_contiguous:
+        raise ValueError(f"{operation}: target must be C-contiguous (it is updated in place), got strides "
+                         f"{tuple(target.strides)}; pass a contiguous copy and read the result from it")
+
+
 def scatter_plan(device: KernelDevice, rows: Any, run_starts: tuple[int, ...], num_rows: int) -> ScatterPlan:
     """The `ScatterPlan` of ``rows`` (see `ArrayBackend.scatter_plan`): a few array operations, no launch."""
     xp = device.xp
     check_integer_vector(rows, "rows", "scatter_plan")
     check_row_count(int(num_rows), "num_rows", "scatter_plan")
     count, num_rows = int(rows.shape[0]), int(num_rows)
-    if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
-        raise ValueError(f"scatter_add_pairs: run_starts must run from 0 to {count}, got {tuple(run_starts)}")
+    _check_run_starts(run_starts, count, "scatter_plan")
     lengths = [stop - start for start, stop in zip(run_starts[:-1], run_starts[1:])]
     if sum(1 for length in lengths if length) <= 1:
         return ScatterPlan(count, num_rows, xp.ascontiguousarray(rows, dtype=xp.int32), None)
@@ -174,8 +185,7 @@ def scatter_add_planned(device: KernelDevice, target: Any, plan: ScatterPlan, va
             f"scatter_add_planned: the plan scatters {plan.count} rows into {plan.num_rows}; got values of "
             f"shape {tuple(values.shape)} and a target of shape {tuple(target.shape)}"
         )
-    if not target.flags.c_contiguous:
-        raise ValueError("scatter_add_pairs: target must be C-contiguous (it is updated in place)")
+    _check_contiguous_target(target, "scatter_add_planned")
     values = xp.ascontiguousarray(values, dtype=target.dtype)
     vector = vector_width(channels, target.dtype.itemsize, values, target)
     runs, slot_stride = (int(size) for size in plan.slots.shape)
@@ -197,6 +207,8 @@ def scatter_add_pairs(device: KernelDevice, target: Any, rows: Any, values: Any,
     scatters through the same rows again keeps the plan (`scatter_add_planned`).
     """
     check_scatter(target, rows, values, "scatter_add_pairs")
+    _check_run_starts(run_starts, int(rows.shape[0]), "scatter_add_pairs")
+    _check_contiguous_target(target, "scatter_add_pairs")
     scatter_add_planned(device, target, scatter_plan(device, rows, run_starts, int(target.shape[0])), values)
 
 
