@@ -208,7 +208,12 @@ def _tiled_passes(source, grad, matrices, pair_input, pair_output, starts, num_d
 
 @pytest.mark.parametrize("items", [1, 2, 32])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_tiled_kernels_against_pair_loop(items, dtype):
+@pytest.mark.parametrize("slice_rows", [None, 1, 7])
+def test_tiled_kernels_against_pair_loop(items, dtype, slice_rows, monkeypatch):
+    if slice_rows is not None:  # every GEMM in slices of this many rows, the d-weights slices summed
+        monkeypatch.setattr(_cpu_kernels, "SMALL_GEMM_WORK", slice_rows * 6 * 9)
+        monkeypatch.setattr(_cpu_kernels, "SMALL_GEMM_MIN_ROWS", 1)
+        assert _cpu_kernels.gemm_chunk_rows(6, 9) == slice_rows
     rng = np.random.default_rng(1408)
     volume, num_source, num_destination, channels_in, channels_out = 7, 290, 330, 6, 9
     pair_input, pair_output, starts = _random_pairs(rng, volume, num_source, num_destination)
@@ -248,6 +253,16 @@ def test_tiled_kernels_sum_rows_repeated_within_an_offset():
     np.testing.assert_allclose(out, initial + expected_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad_source, expected_grad_source, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad_matrices, expected_grad_matrices, rtol=1e-12, atol=1e-11)
+
+
+def test_gemm_slices_stay_within_the_small_gemm_work():
+    for channels_in, channels_out in ((1, 1), (16, 16), (64, 64), (64, 96), (128, 128), (176, 176)):
+        rows = _cpu_kernels.gemm_chunk_rows(channels_in, channels_out)
+        assert rows * channels_in * channels_out <= _cpu_kernels.SMALL_GEMM_WORK
+        assert (rows + 1) * channels_in * channels_out > _cpu_kernels.SMALL_GEMM_WORK  # the largest such slice
+        assert rows >= _cpu_kernels.SMALL_GEMM_MIN_ROWS
+    # wider layers keep whole products rather than slices of a few rows
+    assert _cpu_kernels.gemm_chunk_rows(256, 256) >= 2**31 - 1
 
 
 def test_tile_items_bounds_the_partial_weights():

@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent(
 
     _cpu_kernels.SERIAL_MAX_WORK = 0  # these small layers too run on every thread
     _cpu_kernels.TILE_ITEMS = 2  # and the tiled passes on many work items
+    _cpu_kernels.SMALL_GEMM_WORK = 48 * 48 * 20  # with their GEMMs sliced (20 rows at 48 channels, 7 at 80)
+    _cpu_kernels.SMALL_GEMM_MIN_ROWS = 1
 
     rng = np.random.default_rng(20261202)
     shape, batch, channels = (12, 40, 40), 2, 48  # 48: the tiled dataflow, forward and backward

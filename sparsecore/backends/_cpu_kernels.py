@@ -54,6 +54,9 @@ __all__ = [
     "TILE_MIN_WORKS",
     "TILE_MIN_PAIRS_PER_OFFSET",
     "tile_items",
+    "SMALL_GEMM_WORK",
+    "SMALL_GEMM_MIN_ROWS",
+    "gemm_chunk_rows",
     "TilePlan",
     "tile_plan",
     "tiled_forward",
@@ -222,6 +225,26 @@ def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels:
     return items
 
 
+SMALL_GEMM_WORK = 1_000_000
+"""Most multiply-adds (``rows x a x b``) of one GEMM of the tiled kernels: OpenBLAS runs products up to
+10^6 on its small-matrix kernels where it has them (AVX-512 builds), 1.2x-1.5x faster at 64 to 128 channels
+on the test machine (`_tile_kernel_sources`; docs/performance.md)."""
+
+SMALL_GEMM_MIN_ROWS = 32
+"""Fewest rows of a GEMM slice: wider layers (``a x b`` above ``SMALL_GEMM_WORK / 32``, about 176 x 176)
+keep whole products (slices of 15 rows ran the 256 x 256 d-weights at 81 GFLOP/s against 98 whole)."""
+
+
+def gemm_chunk_rows(in_channels: int, out_channels: int) -> int:
+    """Rows per GEMM slice of the tiled kernels, from the channel counts alone (never the thread count).
+
+    ``SMALL_GEMM_WORK // (a * b)`` where that is at least `SMALL_GEMM_MIN_ROWS`, else no slicing
+    (``2**31 - 1``).
+    """
+    rows = SMALL_GEMM_WORK // max(1, in_channels * out_channels)
+    return rows if rows >= SMALL_GEMM_MIN_ROWS else 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
     """A rulebook's pairs grouped for the tiled kernels: by work item (``capacity`` destination rows),
@@ -296,7 +319,7 @@ def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out:
         return
     with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
         _tile_sources().tiled_forward_kernel(source, plan.starts, plan.sources, plan.local_rows, matrices, out,
-                                             plan.capacity, plan.most, lanes)
+                                             plan.capacity, plan.most, gemm_chunk_rows(*matrices.shape[1:]), lanes)
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrices: np.ndarray,
@@ -323,6 +346,7 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrice
     kernels = _tile_sources()
     with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
         kernels.tiled_backward_kernel(source, grad, plan.starts, plan.sources, plan.local_rows, transposed, grad_source,
-                                      partial, plan.capacity, plan.most, lanes)
+                                      partial, plan.capacity, plan.most, gemm_chunk_rows(in_channels, out_channels),
+                                      lanes)
         kernels.sum_partials(partial, grad_matrices, lanes)
     return grad_source, grad_matrices
