@@ -18,29 +18,32 @@ int32 sum, then its float32 epilogue):
   that bound (checked per call, from the data) run the backend's int8 pass.
 
 `compiled_on_cpu` chooses by the channel counts only (never the thread count
-or the data), from interleaved runs of both routes on the 16 layers of
-``examples/quantize_int8.py``'s U-Net on the real scan (125,562 voxels), one
-thread, shared 2-core machine, 2026-12-03 14:16 UTC, 1-minute load average
-1.8-2.0, medians of 3, ms (the float32 `conv_forward` of the same layer for
-comparison; the float pass costs it plus the widening and the epilogue):
+or the data). Both routes give the same bits, so the choice is speed alone.
+Interleaved runs of both routes on the real scan (125,562 voxels; int8
+features in [-127, 127], weights of a calibrated layer's size; bias, ReLU,
+int8 output), 2-core AMD EPYC VM, 2026-12-05 08:33-08:35 UTC, medians of 5,
+ms, compiled / float pass:
 
-==========================  ========  ==========  =======
-layer (pairs)               compiled  float pass  float32
-==========================  ========  ==========  =======
-subm 4 -> 16 (789k)         18        17          15
-subm 16 -> 16 (789k)        84        23          22
-strided 16 -> 32 (423k)     84        21          19
-subm 32 -> 32 (1.89M)       698-724   69-76       67-83
-strided 32 -> 64 (458k)     38        50          49
-subm 64 -> 64 (1.04M)       149-153   168-169     164-170
-inverse 64 -> 32 (458k)     296       190         187
-inverse 32 -> 16 (423k)     102       25          24
-subm 1x1 16 -> 3 (126k)     5.0       1.8         1.0
-==========================  ========  ==========  =======
+=========================  ===============  ===============
+layer (pairs)              1 thread         2 threads
+=========================  ===============  ===============
+subm 16 -> 16 (789k)       82-83 / 15       42-48 / 8-9
+subm 32 -> 32 (789k)       297-328 / 31-32  164 / 16-17
+strided 32 -> 64 (423k)    37 / 34          19 / 29-30
+subm 64 -> 64 (789k)       119 / 87-90      60 / 55-57
+strided 64 -> 128 (423k)   129-137 / 96-106 63 / 62-63
+subm 128 -> 128 (789k)     454-456 / 300-333  222-223 / 164-170
+=========================  ===============  ===============
 
-The compiled kernel wins only where each output row sums many wide
-products (at least `COMPILED_MIN_IN_PER_GROUP` inputs into
-`COMPILED_MIN_OUT_PER_GROUP` outputs per group).
+The float pass gained from the float32 dataflow's tiled kernels and their
+small GEMM slices (2026-12-03 to 2026-12-05); the compiled kernel keeps only
+the 32 -> 64 shape (`COMPILED_MIN_IN_PER_GROUP`, `COMPILED_MIN_OUT_PER_GROUP`,
+`COMPILED_MAX_MATRIX`), where its int8 output (a quarter of the float pass's
+float32 sums: 33 MiB there, past the size glibc serves from its heap, so
+every call faults its pages in afresh) keeps it ahead at two threads. Until
+2026-12-05 it ran every layer from 32 x 64 up (measured 2026-12-03, when the
+float32 64 -> 64 forward took 164-170 ms). A layer past the float pass's
+exactness bound runs the compiled kernel too, where numba imports.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from .backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue, apply_epilo
 from .conv import conv_forward
 from .rulebook import PairMap, Rulebook
 
-__all__ = ["COMPILED_MIN_IN_PER_GROUP", "COMPILED_MIN_OUT_PER_GROUP", "ROUTES", "compiled_on_cpu",
+__all__ = ["COMPILED_MIN_IN_PER_GROUP", "COMPILED_MIN_OUT_PER_GROUP", "COMPILED_MAX_MATRIX", "ROUTES", "compiled_on_cpu",
            "float_pass_is_exact", "int8_neighbour_table", "int8_conv_on_cpu"]
 
 COMPILED_MIN_IN_PER_GROUP = 32
@@ -64,13 +67,17 @@ COMPILED_MIN_IN_PER_GROUP = 32
 COMPILED_MIN_OUT_PER_GROUP = 64
 """Output channels per group from which the compiled int8 kernel runs a layer."""
 
+COMPILED_MAX_MATRIX = 32 * 64
+"""Most ``in_per_group * out_per_group`` of a layer the compiled int8 kernel runs; wider layers run the
+float32 pass (faster there since the tiled float32 dataflow; the module docstring has the measurements)."""
+
 ROUTES = ("auto", "compiled", "float_pass")
 
 
 def compiled_on_cpu(in_per_group: int, out_per_group: int) -> bool:
     """Whether the compiled int8 kernel runs a layer (when numba imports) rather than the float32 pass."""
     return (_int8_cpu_kernels.available() and in_per_group >= COMPILED_MIN_IN_PER_GROUP
-            and out_per_group >= COMPILED_MIN_OUT_PER_GROUP)
+            and out_per_group >= COMPILED_MIN_OUT_PER_GROUP and in_per_group * out_per_group <= COMPILED_MAX_MATRIX)
 
 
 def float_pass_is_exact(features: np.ndarray, weight: np.ndarray) -> bool:
@@ -120,7 +127,7 @@ def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.nda
         route: ``"auto"`` (`compiled_on_cpu` decides), ``"compiled"`` (the compiled int8
             kernel over the memoised `int8_neighbour_table`; the backend's int8 pass without
             numba), or ``"float_pass"`` (the float32 pass when `float_pass_is_exact`, else
-            the backend's int8 pass). Every route gives the same bits.
+            the compiled route). Every route gives the same bits.
 
     Returns:
         int8 ``[N_out, C_out]`` with ``epilogue.output_scale``, else float32.
@@ -136,7 +143,7 @@ def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.nda
         if _int8_cpu_kernels.available():  # one compiled pass; the same bits as NumPy's steps
             return _int8_cpu_kernels.epilogue(sums, epilogue)
         return apply_epilogue(np, sums, epilogue)
-    if route == "compiled" and _int8_cpu_kernels.available():
+    if _int8_cpu_kernels.available():  # the compiled route, or a float pass past its exactness bound
         return compiled_conv(features, weight, int8_neighbour_table(rulebook), rulebook.num_pairs, groups, epilogue)
     return backend.int8_conv_pairs(features, weight, rulebook.pair_input, rulebook.pair_output,
                                    tuple(rulebook.offset_starts), rulebook.num_output, rulebook.identity_offset,

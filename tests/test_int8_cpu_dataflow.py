@@ -94,8 +94,9 @@ def test_inexact_sums_leave_the_float_pass() -> None:
 
 def test_auto_route_by_channels_and_the_public_entry_point() -> None:
     compiled = _int8_cpu_kernels.available()
-    assert dataflow.compiled_on_cpu(64, 64) == compiled and dataflow.compiled_on_cpu(32, 64) == compiled
+    assert dataflow.compiled_on_cpu(32, 64) == compiled
     assert not dataflow.compiled_on_cpu(16, 16) and not dataflow.compiled_on_cpu(64, 32)
+    assert not dataflow.compiled_on_cpu(64, 64) and not dataflow.compiled_on_cpu(128, 128)  # float pass faster
     rng = np.random.default_rng(1204)
     rulebook = _rulebook(rng, 70)
     features, weight = random_int8(rng, (rulebook.num_input, 16)), random_int8(rng, (16, 3, 3, 3, 16))
