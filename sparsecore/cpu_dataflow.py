@@ -5,7 +5,8 @@ Three dataflows compute a conv pass on the NumPy backend (`sparsecore.conv`):
 - per offset: gather the offset's input rows, one BLAS GEMM, scatter-add the
   products (the dataflow every backend runs);
 - tiled: per fixed block of 2,048 destination rows and per offset, the paired
-  rows copied into a tile that stays in cache, one BLAS GEMM, the products
+  rows copied into a tile that stays in cache, BLAS GEMMs (in slices of at most
+  10^6 multiply-adds, `_cpu_kernels.gemm_chunk_rows`), the products
   added into the block (`sparsecore.backends._tile_kernel_sources`), over a
   tile plan built once per rulebook (`tile_plan`); the backward runs
   input-stationary and adds each block's d-weights share in block order;

@@ -6,8 +6,8 @@ A work item is a fixed block of ``capacity`` consecutive destination rows
 kernel offset, so each item's pairs of one offset are one run of the plan's
 arrays. For every offset in order, the item copies the source rows of its run
 into a small tile (a few hundred rows: it stays in the core's cache),
-multiplies the tile by the offset's matrix with one BLAS GEMM (``np.dot``,
-which numba hands to SciPy's BLAS) and adds the products into its own rows of
+multiplies the tile by the offset's matrix on BLAS (``np.dot``, which numba
+hands to SciPy's BLAS; in slices, see below) and adds the products into its own rows of
 the output, which no other item writes. Each destination row is thus read
 once and written once, the gathered rows never reach main memory, and the
 arithmetic runs on BLAS's packed kernels (at 64 channels about 1.5x the
@@ -17,7 +17,7 @@ kernels listed each item's pairs from the neighbour table on every pass
 33.5 -> 22.5 ms with the plan; building the plan takes 6 ms, the table 13).
 
 The backward runs input-stationary over the reversed pairs' plan: per item and
-offset, one GEMM adds the d-features, and a second one writes the item's share
+offset, one product adds the d-features, and a second one writes the item's share
 of the offset's d-weights into a partial buffer; `sum_partials` then adds the
 items' shares in item order. Work items are fixed by the sizes alone and every
 sum has a fixed order, so results are bitwise identical at every thread count
