@@ -7,15 +7,16 @@ int32 sum, then its float32 epilogue):
   output-stationary, int8 x int16 products summed in int32, the epilogue fused;
 - the float32 pass (`float_pass`): the int8 values widened to float32 and run
   through `sparsecore.conv_forward`, which picks the float layer's own
-  dataflow (per-offset gathers, BLAS GEMMs and scatter-adds for narrow layers,
-  its fused kernel for wider ones, on `sparsecore.threads`' thread count), then
+  dataflow (`sparsecore.cpu_dataflow`: the tiled BLAS passes for ungrouped
+  layers, on `sparsecore.threads`' thread count), then
   the epilogue in one compiled pass (`_int8_cpu_kernels.epilogue`; its NumPy
   twin `_numpy_int8.apply_epilogue` without numba). Every product of two int8 values
   is an integer of magnitude at most ``2^14``, and float32 holds every integer
   up to ``2^24``, so while ``max|x| * max_c sum_{k,i} |W[c, k, i]|`` stays
   within ``2^24`` every partial sum, in any order, with or without FMA, is an
   exact integer: the float32 result is ``float32(acc)`` exactly. Layers over
-  that bound (checked per call, from the data) run the backend's int8 pass.
+  that bound (checked per call, from the data) run the compiled kernel, or the
+  backend's int8 pass without numba.
 
 `compiled_on_cpu` chooses by the channel counts only (never the thread count
 or the data). Both routes give the same bits, so the choice is speed alone.
@@ -58,8 +59,8 @@ from .backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue, apply_epilo
 from .conv import conv_forward
 from .rulebook import PairMap, Rulebook
 
-__all__ = ["COMPILED_MIN_IN_PER_GROUP", "COMPILED_MIN_OUT_PER_GROUP", "COMPILED_MAX_MATRIX", "ROUTES", "compiled_on_cpu",
-           "float_pass_is_exact", "int8_neighbour_table", "int8_conv_on_cpu"]
+__all__ = ["COMPILED_MIN_IN_PER_GROUP", "COMPILED_MIN_OUT_PER_GROUP", "COMPILED_MAX_MATRIX", "ROUTES",
+           "compiled_on_cpu", "float_pass_is_exact", "int8_neighbour_table", "int8_conv_on_cpu"]
 
 COMPILED_MIN_IN_PER_GROUP = 32
 """Input channels per group from which the compiled int8 kernel runs a layer (with `COMPILED_MIN_OUT_PER_GROUP`)."""

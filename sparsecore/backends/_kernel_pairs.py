@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ._launch import INT32_MAX, KernelDevice, check_float, check_integer_vector, check_row_count, check_scatter, vector_width
+from ._launch import (INT32_MAX, KernelDevice, check_float, check_integer_vector, check_row_count, check_scatter,
+                      vector_width)
 from ._sorting import group_starts
 
 __all__ = ["compact_pairs", "conv_candidate_pairs", "scatter_add_rows", "scatter_add_pairs", "ScatterPlan",
