@@ -47,11 +47,11 @@ from .primitives import (
 __all__ = ["IMPLS", "default_impl", "set_default_impl", "resolve_impl", "conv", "to_dense"]
 
 IMPLS = ("jnp", "callback")
-# docs/benchmarks_jax.md: on the project's 2-vCPU machine the two are within about 1.5x of each
-# other either way, and the callback path (OpenBLAS inside XLA's callback) has multi-second tail
-# latencies with OpenBLAS's default threading on a loaded machine; jnp is predictable, supports
-# vmap and jax.export, and is the faster one by median in the default configuration. The core's
-# GPU backend serves the callback path on GPUs; jnp is the default there too.
+# docs/benchmarks_jax.md: jnp supports vmap and jax.export and runs on every XLA backend, so it is
+# the default. On the CPU the callback path became the faster one once the core's passes were tiled
+# and threaded (2026-12-05: jnp / callback 1.4x forward, 1.6x forward+backward by geometric mean on
+# the project's 2-vCPU machine); choose impl="callback" there for speed. The core's GPU backend
+# serves the callback path on GPUs.
 DEFAULT_IMPL = "jnp"
 
 
