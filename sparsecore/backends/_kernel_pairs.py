@@ -137,25 +137,19 @@ class ScatterPlan:
     slots: Any
 
 
-def _check_run_starts(run_starts: tuple[int, ...], count: int, operation: str) -> None:
+def scatter_plan(device: KernelDevice, rows: Any, run_starts: tuple[int, ...], num_rows: int,
+                 operation: str = "scatter_plan") -> ScatterPlan:
+    """The `ScatterPlan` of ``rows`` (see `ArrayBackend.scatter_plan`): a few array operations, no launch.
+
+    ``operation`` names the public call in error messages.
+    """
+    xp = device.xp
+    check_integer_vector(rows, "rows", operation)
+    check_row_count(int(num_rows), "num_rows", operation)
+    count, num_rows = int(rows.shape[0]), int(num_rows)
     if not run_starts or run_starts[0] != 0 or run_starts[-1] != count:
         raise ValueError(f"{operation}: run_starts must run from 0 to {count} (the length of rows), got "
                          f"{tuple(run_starts)}; pass the offset starts of these rows' pairs")
-
-
-def _check_contiguous_target(target: Any, operation: str) -> None:
-    if not target.flags.c_contiguous:
-        raise ValueError(f"{operation}: target must be C-contiguous (it is updated in place), got strides "
-                         f"{tuple(target.strides)}; pass a contiguous copy and read the result from it")
-
-
-def scatter_plan(device: KernelDevice, rows: Any, run_starts: tuple[int, ...], num_rows: int) -> ScatterPlan:
-    """The `ScatterPlan` of ``rows`` (see `ArrayBackend.scatter_plan`): a few array operations, no launch."""
-    xp = device.xp
-    check_integer_vector(rows, "rows", "scatter_plan")
-    check_row_count(int(num_rows), "num_rows", "scatter_plan")
-    count, num_rows = int(rows.shape[0]), int(num_rows)
-    _check_run_starts(run_starts, count, "scatter_plan")
     lengths = [stop - start for start, stop in zip(run_starts[:-1], run_starts[1:])]
     if sum(1 for length in lengths if length) <= 1:
         return ScatterPlan(count, num_rows, xp.ascontiguousarray(rows, dtype=xp.int32), None)
@@ -171,22 +165,28 @@ def scatter_plan(device: KernelDevice, rows: Any, run_starts: tuple[int, ...], n
     return ScatterPlan(count, num_rows, None, slots)
 
 
-def scatter_add_planned(device: KernelDevice, target: Any, plan: ScatterPlan, values: Any) -> None:
-    """``target[rows[p]] += values[p]`` over a `ScatterPlan`: one launch (see `scatter_add_pairs`)."""
+def scatter_add_planned(device: KernelDevice, target: Any, plan: ScatterPlan, values: Any,
+                        operation: str = "scatter_add_planned") -> None:
+    """``target[rows[p]] += values[p]`` over a `ScatterPlan`: one launch (see `scatter_add_pairs`).
+
+    ``operation`` names the public call in error messages.
+    """
     xp = device.xp
     if not isinstance(plan, ScatterPlan):
-        raise TypeError(f"scatter_add_planned: plan must come from scatter_plan, got {type(plan).__name__}")
+        raise TypeError(f"{operation}: plan must come from scatter_plan, got {type(plan).__name__}")
     if plan.rows is not None:
         scatter_add_rows(device, target, plan.rows, values)
         return
-    dtype_name = check_float(target, "target", "scatter_add_planned")
+    dtype_name = check_float(target, "target", operation)
     channels = int(target.shape[1])
     if int(target.shape[0]) != plan.num_rows or tuple(values.shape) != (plan.count, channels):
         raise ValueError(
-            f"scatter_add_planned: the plan scatters {plan.count} rows into {plan.num_rows}; got values of "
+            f"{operation}: the plan scatters {plan.count} rows into {plan.num_rows}; got values of "
             f"shape {tuple(values.shape)} and a target of shape {tuple(target.shape)}"
         )
-    _check_contiguous_target(target, "scatter_add_planned")
+    if not target.flags.c_contiguous:
+        raise ValueError(f"{operation}: target must be C-contiguous (it is updated in place), got strides "
+                         f"{tuple(target.strides)}; pass a contiguous copy and read the result from it")
     values = xp.ascontiguousarray(values, dtype=target.dtype)
     vector = vector_width(channels, target.dtype.itemsize, values, target)
     runs, slot_stride = (int(size) for size in plan.slots.shape)
@@ -208,9 +208,8 @@ def scatter_add_pairs(device: KernelDevice, target: Any, rows: Any, values: Any,
     scatters through the same rows again keeps the plan (`scatter_add_planned`).
     """
     check_scatter(target, rows, values, "scatter_add_pairs")
-    _check_run_starts(run_starts, int(rows.shape[0]), "scatter_add_pairs")
-    _check_contiguous_target(target, "scatter_add_pairs")
-    scatter_add_planned(device, target, scatter_plan(device, rows, run_starts, int(target.shape[0])), values)
+    plan = scatter_plan(device, rows, run_starts, int(target.shape[0]), "scatter_add_pairs")
+    scatter_add_planned(device, target, plan, values, "scatter_add_pairs")
 
 
 def max_pool_pairs(device: KernelDevice, features: Any, pair_input: Any, pair_output: Any,
