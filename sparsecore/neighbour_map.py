@@ -1,0 +1,239 @@
+"""Neighbour maps: a rulebook as per-row tables, the form the GPU's fused feature kernels read.
+
+A `NeighbourMap` holds, for every output row ``o`` and kernel offset ``k``, the
+input row that feeds ``o`` through ``k`` (``output_neighbours[o, k]``, -1 for
+none), and the same relation seen from the inputs (``input_neighbours[i, k]``,
+the output row that input ``i`` feeds through ``k``). It is the same
+information as a `sparsecore.rulebook.PairMap` (pairs grouped by offset), laid
+out per row:
+
+- an output-stationary kernel (forward, and the input gradient over the
+  input-side table) walks its rows, reads each row's ``K`` neighbours and writes
+  each row once: no scatter, no atomics, deterministic;
+- ``output_masks`` / ``input_masks`` hold each row's offsets as bits (uint32
+  words, bit ``k % 32`` of word ``k // 32``) and ``output_order`` /
+  ``input_order`` the rows stably sorted by mask, so a tile of consecutive rows
+  in that order shares most of its offsets and a kernel skips the offsets no
+  row of its tile has.
+
+A submanifold map is symmetric (``input_neighbours[i, k] == output_neighbours[i, K - 1 - k]``),
+so it stores one side only (``symmetric=True``; ``input_neighbours`` and the
+input masks and order are None) and the input gradient reads the output side
+with the offsets reversed.
+
+This module holds the value and its two conversions, written once against
+``xp`` (NumPy or CuPy): `neighbour_map_from_pairs` (a map for any pair map,
+memoised per `PairMap` by `neighbour_map_of`) and `pairs_from_neighbour_map`
+(the pair-list view, derived on demand, ordered by output row within each
+offset). The GPU's rulebook builders write maps directly with their own kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "NeighbourMap",
+    "mask_words",
+    "neighbour_map_from_pairs",
+    "pairs_from_neighbour_map",
+    "neighbour_map_of",
+    "row_masks",
+    "mask_order",
+]
+
+
+def mask_words(kernel_volume: int) -> int:
+    """uint32 words of a row mask for ``kernel_volume`` offsets (at least 1)."""
+    return max(1, -(-int(kernel_volume) // 32))
+
+
+@dataclass(frozen=True, eq=False)
+class NeighbourMap:
+    """A rulebook's pairs as per-row neighbour tables (see the module docstring).
+
+    Attributes:
+        output_neighbours: int32 ``[N_out, K]``: the input row paired with output
+            row ``o`` through offset ``k``, or -1.
+        output_masks: uint32 ``[N_out, W]`` (``W = mask_words(K)``): bit ``k % 32``
+            of word ``k // 32`` is set exactly when ``output_neighbours[o, k] >= 0``.
+        output_order: int32 ``[N_out]``: the output rows stably sorted by mask
+            (by word 0, then word 1, ...): a permutation of ``range(N_out)``.
+        input_neighbours: int32 ``[N_in, K]``: the output row fed by input row
+            ``i`` through offset ``k``, or -1; None when ``symmetric``.
+        input_masks: uint32 ``[N_in, W]`` of ``input_neighbours``; None when ``symmetric``.
+        input_order: int32 ``[N_in]``, likewise; None when ``symmetric``.
+        num_input: input rows ``N_in``.
+        num_output: output rows ``N_out``.
+        kernel_size: per-axis kernel size (``prod == K``).
+        identity_offset: an offset whose pairs are ``i -> i`` for every row (a
+            submanifold centre), or -1.
+        symmetric: a submanifold map (``N_in == N_out``, offset ``k`` of input
+            ``i`` is offset ``K - 1 - k`` of output ``i``): one side is stored.
+    """
+
+    output_neighbours: Any
+    output_masks: Any
+    output_order: Any
+    input_neighbours: Any
+    input_masks: Any
+    input_order: Any
+    num_input: int
+    num_output: int
+    kernel_size: tuple[int, ...]
+    identity_offset: int = -1
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        volume = self.kernel_volume
+        if tuple(self.output_neighbours.shape) != (self.num_output, volume):
+            raise ValueError(
+                f"output_neighbours must have shape [num_output, K] = [{self.num_output}, {volume}], got "
+                f"{tuple(self.output_neighbours.shape)}"
+            )
+        if tuple(self.output_masks.shape) != (self.num_output, mask_words(volume)):
+            raise ValueError(
+                f"output_masks must have shape [{self.num_output}, {mask_words(volume)}], got "
+                f"{tuple(self.output_masks.shape)}"
+            )
+        if self.symmetric:
+            if self.num_input != self.num_output or self.input_neighbours is not None:
+                raise ValueError("a symmetric neighbour map has num_input == num_output and stores no input side")
+        elif self.input_neighbours is None or tuple(self.input_neighbours.shape) != (self.num_input, volume):
+            raise ValueError(
+                f"input_neighbours must have shape [num_input, K] = [{self.num_input}, {volume}], got "
+                f"{None if self.input_neighbours is None else tuple(self.input_neighbours.shape)}"
+            )
+
+    @property
+    def kernel_volume(self) -> int:
+        """Number of kernel offsets ``K``."""
+        volume = 1
+        for size in self.kernel_size:
+            volume *= int(size)
+        return volume
+
+    def input_side(self) -> tuple[Any, Any, Any, bool]:
+        """``(neighbours, masks, order, reversed)`` of the input side, as an input-gradient kernel reads it.
+
+        ``reversed`` is True for a symmetric map: the output side's tables, where
+        offset ``k`` stands for weight offset ``K - 1 - k``.
+        """
+        if self.symmetric:
+            return self.output_neighbours, self.output_masks, self.output_order, True
+        return self.input_neighbours, self.input_masks, self.input_order, False
+
+    def swapped(self) -> "NeighbourMap":
+        """The map with inputs and outputs exchanged (an inverse conv of a regular one): same offsets."""
+        if self.symmetric:
+            return self
+        return NeighbourMap(self.input_neighbours, self.input_masks, self.input_order, self.output_neighbours,
+                            self.output_masks, self.output_order, self.num_output, self.num_input,
+                            tuple(self.kernel_size), self.identity_offset)
+
+
+def row_masks(xp: Any, neighbours: Any) -> Any:
+    """uint32 ``[N, W]`` bit masks of an int32 ``[N, K]`` table's non-negative entries (xp, a few operations)."""
+    rows, volume = int(neighbours.shape[0]), int(neighbours.shape[1])
+    words = mask_words(volume)
+    padded = xp.zeros((rows, words * 32), dtype=xp.uint32)
+    padded[:, :volume] = (neighbours >= 0).astype(xp.uint32)
+    bits = xp.left_shift(xp.uint32(1), xp.arange(32, dtype=xp.uint32))
+    return (padded.reshape(rows, words, 32) * bits).sum(axis=2, dtype=xp.uint32).astype(xp.uint32)
+
+
+def mask_order(xp: Any, masks: Any) -> Any:
+    """int32 ``[N]`` rows stably sorted by their uint32 ``[N, W]`` masks (word 0 first)."""
+    if masks.shape[1] == 1:
+        return xp.argsort(masks[:, 0], kind="stable").astype(xp.int32)
+    # lexsort sorts by its last key first
+    return xp.lexsort(tuple(masks[:, word] for word in range(masks.shape[1] - 1, -1, -1))).astype(xp.int32)
+
+
+def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_starts: tuple[int, ...],
+                             num_input: int, num_output: int, kernel_size: tuple[int, ...],
+                             identity_offset: int = -1, symmetric: bool = False) -> NeighbourMap:
+    """The neighbour map of pairs grouped by offset (rows of -1, padding, are dropped).
+
+    Args:
+        xp: the array module of the pairs.
+        pair_input: int32 ``[P]`` input rows, grouped by offset.
+        pair_output: int32 ``[P]`` output rows, grouped by offset.
+        offset_starts: ``K + 1`` host ints delimiting the offsets' pairs.
+        num_input: input rows.
+        num_output: output rows.
+        kernel_size: per-axis kernel size.
+        identity_offset: the identity offset, or -1.
+        symmetric: store one side (a submanifold rulebook's pairs).
+
+    Returns:
+        The `NeighbourMap`.
+    """
+    volume = len(offset_starts) - 1
+    counts = [int(offset_starts[k + 1]) - int(offset_starts[k]) for k in range(volume)]
+    offsets = xp.repeat(xp.arange(volume, dtype=xp.int64), xp.asarray(counts, dtype=xp.int64)) if volume else \
+        xp.zeros(0, dtype=xp.int64)
+    pair_input = pair_input.astype(xp.int64)
+    pair_output = pair_output.astype(xp.int64)
+    keep = (pair_input >= 0) & (pair_output >= 0)
+    pair_input, pair_output, offsets = pair_input[keep], pair_output[keep], offsets[keep]
+
+    def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
+        table = xp.full((rows, volume), -1, dtype=xp.int32)
+        table[keys, offsets] = values.astype(xp.int32)
+        masks = row_masks(xp, table)
+        return table, masks, mask_order(xp, masks)
+
+    out_table, out_masks, out_order = side(int(num_output), pair_output, pair_input)
+    if symmetric:
+        return NeighbourMap(out_table, out_masks, out_order, None, None, None, int(num_input), int(num_output),
+                            tuple(int(k) for k in kernel_size), int(identity_offset), True)
+    in_table, in_masks, in_order = side(int(num_input), pair_input, pair_output)
+    return NeighbourMap(out_table, out_masks, out_order, in_table, in_masks, in_order, int(num_input),
+                        int(num_output), tuple(int(k) for k in kernel_size), int(identity_offset), False)
+
+
+def pairs_from_neighbour_map(xp: Any, neighbour_map: NeighbourMap) -> tuple[Any, Any, tuple[int, ...]]:
+    """The pair-list view of a map: ``(pair_input, pair_output, offset_starts)``.
+
+    Pairs are grouped by offset and ordered by output row within an offset. The
+    offset counts are read back to the host (one synchronisation on the GPU):
+    only callers that ask for pairs pay it.
+
+    Returns:
+        int32 ``[P]``, int32 ``[P]`` and ``K + 1`` host ints.
+    """
+    table = neighbour_map.output_neighbours
+    by_offset = xp.ascontiguousarray(table.T)  # [K, N_out]
+    offset_ids, output_rows = xp.nonzero(by_offset >= 0)
+    pair_input = by_offset[offset_ids, output_rows].astype(xp.int32)
+    volume = neighbour_map.kernel_volume
+    counts = xp.bincount(offset_ids, minlength=volume) if offset_ids.shape[0] else xp.zeros(volume, dtype=xp.int64)
+    starts = [0]
+    for count in (counts.tolist() if hasattr(counts, "tolist") else list(counts)):
+        starts.append(starts[-1] + int(count))
+    return pair_input, output_rows.astype(xp.int32), tuple(starts)
+
+
+def neighbour_map_of(rulebook: Any, xp: Any) -> NeighbourMap:
+    """The neighbour map of a `Rulebook` or `PairMap`: its own, else derived from its pairs once.
+
+    A rulebook the GPU built carries its map (``rulebook.neighbour_map``); any
+    other pair map gets one from `neighbour_map_from_pairs`, memoised in the
+    `PairMap`'s ``derived`` slot (so every pass and layer sharing it builds it once).
+    """
+    own = getattr(rulebook, "neighbour_map", None)
+    if own is not None:
+        return own
+    pair_map = getattr(rulebook, "pair_map", rulebook)
+    cached = pair_map.derived.get("neighbour_map")
+    if cached is None:
+        geometry = getattr(rulebook, "geometry", None)
+        symmetric = geometry is not None and geometry.kind == "subm"
+        cached = neighbour_map_from_pairs(xp, pair_map.pair_input, pair_map.pair_output,
+                                          tuple(pair_map.offset_starts), pair_map.num_input, pair_map.num_output,
+                                          tuple(pair_map.kernel_size), pair_map.identity_offset, symmetric)
+        pair_map.derived["neighbour_map"] = cached
+    return cached
+
