@@ -71,7 +71,7 @@ class GraphBuilder:
 
     def model(self, channels: int, output: str) -> "onnx.ModelProto":
         graph = helper.make_graph(self.nodes, "scn", [helper.make_tensor_value_info("0", FP16, [None, channels])],
-                                  [helper.make_tensor_value_info(output, FP16, None)], self.initializers)
+                                  [helper.make_tensor_value_info(output, FP16, [])], self.initializers)
         return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("ai.onnx", 11)])
 
 
