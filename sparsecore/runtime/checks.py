@@ -74,6 +74,10 @@ def check_structure(model: Any) -> None:
                 raise GraphError(f"{where} writes {output!r}, which {writers[output]} already writes; every value "
                                  "of a graph is written once")
             writers[output] = where
+    for value in graph.output:
+        if value.name not in writers:
+            raise GraphError(f"the graph output {value.name!r} is not written by any node (nor is it the graph input "
+                             "or an initializer)")
     check_with_onnx(model)
 
 

@@ -58,11 +58,11 @@ def _check_activation(where: str, attribute: str, dynamic_range: float) -> None:
         return
     scale = _scale(dynamic_range)
     if not _TINY <= scale < np.inf:
-        raise GraphError(f"{where}: {attribute}={dynamic_range!r} gives the scale {scale!r} (range / 127 in "
+        raise GraphError(f"{where}: {attribute}={dynamic_range:.6g} gives the scale {scale:.6g} (range / 127 in "
                          "float32), which is not a normal float32 number; a dynamic range must be a tensor's "
                          "absolute maximum, e.g. 4.5")
     if dynamic_range > FP16_MAX or scale < FP16_SMALLEST_STEP:
-        raise GraphError(f"{where}: {attribute}={dynamic_range!r} describes no FP16 tensor (libspconv's float "
+        raise GraphError(f"{where}: {attribute}={dynamic_range:.6g} describes no FP16 tensor (libspconv's float "
                          f"tensors are FP16: an absolute maximum of at most {FP16_MAX:g}, and an int8 step "
                          f"range / 127 of at least 2**-24); the values read with it would all saturate or vanish")
 
@@ -72,20 +72,20 @@ def _check_weights(where: str, node: ConvNode) -> None:
     scales = ranges / np.float32(127)
     for channel, (dynamic_range, scale) in enumerate(zip(ranges.tolist(), scales.tolist())):
         if not _TINY <= scale < np.inf:
-            raise GraphError(f"{where}: weight_dynamic_ranges[{channel}]={dynamic_range!r} gives the scale "
-                             f"{scale!r} (range / 127 in float32), which is not a normal float32 number")
+            raise GraphError(f"{where}: weight_dynamic_ranges[{channel}]={dynamic_range:.6g} gives the scale "
+                             f"{scale:.6g} (range / 127 in float32), which is not a normal float32 number")
     largest = np.abs(node.weight.astype(np.float32)).reshape(node.weight.shape[0], -1).max(axis=1)
     steps = largest.astype(np.float64) / scales.astype(np.float64)
     for channel in range(len(steps)):
         if steps[channel] > MAX_WEIGHT_STEPS:
             raise GraphError(
-                f"{where}: weight_dynamic_ranges[{channel}]={float(ranges[channel])!r} is smaller than the channel's "
-                f"largest weight {float(largest[channel])!r} ({steps[channel]:.4g} int8 steps; at most 127 fit), so "
+                f"{where}: weight_dynamic_ranges[{channel}]={float(ranges[channel]):.6g} is smaller than the channel's "
+                f"largest weight {float(largest[channel]):.6g} ({steps[channel]:.4g} int8 steps; at most 127 fit), so "
                 "its weights would saturate; the range must be the channel's largest weight magnitude")
         if largest[channel] > 0 and steps[channel] < MIN_WEIGHT_STEPS:
             raise GraphError(
-                f"{where}: weight_dynamic_ranges[{channel}]={float(ranges[channel])!r} is more than 16 times the "
-                f"channel's largest weight {float(largest[channel])!r} (it spans {steps[channel]:.3g} of 127 int8 "
+                f"{where}: weight_dynamic_ranges[{channel}]={float(ranges[channel]):.6g} is more than 16 times the "
+                f"channel's largest weight {float(largest[channel]):.6g} (it spans {steps[channel]:.3g} of 127 int8 "
                 "steps), so its weights would round to zero; the range must be the channel's largest weight "
                 "magnitude")
 
@@ -96,9 +96,9 @@ def _check_epilogue(where: str, node: ConvNode) -> None:
     products = input_scale * scales
     if products.size and not (products >= _TINY).all():
         channel = int(np.argmin(products))
-        raise GraphError(f"{where}: input_dynamic_range={node.input_dynamic_range!r} and weight_dynamic_ranges"
-                         f"[{channel}]={float(node.weight_dynamic_ranges[channel])!r} multiply to the scale "
-                         f"{float(products[channel])!r}, below float32's normal range: the layer's outputs would "
+        raise GraphError(f"{where}: input_dynamic_range={node.input_dynamic_range:.6g} and weight_dynamic_ranges"
+                         f"[{channel}]={float(node.weight_dynamic_ranges[channel]):.6g} multiply to the scale "
+                         f"{float(products[channel]):.6g}, below float32's normal range: the layer's outputs would "
                          "vanish")
 
 
