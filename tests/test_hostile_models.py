@@ -110,7 +110,16 @@ THREADS = textwrap.dedent(r"""
             out = session.run(data["features"], data["indices"], 2, (9, 11, 7)).sparse
             results.append(bool(np.array_equal(out.features, first.features)
                                 and np.array_equal(out.indices, first.indices)))
-    threads = [threading.Thread(target=work) for _ in range(4)]
+    import sparsecore as sc  # the core's own entry points, without a session around them
+    geometry = sc.ConvGeometry.create(3, 3, 2, 1, kind="regular")
+    weight = np.random.default_rng(3131).standard_normal((6, 3, 3, 3, 4)).astype(np.float32)
+    features32 = data["features"].astype(np.float32)
+    single = sc.conv_forward(features32, weight, sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry))
+    def core():
+        for _ in range(4):
+            rulebook = sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry)
+            results.append(bool(np.array_equal(sc.conv_forward(features32, weight, rulebook), single)))
+    threads = [threading.Thread(target=work) for _ in range(4)] + [threading.Thread(target=core) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -132,7 +141,7 @@ def test_four_threads_share_a_session_under_the_workqueue_layer(tmp_path: Path) 
                           env=_environment(NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2"))
     assert done.returncode == 0, done.stderr[-3000:]  # before the lock: SIGABRT, "Concurrent access"
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["layer"] == "workqueue" and report["equal"] == [True] * 16, report
+    assert report["layer"] == "workqueue" and report["equal"] == [True] * 24, report
     sites, values = base_expected(builder, features, indices)
     with np.load(tmp_path / "out.npz") as out:
         np.testing.assert_array_equal(out["indices"], sites)

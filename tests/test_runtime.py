@@ -302,3 +302,34 @@ def test_reshape_for_another_batch_size_names_the_node() -> None:
     first = indices[:, 0] == 0
     with pytest.raises(runtime.GraphError, match="reshape_bev.*Reshape.*batch size"):
         session.run(features[first], indices[first], 1, (9, 11, 7))
+
+
+def test_a_session_budget_refuses_a_step_and_names_the_node() -> None:
+    rng, indices, features = _case(16)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 8, rulebook="a", activation="ReLU")
+    builder.conv("conv1", "1", "2", 8, 6, kind="regular", stride=2, padding=1, rulebook="down")
+    model = builder.model(4, "2")
+    with pytest.raises(runtime.MemoryBudgetError, match=r"node 'conv0' \(SparseConvolution\): building the rulebook "
+                                                        r"of a subm geometry.*more than the memory budget of 1000 bytes"):
+        runtime.load_model(model, memory_budget=1000).run(features, indices, 2, (9, 11, 7))
+    ample = runtime.load_model(model, memory_budget="1G").run(features, indices, 2, (9, 11, 7)).sparse
+    plain = runtime.load_model(model).run(features, indices, 2, (9, 11, 7)).sparse
+    np.testing.assert_array_equal(ample.features, plain.features)
+    with pytest.raises(ValueError, match="memory_budget='lots' must be a positive number of bytes"):
+        runtime.load_model(model, memory_budget="lots")
+
+
+def test_check_finite_names_the_first_node_whose_output_is_not_finite() -> None:
+    rng, indices, features = _case(17)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 8, rulebook="a")
+    builder.op("Relu", ["1"], "2", "relu0")
+    model = builder.model(4, "2")
+    features[5, 2] = np.inf  # reaches conv0's output at site 5 and its neighbours
+    with pytest.raises(runtime.NonFiniteError, match=r"node 'conv0' \(SparseConvolution\) wrote [0-9]+ non-finite "
+                                                     r"value\(s\).*float32 output.*input features"):
+        runtime.load_model(model, check_finite=True).run(features, indices, 2, (9, 11, 7))
+    unchecked = runtime.load_model(model).run(features, indices, 2, (9, 11, 7)).sparse  # float32: off by default
+    assert not np.isfinite(unchecked.features).all()
+    assert runtime.load_model(model, dtype="float16").check_finite
