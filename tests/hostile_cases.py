@@ -33,28 +33,78 @@ from tests.runtime_graphs import BATCH, SHAPE, GraphBuilder, base_expected, base
 
 OUTCOMES = ("clear", "correct", "silent", "obscure", "blow-up", "crash")
 
-CHILD = r'''
-import json, resource, sys
-cap = int(sys.argv[2])
-resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+ZYGOTE = r'''
+# Imports onnx and sparsecore.runtime once (neither starts a thread), then forks one child per group: each sets
+# its own RLIMIT_AS and environment, runs its cases and prints one JSON record per case; a child that dies is
+# reported with its exit status.
+import json, os, resource, sys, threading
 import numpy as np
+import onnx, onnx.checker
 import sparsecore.runtime as runtime
 from sparsecore.memory_budget import MemoryBudgetError
-for case in json.load(open(sys.argv[1])):
-    record = {"name": case["name"]}
-    try:
-        session = runtime.load(case["file"], **case["load"])
-        data = np.load(case["input"])
-        out = session.run(data["features"], data["indices"], int(data["batch"]), tuple(data["shape"].tolist()))
-        if out.dense is not None:
-            np.savez(case["output"], dense=out.dense)
-        else:
-            np.savez(case["output"], features=out.sparse.features, indices=out.sparse.indices)
-        record["outcome"] = "ran"
-    except BaseException as error:
-        raw_memory = isinstance(error, MemoryError) and not isinstance(error, MemoryBudgetError)
-        record.update(outcome="error", type=type(error).__name__, message=str(error), raw_memory=raw_memory)
-    print(json.dumps(record), flush=True)
+
+
+def run_cases(cases):
+    for case in cases:
+        record = {"name": case["name"]}
+        try:
+            session = runtime.load(case["file"], **case["load"])
+            data = np.load(case["input"])
+            out = session.run(data["features"], data["indices"], int(data["batch"]), tuple(data["shape"].tolist()))
+            if out.dense is not None:
+                np.savez(case["output"], dense=out.dense)
+            else:
+                np.savez(case["output"], features=out.sparse.features, indices=out.sparse.indices)
+            record["outcome"] = "ran"
+        except BaseException as error:
+            raw_memory = isinstance(error, MemoryError) and not isinstance(error, MemoryBudgetError)
+            record.update(outcome="error", type=type(error).__name__, message=str(error), raw_memory=raw_memory)
+        print(json.dumps(record), flush=True)
+
+
+def run_threads(spec):
+    import numba
+    import sparsecore as sc
+    data = np.load(spec["input"])
+    session = runtime.load(spec["file"])
+    first = session.run(data["features"], data["indices"], 2, (9, 11, 7)).sparse
+    results = []
+
+    def work():
+        for _ in range(4):
+            out = session.run(data["features"], data["indices"], 2, (9, 11, 7)).sparse
+            results.append(bool(np.array_equal(out.features, first.features)
+                                and np.array_equal(out.indices, first.indices)))
+    geometry = sc.ConvGeometry.create(3, 3, 2, 1, kind="regular")  # the core's entry points, without a session
+    weight = np.random.default_rng(3131).standard_normal((6, 3, 3, 3, 4)).astype(np.float32)
+    features = data["features"].astype(np.float32)
+    single = sc.conv_forward(features, weight, sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry))
+
+    def core():
+        for _ in range(4):
+            rulebook = sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry)
+            results.append(bool(np.array_equal(sc.conv_forward(features, weight, rulebook), single)))
+    threads = [threading.Thread(target=work) for _ in range(4)] + [threading.Thread(target=core) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    np.savez(spec["output"], features=first.features, indices=first.indices)
+    print(json.dumps({"name": spec["name"], "layer": numba.threading_layer(), "equal": results}), flush=True)
+
+
+for group in json.load(open(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (group["cap"], group["cap"]))
+            os.environ.update(group.get("environment", {}))
+            run_threads(group["threads"]) if "threads" in group else run_cases(group["cases"])
+        finally:
+            sys.stdout.flush()
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"group": group["name"], "status": status}), flush=True)
 '''
 
 
@@ -464,43 +514,46 @@ def write_cases(folder: Path) -> list[Case]:
     return cases
 
 
-def memory_cases(folder: Path) -> list[Case]:
-    """Files whose sizes decide allocations of many GiB: each case runs in its own capped child."""
+def memory_case(folder: Path, name: str) -> Case:
+    """One file whose sizes decide allocations of many GiB (``kernel_81``, ``padding_300``, ``subm_kernel_101``),
+    run in its own capped child."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = make_rng(3120)
     grid = (300, 300, 300)
     cells = rng.choice(int(np.prod(grid)), 2000, replace=False)
     sites = np.concatenate([np.zeros((2000, 1), np.int64), np.stack(np.unravel_index(cells, grid), 1)], 1)
-    features = rng.uniform(-1, 1, (2000, 4))
-    few = _save_input(folder, "few", features[:600], sites[:600], 1, grid)
-    many = _save_input(folder, "many", features, sites, 1, grid)
-    specs = []
+    channels = 4 if name == "padding_300" else 1
+    features = rng.uniform(-1, 1, (2000, channels))
+    count = 2000 if name == "subm_kernel_101" else 600
+    inputs = _save_input(folder, name, features[:count], sites[:count], 1, grid)
     builder = GraphBuilder(rng)
-    builder.conv("conv0", "0", "1", 4, 2, kind="regular", kernel=81, padding=40, rulebook="big")
-    specs.append(("kernel_81", builder.model(4, "1"), few,
-                  "node 'conv0' \\(SparseConvolution\\): building the rulebook of a regular geometry "
-                  "kernel_size=\\(81, 81, 81\\).* on 600 sites.*GiB, more than the memory budget"))
-    builder = GraphBuilder(rng)
-    builder.conv("conv0", "0", "1", 4, 4, kind="regular", kernel=3, padding=300, rulebook="wide")
-    builder.op("ScatterDense", ["1"], "2", "scatter0", format="zyx", output_layout="NCHW",
-               output_shape=[1, 4, 898, 898, 898])
-    specs.append(("padding_300", builder.model(4, "2"), few,
-                  "node 'scatter0' \\(ScatterDense\\): a dense grid of batch_size 1 x 4 channels x spatial_shape "
-                  "\\(898, 898, 898\\).*GiB, more than the memory budget"))
-    builder = GraphBuilder(rng)
-    builder.conv("conv0", "0", "1", 4, 2, kind="subm", kernel=101, rulebook="huge")
-    specs.append(("subm_kernel_101", builder.model(4, "1"), many,
-                  "node 'conv0' \\(SparseConvolution\\): building the rulebook of a subm geometry "
-                  "kernel_size=\\(101, 101, 101\\).* on 2000 sites.*GiB, more than the memory budget"))
-    cases = []
-    for name, model, inputs, pattern in specs:
-        path = folder / f"{name}.onnx"
-        onnx.save(model, str(path))
-        cases.append(Case(name, "memory", str(path), inputs, error=("MemoryBudgetError", pattern)))
-    return cases
+    if name == "kernel_81":
+        builder.conv("conv0", "0", "1", 1, 1, kind="regular", kernel=81, padding=40, rulebook="big")
+        output, pattern = "1", ("node 'conv0' \\(SparseConvolution\\): building the rulebook of a regular geometry "
+                                "kernel_size=\\(81, 81, 81\\).* on 600 sites.*GiB, more than the memory budget")
+    elif name == "padding_300":
+        builder.conv("conv0", "0", "1", 4, 4, kind="regular", kernel=3, padding=300, rulebook="wide")
+        builder.op("ScatterDense", ["1"], "2", "scatter0", format="zyx", output_layout="NCHW",
+                   output_shape=[1, 4, 898, 898, 898])
+        output, pattern = "2", ("node 'scatter0' \\(ScatterDense\\): a dense grid of batch_size 1 x 4 channels x "
+                                "spatial_shape \\(898, 898, 898\\).*GiB, more than the memory budget")
+    else:
+        builder.conv("conv0", "0", "1", 1, 1, kind="subm", kernel=101, rulebook="huge")
+        output, pattern = "1", ("node 'conv0' \\(SparseConvolution\\): building the rulebook of a subm geometry "
+                                "kernel_size=\\(101, 101, 101\\).* on 2000 sites.*GiB, more than the memory budget")
+    path = folder / f"{name}.onnx"
+    onnx.save(builder.model(channels, output), str(path))
+    return Case(name, "memory", str(path), inputs, error=("MemoryBudgetError", pattern))
 
 
-def write_specs(cases: list[Case], folder: Path) -> Path:
-    path = folder / "cases.json"
-    path.write_text(json.dumps([case.spec(folder) for case in cases]))
+def write_groups(groups: list[dict], folder: Path) -> Path:
+    """The zygote's plan: groups of ``{"name", "cap", "cases": [Case] | "threads": spec, "environment"}``."""
+    plan = []
+    for group in groups:
+        entry = {key: value for key, value in group.items() if key != "cases"}
+        if "cases" in group:
+            entry["cases"] = [case.spec(folder) for case in group["cases"]]
+        plan.append(entry)
+    path = folder / "plan.json"
+    path.write_text(json.dumps(plan))
     return path

@@ -7,13 +7,15 @@ or, for a valid file, the dense oracle's answer. Counted against that: ``silent`
 (ran where it should have refused, or a wrong answer), ``obscure`` (another error or
 a message naming the wrong thing), ``blow-up`` (a raw MemoryError under the cap) and
 ``crash`` (the child died). Cases that cannot crash share one child; each case whose
-sizes could allocate many GiB gets its own. Checkpoints (``SPCONV_SAVED_WEIGHT_LAYOUT``)
+sizes could allocate many GiB gets its own (one zygote process imports onnx once
+and forks the children, each setting its own cap). Checkpoints (``SPCONV_SAVED_WEIGHT_LAYOUT``)
 and threads sharing a session under numba's ``workqueue`` layer run in children too.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -33,7 +35,8 @@ from tests.runtime_graphs import BATCH, SHAPE, base_expected, base_model  # noqa
 from tests.dense_oracle import make_rng, random_features, random_indices  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CAP = 3 * 2**30  # address space of an ONNX child: about 0.5 GiB after imports, so a budget of about 1.2 GiB
+CAP = 3 * 2**30  # address space of a child: about 0.5 GiB after imports, so a default budget of about 1.2 GiB
+MEMORY_CASES = ("kernel_81", "padding_300", "subm_kernel_101")
 
 
 def _environment(**extra: str) -> dict:
@@ -44,16 +47,51 @@ def _environment(**extra: str) -> dict:
     return environment
 
 
-def _run_child(cases: list, folder: Path, cap: int = CAP, timeout: int = 120) -> tuple[dict, subprocess.CompletedProcess]:
-    specs = hostile_cases.write_specs(cases, folder)
-    done = subprocess.run([sys.executable, "-c", hostile_cases.CHILD, str(specs), str(cap)], capture_output=True,
-                          text=True, timeout=timeout, env=_environment(), cwd=folder)
-    records = {}
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The zygote's output: per case name its record, per group its exit status; the cases and folders."""
+
+    records: dict
+    statuses: dict
+    cases: list
+    memory: dict
+    folder: Path
+    stderr: str
+    threads: dict
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Writes every file, then one zygote process (onnx imported once) forks a capped child per group: all
+    the cases that cannot allocate much together, each allocation case alone, the threads alone."""
+    folder = tmp_path_factory.mktemp("hostile")
+    cases = hostile_cases.write_cases(folder / "grouped")
+    memory = {name: hostile_cases.memory_case(folder / name, name) for name in MEMORY_CASES}
+    rng = make_rng(3130)
+    indices = random_indices(rng, SHAPE, BATCH, num=500)
+    features = random_features(rng, len(indices), 4).astype(np.float32).astype(np.float64)
+    builder = base_model(rng)
+    onnx.save(builder.model(4, "2"), str(folder / "threads.onnx"))
+    np.savez(folder / "threads.npz", features=features.astype(np.float32), indices=indices)
+    threads = {"name": "threads", "file": str(folder / "threads.onnx"), "input": str(folder / "threads.npz"),
+               "output": str(folder / "threads.out.npz"), "expected": base_expected(builder, features, indices)}
+    groups = [{"name": "grouped", "cap": CAP, "cases": cases}]
+    groups += [{"name": name, "cap": CAP, "cases": [case]} for name, case in memory.items()]
+    groups.append({"name": "threads", "cap": CAP, "environment": {"NUMBA_THREADING_LAYER": "workqueue",
+                                                                  "NUMBA_NUM_THREADS": "2"},
+                   "threads": {key: value for key, value in threads.items() if key != "expected"}})
+    plan = hostile_cases.write_groups(groups, folder)
+    done = subprocess.run([sys.executable, "-c", hostile_cases.ZYGOTE, str(plan)], capture_output=True, text=True,
+                          timeout=600, env=_environment(), cwd=folder)
+    records, statuses = {}, {}
     for line in done.stdout.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
-            records[record["name"]] = record
-    return records, done
+            if "group" in record:
+                statuses[record["group"]] = record["status"]
+            else:
+                records[record["name"]] = record
+    return Run(records, statuses, cases, memory, folder, done.stderr, threads)
 
 
 def _tally(cases: list, records: dict, folder: Path) -> tuple[collections.Counter, list[str]]:
@@ -75,75 +113,32 @@ def _summary(label: str, cases: list, counts: collections.Counter) -> str:
             + "; classes: " + ", ".join(f"{key} {value}" for key, value in sorted(classes.items())))
 
 
-def test_hostile_onnx_files_give_clear_errors_or_the_oracle_answer(tmp_path: Path) -> None:
-    cases = hostile_cases.write_cases(tmp_path)
-    records, done = _run_child(cases, tmp_path)
-    counts, failures = _tally(cases, records, tmp_path)
+def test_hostile_onnx_files_give_clear_errors_or_the_oracle_answer(hostile_run: Run) -> None:
+    cases = hostile_run.cases
+    counts, failures = _tally(cases, hostile_run.records, hostile_run.folder)
     summary = _summary("hostile ONNX files", cases, counts)
     print("\n" + summary)
     assert counts["clear"] + counts["correct"] == len(cases), (
-        summary + "\n" + "\n".join(failures) + "\n--- child stderr\n" + done.stderr[-3000:])
-    assert done.returncode == 0, done.stderr[-3000:]
+        summary + "\n" + "\n".join(failures) + "\n--- zygote stderr\n" + hostile_run.stderr[-3000:])
+    assert hostile_run.statuses.get("grouped") == 0, hostile_run.stderr[-3000:]
     assert counts["correct"] >= 9 and counts["clear"] >= 50, summary
 
 
-@pytest.mark.parametrize("name", ["kernel_81", "padding_300", "subm_kernel_101"])
-def test_sizes_from_a_file_are_refused_before_they_allocate(tmp_path: Path, name: str) -> None:
-    case = next(case for case in hostile_cases.memory_cases(tmp_path) if case.name == name)
-    records, done = _run_child([case], tmp_path)
-    outcome = hostile_cases.judge(case, records.get(case.name), tmp_path)
-    assert outcome == "clear", (outcome, records, done.stderr[-3000:])
+@pytest.mark.parametrize("name", MEMORY_CASES)
+def test_sizes_from_a_file_are_refused_before_they_allocate(hostile_run: Run, name: str) -> None:
+    case = hostile_run.memory[name]
+    outcome = hostile_cases.judge(case, hostile_run.records.get(name), hostile_run.folder)
+    assert outcome == "clear", (outcome, hostile_run.records.get(name), hostile_run.statuses.get(name),
+                                hostile_run.stderr[-3000:])
 
 
-THREADS = textwrap.dedent(r"""
-    import json, resource, sys, threading
-    resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]), int(sys.argv[3])))
-    import numpy as np
-    import numba
-    import sparsecore.runtime as runtime
-    data = np.load(sys.argv[2])
-    session = runtime.load(sys.argv[1])
-    first = session.run(data["features"], data["indices"], 2, (9, 11, 7)).sparse
-    results = []
-    def work():
-        for _ in range(4):
-            out = session.run(data["features"], data["indices"], 2, (9, 11, 7)).sparse
-            results.append(bool(np.array_equal(out.features, first.features)
-                                and np.array_equal(out.indices, first.indices)))
-    import sparsecore as sc  # the core's own entry points, without a session around them
-    geometry = sc.ConvGeometry.create(3, 3, 2, 1, kind="regular")
-    weight = np.random.default_rng(3131).standard_normal((6, 3, 3, 3, 4)).astype(np.float32)
-    features32 = data["features"].astype(np.float32)
-    single = sc.conv_forward(features32, weight, sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry))
-    def core():
-        for _ in range(4):
-            rulebook = sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry)
-            results.append(bool(np.array_equal(sc.conv_forward(features32, weight, rulebook), single)))
-    threads = [threading.Thread(target=work) for _ in range(4)] + [threading.Thread(target=core) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    np.savez(sys.argv[4], features=first.features, indices=first.indices)
-    print(json.dumps({"layer": numba.threading_layer(), "equal": results}))
-""")
-
-
-def test_four_threads_share_a_session_under_the_workqueue_layer(tmp_path: Path) -> None:
-    rng = make_rng(3130)
-    indices = random_indices(rng, SHAPE, BATCH, num=500)
-    features = random_features(rng, len(indices), 4).astype(np.float32).astype(np.float64)
-    builder = base_model(rng)
-    onnx.save(builder.model(4, "2"), str(tmp_path / "model.onnx"))
-    np.savez(tmp_path / "input.npz", features=features.astype(np.float32), indices=indices)
-    done = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "model.onnx"), str(tmp_path / "input.npz"),
-                           str(CAP), str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=300,
-                          env=_environment(NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2"))
-    assert done.returncode == 0, done.stderr[-3000:]  # before the lock: SIGABRT, "Concurrent access"
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+def test_four_threads_share_a_session_under_the_workqueue_layer(hostile_run: Run) -> None:
+    report = hostile_run.records.get("threads")
+    # before the lock: the child died of SIGABRT, "Concurrent access has been detected"
+    assert report is not None and hostile_run.statuses.get("threads") == 0, hostile_run.stderr[-3000:]
     assert report["layer"] == "workqueue" and report["equal"] == [True] * 24, report
-    sites, values = base_expected(builder, features, indices)
-    with np.load(tmp_path / "out.npz") as out:
+    sites, values = hostile_run.threads["expected"]
+    with np.load(hostile_run.threads["output"]) as out:
         np.testing.assert_array_equal(out["indices"], sites)
         np.testing.assert_allclose(out["features"], values, rtol=1e-4, atol=1e-4)
 
