@@ -19,8 +19,9 @@ The budget in force, first match wins:
    of the host's available memory, the cgroup's remaining allowance and the
    address space left under ``RLIMIT_AS``), read at each check.
 
-Under the default, steps estimated below `UNCHECKED_BYTES` are never checked
-(they cost no file read). Checks count one step at a time (a rulebook build,
+Steps estimated below `NEVER_CHECKED_BYTES` (1 MiB) are never checked, and
+under the default budget neither are those below `UNCHECKED_BYTES` (64 MiB):
+small layers pay one comparison, no environment or file read. Checks count one step at a time (a rulebook build,
 a layout, a pass's outputs), not the sum of a network's live arrays.
 
 Example:
@@ -42,6 +43,7 @@ __all__ = [
     "BUDGET_VARIABLE",
     "DEFAULT_FRACTION",
     "UNCHECKED_BYTES",
+    "NEVER_CHECKED_BYTES",
     "MemoryBudgetError",
     "available_memory",
     "parse_budget",
@@ -64,6 +66,10 @@ DEFAULT_FRACTION = 0.5
 
 UNCHECKED_BYTES = 64 * 2**20
 """Under the default budget, steps estimated below this many bytes are not checked."""
+
+NEVER_CHECKED_BYTES = 2**20
+"""Steps estimated below this many bytes are never checked, whatever the budget (the check then costs a
+comparison: no environment or file read on small layers)."""
 
 _BUDGET: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("sparsecore_memory_budget", default=None)
 _SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -216,6 +222,32 @@ def budget(limit: Union[int, float, str, None]) -> Iterator[int]:
         _BUDGET.reset(token)
 
 
+def _exceeded(size: int, like: Any) -> Optional[tuple[int, str]]:
+    """``(budget, where it comes from)`` when ``size`` passes the budget, else None (cheap below the floors)."""
+    if size < NEVER_CHECKED_BYTES:
+        return None
+    chosen = _explicit_budget()
+    if chosen is None:
+        if size < UNCHECKED_BYTES:
+            return None
+        available = available_memory(like)
+        limit = int(DEFAULT_FRACTION * available)
+        source = f"the default, {DEFAULT_FRACTION:.0%} of the {describe_bytes(available)} available"
+    else:
+        limit = chosen
+        source = "the budget set" if _BUDGET.get() is not None else BUDGET_VARIABLE
+    return None if size <= limit else (limit, source)
+
+
+def _refuse(size: int, what: str, fix: str, limit: int, source: str) -> MemoryBudgetError:
+    return MemoryBudgetError(
+        f"{what} would allocate about {describe_bytes(size)}, more than the memory budget of "
+        f"{describe_bytes(limit)} ({source}). {fix + ' ' if fix else ''}A larger budget: "
+        f"{BUDGET_VARIABLE}=16G (or '50%') in the environment, or sparsecore.memory_budget.budget('16G') "
+        "around the call (docs/deployment.md, 'Memory budget')"
+    )
+
+
 def check_bytes(size: int, what: str, fix: str = "", like: Any = None) -> None:
     """Refuses a step that would allocate ``size`` bytes beyond the budget.
 
@@ -229,23 +261,9 @@ def check_bytes(size: int, what: str, fix: str = "", like: Any = None) -> None:
     Raises:
         MemoryBudgetError: naming ``what``, the size and the budget.
     """
-    chosen = _explicit_budget()
-    if chosen is None:
-        if size < UNCHECKED_BYTES:
-            return
-        limit = int(DEFAULT_FRACTION * available_memory(like))
-        source = f"the default, {DEFAULT_FRACTION:.0%} of the {describe_bytes(limit / DEFAULT_FRACTION)} available"
-    else:
-        limit = chosen
-        source = "the budget set" if _BUDGET.get() is not None else f"{BUDGET_VARIABLE}"
-    if size <= limit:
-        return
-    raise MemoryBudgetError(
-        f"{what} would allocate about {describe_bytes(size)}, more than the memory budget of "
-        f"{describe_bytes(limit)} ({source}). {fix + ' ' if fix else ''}A larger budget: "
-        f"{BUDGET_VARIABLE}=16G (or '50%') in the environment, or sparsecore.memory_budget.budget('16G') "
-        "around the call (docs/deployment.md, 'Memory budget')"
-    )
+    exceeded = _exceeded(size, like)
+    if exceeded is not None:
+        raise _refuse(size, what, fix, *exceeded)
 
 
 def _candidates_per_site(geometry: Any, output_shape: Sequence[int]) -> int:
@@ -288,9 +306,11 @@ def check_rulebook_build(geometry: Any, indices: Any, spatial_shape: Sequence[in
         return
     num_sites = int(indices.shape[0])
     size = rulebook_build_bytes(geometry, num_sites, spatial_shape, batch_size)
-    check_bytes(size, f"building the rulebook of a {geometry.describe()} on {num_sites} sites of grid "
-                      f"{tuple(spatial_shape)}", "A smaller kernel, stride or padding, or fewer sites, needs less.",
-                indices)
+    exceeded = _exceeded(size, indices)
+    if exceeded is not None:
+        raise _refuse(size, f"building the rulebook of a {geometry.describe()} on {num_sites} sites of grid "
+                            f"{tuple(spatial_shape)}", "A smaller kernel, stride or padding, or fewer sites, needs less.",
+                      *exceeded)
 
 
 def check_pass(what: str, output_rows: int, output_channels: int, input_rows: int, input_channels: int,
@@ -299,16 +319,21 @@ def check_pass(what: str, output_rows: int, output_channels: int, input_rows: in
     values of at least 4 bytes: the result, its float32 working copy, the input's) pass the budget."""
     itemsize = max(4, int(getattr(getattr(like, "dtype", None), "itemsize", 4)))
     size = (2 * output_rows * output_channels + input_rows * input_channels) * itemsize
-    check_bytes(size, f"{what} ({output_rows} output rows x {output_channels} channels)",
-                "Fewer sites or channels need less.", like)
+    exceeded = _exceeded(size, like)
+    if exceeded is not None:
+        raise _refuse(size, f"{what} ({output_rows} output rows x {output_channels} channels)",
+                      "Fewer sites or channels need less.", *exceeded)
 
 
 def check_dense(batch_size: int, spatial_shape: Sequence[int], channels: int, itemsize: int,
                 like: Any = None) -> None:
     """Refuses a dense ``[B, C, *spatial]`` grid beyond the budget, naming its shape."""
     size = batch_size * math.prod(spatial_shape) * channels * itemsize
-    check_bytes(size, f"a dense grid of batch_size {batch_size} x {channels} channels x spatial_shape "
-                      f"{tuple(spatial_shape)}", "Densify a cropped region or a coarser grid, or stay sparse.", like)
+    exceeded = _exceeded(size, like)
+    if exceeded is not None:
+        raise _refuse(size, f"a dense grid of batch_size {batch_size} x {channels} channels x spatial_shape "
+                            f"{tuple(spatial_shape)}", "Densify a cropped region or a coarser grid, or stay sparse.",
+                      *exceeded)
 
 
 def check_layout(layout: str, rows: int, volume: int, pairs: int, rows_per_item: int = 0) -> None:
@@ -326,5 +351,7 @@ def check_layout(layout: str, rows: int, volume: int, pairs: int, rows_per_item:
         size = 16 * volume * -(-rows // max(1, rows_per_item)) + 8 * pairs
     else:
         size = 4 * volume * 64 * -(-rows // 64) + 8 * volume
-    check_bytes(size, f"the {layout} of a rulebook of {volume} kernel offsets, {rows} rows and {pairs} pairs",
-                "The layer's kernel or its number of sites is too large for this machine.")
+    exceeded = _exceeded(size, None)
+    if exceeded is not None:
+        raise _refuse(size, f"the {layout} of a rulebook of {volume} kernel offsets, {rows} rows and {pairs} pairs",
+                      "The layer's kernel or its number of sites is too large for this machine.", *exceeded)

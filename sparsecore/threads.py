@@ -249,21 +249,21 @@ def _kernel_lock() -> Optional[threading.RLock]:
     return None if threading_layer() in THREAD_SAFE_LAYERS else threading.RLock()
 
 
-@contextlib.contextmanager
-def serialised_kernels(like: Any = None) -> Iterator[None]:
-    """Holds the process-wide kernel lock in the block when numba's layer is not thread-safe
-    (``workqueue``); otherwise, and for GPU work (``like`` a CuPy array), locks nothing.
+_UNLOCKED = contextlib.nullcontext()
+
+
+def serialised_kernels(like: Any = None) -> contextlib.AbstractContextManager[Any]:
+    """The process-wide kernel lock when numba's layer is not thread-safe (``workqueue``), else a
+    context that locks nothing (also for GPU work: ``like`` a CuPy array).
 
     Re-entrant: a locked entry point may call another. Taken only by entry points on their calling
     thread (never inside the worker threads of a pass), so it cannot wait on itself.
+
+    Example:
+        >>> with serialised_kernels(features):
+        ...     run_compiled_kernels()
     """
     if like is not None and type(like).__module__.split(".")[0] == "cupy":
-        yield
-        return
+        return _UNLOCKED
     lock = _kernel_lock()
-    if lock is None:
-        yield
-        return
-    with lock:
-        yield
-
+    return _UNLOCKED if lock is None else lock

@@ -74,30 +74,32 @@ def test_estimates_bound_the_rulebooks_built(kind: str, kernel: int, stride: int
 
 def test_public_passes_refuse_beyond_the_budget_and_compute_within_it() -> None:
     rng = make_rng(3151)
-    shape = (12, 12, 12)
-    indices = random_indices(rng, shape, 1, num=400)
-    features = random_features(rng, len(indices), 8).astype(np.float32)
-    weight = rng.standard_normal((8, 3, 3, 3, 8)).astype(np.float32)
+    shape = (24, 24, 24)
+    indices = random_indices(rng, shape, 1, num=5000)
+    features = random_features(rng, len(indices), 32).astype(np.float32)
+    weight = (rng.standard_normal((32, 3, 3, 3, 32)) / 16).astype(np.float32)
     geometry = sc.ConvGeometry.create(3, 3, 2, 1, kind="regular")
     rulebook = sc.build_rulebook(indices, shape, 1, geometry)
     expected = sc.conv_forward(features, weight, rulebook)
-    with memory.budget(1000):
+    with memory.budget("1M"):  # every step below is an estimate above 1 MiB
         with pytest.raises(MemoryBudgetError, match=r"building the rulebook of a regular geometry kernel_size=\(3, 3, "
-                                                    r"3\).* on 400 sites of grid \(12, 12, 12\)"):
+                                                    r"3\).* on 5000 sites of grid \(24, 24, 24\)"):
             sc.build_rulebook(indices, shape, 1, geometry)
-        with pytest.raises(MemoryBudgetError, match=r"conv_forward \([0-9]+ output rows x 8 channels\)"):
+        with pytest.raises(MemoryBudgetError, match=rf"conv_forward \({rulebook.num_output} output rows x 32 channels"):
             sc.conv_forward(features, weight, rulebook)
-        with pytest.raises(MemoryBudgetError, match=r"conv_backward \(400 output rows x 8 channels\)"):
+        with pytest.raises(MemoryBudgetError, match=r"conv_backward \(5000 output rows x 32 channels\)"):
             sc.conv_backward(expected, features, weight, rulebook)
-        with pytest.raises(MemoryBudgetError, match=r"a dense grid of batch_size 1 x 8 channels x spatial_shape "
-                                                    r"\(12, 12, 12\)"):
+        with pytest.raises(MemoryBudgetError, match=r"a dense grid of batch_size 1 x 32 channels x spatial_shape "
+                                                    r"\(24, 24, 24\)"):
             sc.to_dense(features, indices, shape, 1)
-    unbuilt = sc.build_rulebook(indices, shape, 1, geometry)  # its CPU layouts not built yet
-    with memory.budget(5000):
-        with pytest.raises(MemoryBudgetError, match=r"the tile plan of a rulebook of 27 kernel offsets, "
-                                                    rf"{unbuilt.num_output} rows and {unbuilt.num_pairs} pairs"):
-            cpu_dataflow.tile_plan(unbuilt, "forward", 1)
-        with pytest.raises(MemoryBudgetError, match=r"the neighbour table of a rulebook of 27 kernel offsets"):
-            cpu_dataflow.neighbour_table(unbuilt, "backward")
+        small = sc.build_rulebook(indices[:100], shape, 1, geometry)  # estimates below 1 MiB: never checked
+        sc.conv_forward(features[:100], weight, small)
+    wide = sc.build_rulebook(indices, shape, 1, sc.ConvGeometry.create(3, 9, kind="subm"))  # layouts not built yet
+    with memory.budget("1M"):
+        with pytest.raises(MemoryBudgetError, match=r"the tile plan of a rulebook of 729 kernel offsets, "
+                                                    rf"5000 rows and {wide.num_pairs} pairs"):
+            cpu_dataflow.tile_plan(wide, "forward", 1)
+        with pytest.raises(MemoryBudgetError, match=r"the neighbour table of a rulebook of 729 kernel offsets"):
+            cpu_dataflow.neighbour_table(wide, "backward")
     with memory.budget("1G"):
-        np.testing.assert_array_equal(sc.conv_forward(features, weight, unbuilt), expected)
+        np.testing.assert_array_equal(sc.conv_forward(features, weight, rulebook), expected)

@@ -305,16 +305,16 @@ def test_reshape_for_another_batch_size_names_the_node() -> None:
 
 
 def test_a_session_budget_refuses_a_step_and_names_the_node() -> None:
-    rng, indices, features = _case(16)
+    rng, indices, features = _case(16, shape=(20, 20, 20), num=2000)
     builder = GraphBuilder(rng)
-    builder.conv("conv0", "0", "1", 4, 8, rulebook="a", activation="ReLU")
+    builder.conv("conv0", "0", "1", 4, 8, kernel=9, rulebook="a", activation="ReLU")
     builder.conv("conv1", "1", "2", 8, 6, kind="regular", stride=2, padding=1, rulebook="down")
     model = builder.model(4, "2")
     with pytest.raises(runtime.MemoryBudgetError, match=r"node 'conv0' \(SparseConvolution\): building the rulebook "
-                                                        r"of a subm geometry.*more than the memory budget of 1000 bytes"):
-        runtime.load_model(model, memory_budget=1000).run(features, indices, 2, (9, 11, 7))
-    ample = runtime.load_model(model, memory_budget="1G").run(features, indices, 2, (9, 11, 7)).sparse
-    plain = runtime.load_model(model).run(features, indices, 2, (9, 11, 7)).sparse
+                                                        r"of a subm geometry.*more than the memory budget of 2 MiB"):
+        runtime.load_model(model, memory_budget="2M").run(features, indices, 2, (20, 20, 20))
+    ample = runtime.load_model(model, memory_budget="1G").run(features, indices, 2, (20, 20, 20)).sparse
+    plain = runtime.load_model(model).run(features, indices, 2, (20, 20, 20)).sparse
     np.testing.assert_array_equal(ample.features, plain.features)
     with pytest.raises(ValueError, match="memory_budget='lots' must be a positive number of bytes"):
         runtime.load_model(model, memory_budget="lots")
