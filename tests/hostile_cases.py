@@ -495,6 +495,9 @@ def write_cases(folder: Path) -> list[Case]:
         del node.attribute[:]
         node.attribute.extend(attributes)
     add("valid_shuffled_attributes", "valid", shuffled, check=check)
+    shapeless = copy.deepcopy(base)
+    shapeless.graph.output[0].type.tensor_type.ClearField("shape")
+    add("valid_output_without_shape", "valid", shapeless, check=check)
     leaky = base_model(make_rng(3102), activation="LeakyReLU", act_alpha=0.2)
     add("valid_leaky_relu", "valid", leaky.model(4, "2"),
         check=_sparse_check(base_expected(leaky, features, indices, "LeakyReLU", 0.2), 1e-4))

@@ -9,7 +9,9 @@ instead of surfacing at run time as another error or as a wrong answer.
   output), then ``onnx.checker`` with ``full_check=True`` (SSA form, node
   order, initializer sizes, types, ir version). libspconv's op types exist in
   no ONNX opset, so the checker sees a copy with them in the ``spconv`` domain
-  (as `sparsecore.torch.export_onnx` writes them).
+  (as `sparsecore.torch.export_onnx` writes them), and with a shape field on
+  graph outputs that declare none (neither libspconv nor the runtime reads an
+  output's declared type).
 - `check_values`, on the parsed nodes: the channel counts chained from the
   declared graph input through every node (a conv takes what its input holds,
   an ``Add`` adds equal counts, ``ScatterDense``'s traced shape agrees), and one
@@ -96,6 +98,9 @@ def check_with_onnx(model: Any) -> None:
             node.domain = CHECKER_DOMAIN
     if not any(entry.domain == CHECKER_DOMAIN for entry in copy.opset_import):
         copy.opset_import.append(onnx.helper.make_operatorsetid(CHECKER_DOMAIN, 1))
+    for value in copy.graph.output:  # the checker wants a shape field; nothing reads an output's declared type
+        if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.SetInParent()
     try:
         onnx.checker.check_model(copy, full_check=True)
     except Exception as error:  # ValidationError, InferenceError, or a proto too large to check
