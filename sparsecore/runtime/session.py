@@ -248,11 +248,11 @@ class Session:
         ndim = self.graph.ndim
         if not ndim:
             return
-        width = getattr(indices, "shape", (0, 0))[1] if len(getattr(indices, "shape", ())) == 2 else None
-        if width is not None and width != 1 + ndim:
+        shape = tuple(getattr(indices, "shape", ()))
+        if len(shape) == 2 and shape[1] != 1 + ndim:
             raise ValueError(f"indices must be [N, {1 + ndim}] (batch index, then {ndim} coordinates): this graph's "
-                             f"layers are {ndim}-D, but the sites given are {width - 1}-D (indices of shape "
-                             f"{tuple(indices.shape)})")
+                             f"layers are {ndim}-D, but the sites given are {shape[1] - 1}-D (indices of shape "
+                             f"{shape})")
         try:
             axes = len(spatial_shape)
         except TypeError:
