@@ -309,8 +309,8 @@ def check_rulebook_build(geometry: Any, indices: Any, spatial_shape: Sequence[in
     exceeded = _exceeded(size, indices)
     if exceeded is not None:
         raise _refuse(size, f"building the rulebook of a {geometry.describe()} on {num_sites} sites of grid "
-                            f"{tuple(spatial_shape)}", "A smaller kernel, stride or padding, or fewer sites, needs less.",
-                      *exceeded)
+                            f"{tuple(spatial_shape)}",
+                      "A smaller kernel, stride or padding, or fewer sites, needs less.", *exceeded)
 
 
 def check_pass(what: str, output_rows: int, output_channels: int, input_rows: int, input_channels: int,

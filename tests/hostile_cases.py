@@ -434,7 +434,8 @@ def write_cases(folder: Path) -> list[Case]:
         ("GraphError", "node 1 'scatter0'.*traced output_shape \\[2, 5, 9, 11, 7\\].*C = 6"))
     # the sites of another dimensionality, a grid of another rank: named as such at run time
     sites_4d = np.concatenate([indices, indices[:, 1:2]], axis=1)
-    add("sites_4d", "wrong blame", base, ("ValueError", "indices must be \\[N, 4\\].*layers are 3-D.*sites given are 4-D"),
+    add("sites_4d", "wrong blame", base,
+        ("ValueError", "indices must be \\[N, 4\\].*layers are 3-D.*sites given are 4-D"),
         input=_save_input(folder, "sites4d", features, sites_4d, BATCH, (*SHAPE, 5)))
     add("spatial_shape_2d", "wrong blame", base, ("ValueError", "spatial_shape must have 3 entries"),
         input=_save_input(folder, "shape2d", features, indices, BATCH, SHAPE[:2]))
@@ -444,19 +445,20 @@ def write_cases(folder: Path) -> list[Case]:
         helper.get_attribute_value(a) for a in ranges.nodes[0].attribute if a.name == "weight_dynamic_ranges")]
     int8_cases = {
         "int8_weight_ranges_over_1000": (dict(weight_dynamic_ranges=[v / 1000 for v in weight_ranges]), None, None,
-                                         "node 0 'conv0'.*weight_dynamic_ranges\\[0\\].*smaller than the channel's largest"),
+                                         "node 0 'conv0'.*weight_dynamic_ranges\\[0\\].*smaller than the channel's"),
         "int8_weight_ranges_3e38": (dict(weight_dynamic_ranges=[3e38] * 6), None, None,
                                     "node 0 'conv0'.*weight_dynamic_ranges\\[0\\].*more than 16 times"),
         "int8_input_range_1e-30": (dict(input_dynamic_range=1e-30), None, None,
                                    "node 0 'conv0'.*input_dynamic_range=1e-30 describes no FP16 tensor"),
         "int8_zero_scale": (dict(input_dynamic_range=1e-44), None, None,
-                            "node 0 'conv0'.*input_dynamic_range=[0-9.e+-]+ gives the scale 0 .*not a normal float32"),
+                            "node 0 'conv0'.*input_dynamic_range=[0-9.e+-]+ gives the scale 0 .*not a normal"),
         "int8_input_range_1e5": (dict(input_dynamic_range=1e5), None, None,
                                  "node 0 'conv0'.*input_dynamic_range=100000 describes no FP16 tensor"),
-        "int8_nan_weight": ({}, ("weight", np.nan), None, "node 0 'conv0'.*the weight 'conv0.weight' holds 1 non-finite"),
+        "int8_nan_weight": ({}, ("weight", np.nan), None, "node 0 'conv0'.*the weight 'conv0.weight' holds 1 "),
         "int8_nan_act_alpha": ({}, ("alpha", np.nan), None, "node 0 'conv0'.*the attribute 'act_alpha' holds"),
         "int8_scatter_range": ({}, None, "scatter", "node 1 'scatter0'.*input_dynamic_range=1e\\+06 describes no"),
-        "int8_add_range": ({}, None, "add", "node 1 'add0'.*input1_dynamic_range=[0-9.e+-]+ gives the scale [0-9.e+-]+ .*not a normal float32"),
+        "int8_add_range": ({}, None, "add",
+                           "node 1 'add0'.*input1_dynamic_range=[0-9.e+-]+ gives the scale [0-9.e+-]+ .*not a normal"),
     }
     for name, (overrides, poke, tail, pattern) in int8_cases.items():
         add(name, "silent: int8 ranges" if "nan" not in name else "wrong blame",
