@@ -61,7 +61,9 @@ from .cpu_dataflow import (
     tiled_forward,
     waves,
 )
+from .memory_budget import check_pass
 from .rulebook import PairMap, Rulebook
+from .threads import serialised_kernels
 
 __all__ = ["conv_forward", "conv_backward", "check_conv_weight", "check_weight_layout", "fused_on_cpu",
            "dataflow_on_cpu", "FUSED_MAX_MATRIX", "FUSED_GROUPED_BACKWARD_MAX_MATRIX"]
@@ -91,7 +93,8 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
     check_same_device(features=features, weight=weight, bias=bias, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
     check_padded_pairs(rulebook, backend)
-    with cpu_blas_threads(backend):
+    check_pass("conv_forward", rulebook.num_output, weight.shape[0], rulebook.num_input, features.shape[1], features)
+    with serialised_kernels(features), cpu_blas_threads(backend):
         return _forward_pass(backend, features, weight, rulebook, bias, groups)
 
 
@@ -165,7 +168,8 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     check_same_device(grad_output=grad_output, features=features, weight=weight)
     backend = backend if backend is not None else backend_for(features)
     check_padded_pairs(rulebook, backend)
-    with cpu_blas_threads(backend):
+    check_pass("conv_backward", rulebook.num_input, features.shape[1], rulebook.num_output, weight.shape[0], features)
+    with serialised_kernels(features), cpu_blas_threads(backend):
         return _backward_pass(backend, grad_output, features, weight, rulebook, groups)
 
 

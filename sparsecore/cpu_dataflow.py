@@ -62,7 +62,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import threads
+from . import memory_budget, threads
 from ._conv_products import grouped_outer
 from .backends import ArrayBackend, NumpyBackend
 from .backends import _cpu_kernels
@@ -262,12 +262,14 @@ def tile_plan(rulebook: Rulebook | PairMap, direction: str, items: int) -> _cpu_
     """
     return _derived_layout(rulebook, direction, f"tile_plan_{direction}_{items}",
                            lambda keys, values, offset_starts, rows: _cpu_kernels.tile_plan(
-                               keys, values, offset_starts, rows, items))
+                               keys, values, offset_starts, rows, items), items * _cpu_kernels.ROW_BLOCK)
 
 
-def _derived_layout(rulebook: Rulebook | PairMap, direction: str, key: str, build: Callable[..., Any]) -> Any:
+def _derived_layout(rulebook: Rulebook | PairMap, direction: str, key: str, build: Callable[..., Any],
+                    rows_per_item: int = 0) -> Any:
     """``pair_map.derived[key]``, first built by ``build(keys, values, offset_starts, rows)`` from the
-    pairs seen from ``direction`` (forward: keyed by output rows; backward: by input rows)."""
+    pairs seen from ``direction`` (forward: keyed by output rows; backward: by input rows); a tile plan
+    (``rows_per_item`` > 0) or a neighbour table, refused beyond `sparsecore.memory_budget`'s budget."""
     pair_map = rulebook.pair_map if isinstance(rulebook, Rulebook) else rulebook
     layout = pair_map.derived.get(key)
     if layout is None:
@@ -277,6 +279,9 @@ def _derived_layout(rulebook: Rulebook | PairMap, direction: str, key: str, buil
             keys, values, rows = pair_map.pair_input, pair_map.pair_output, pair_map.num_input
         else:
             raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+        # refused before it allocates when it would pass the memory budget
+        memory_budget.check_layout("tile plan" if rows_per_item else "neighbour table", rows,
+                                   pair_map.kernel_volume, pair_map.num_pairs, rows_per_item)
         layout = build(keys, values, tuple(pair_map.offset_starts), rows)
         pair_map.derived[key] = layout
     return layout

@@ -9,6 +9,7 @@ from .interop import (as_batch_size, as_features, as_indices, as_spatial_shape, 
                       check_indices_in_range, check_unique_sites, memory_limit)
 from .backends import backend_for
 from .hashing import pack_keys, unpack_keys
+from .memory_budget import check_dense
 
 __all__ = ["to_dense", "from_dense", "union_sites"]
 
@@ -36,6 +37,7 @@ def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_si
     check_unique_sites(indices, shape, batch)  # a dense grid holds one feature vector per site
     xp = array_module(features)
     size = check_dense_size(batch, shape, features.shape[1], features.dtype.itemsize, memory_limit(xp))
+    check_dense(batch, shape, features.shape[1], features.dtype.itemsize, features)  # sparsecore.memory_budget
     channels = features.shape[1]
     try:
         dense = xp.zeros((batch, channels) + shape if channels_first else (batch,) + shape + (channels,),

@@ -24,6 +24,8 @@ from .interop import INT32_MAX, as_batch_size, as_indices, as_spatial_shape, che
 from .backends import ArrayBackend, backend_for
 from .geometry import ConvGeometry, PerAxis
 from .hashing import check_packable, key_strides, pack_keys, unpack_keys
+from .memory_budget import check_rulebook_build
+from .threads import serialised_kernels
 
 __all__ = [
     "PairMap",
@@ -335,15 +337,18 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
     Raises:
         ValueError: on out-of-range or duplicate sites, mismatched dimensions, an
             empty output grid, keys that overflow int64, or an inverse geometry.
+        MemoryBudgetError: the build would allocate beyond `sparsecore.memory_budget`'s budget.
     """
     if not isinstance(geometry, ConvGeometry):
         raise TypeError(f"geometry must be a ConvGeometry, got {type(geometry).__name__}")
     indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim, assume_unique)
+    check_rulebook_build(geometry, indices, shape, batch)  # sparsecore.memory_budget
     backend = backend if backend is not None else backend_for(indices)
-    if geometry.kind == "subm":
-        return _submanifold(indices, shape, batch, geometry, backend, assume_unique)
-    if geometry.kind in ("regular", "transposed"):
-        return _strided(indices, shape, batch, geometry, backend, assume_unique)
+    with serialised_kernels(indices):  # numba's workqueue layer: one thread at a time (sparsecore.threads)
+        if geometry.kind == "subm":
+            return _submanifold(indices, shape, batch, geometry, backend, assume_unique)
+        if geometry.kind in ("regular", "transposed"):
+            return _strided(indices, shape, batch, geometry, backend, assume_unique)
     raise ValueError(
         "an inverse conv reverses the rulebook of a regular conv: build it with "
         "inverse_rulebook(saved_rulebook), not build_rulebook"

@@ -13,6 +13,17 @@ set, else the number of usable cores; it is also the most threads a process
 can ask for later (numba sizes its pool once). The result of every pass is
 bitwise identical at every thread count.
 
+Threading layers: numba runs its parallel kernels on the first layer that
+loads of TBB, OpenMP and its own ``workqueue`` (or the one
+``NUMBA_THREADING_LAYER`` names). TBB and OpenMP accept parallel kernels
+launched from several Python threads at once; ``workqueue`` does not (it aborts
+the process: "Concurrent access has been detected"). Under ``workqueue`` the
+library's entry points that launch compiled kernels (`sparsecore.build_rulebook`,
+`sparsecore.conv_forward`, `sparsecore.conv_backward`, a
+`sparsecore.runtime.Session` run) take one process-wide lock
+(`serialised_kernels`), so threads sharing them queue instead of crashing;
+under the other layers nothing is locked.
+
 Example:
     >>> import sparsecore as sc
     >>> sc.set_num_threads(1)          # this thread, from now on
@@ -26,7 +37,8 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Any, Iterator
+import threading
+from typing import Any, Iterator, Optional
 
 __all__ = [
     "THREAD_VARIABLES",
@@ -36,7 +48,13 @@ __all__ = [
     "num_threads",
     "blas_threads",
     "numba_module",
+    "threading_layer",
+    "THREAD_SAFE_LAYERS",
+    "serialised_kernels",
 ]
+
+THREAD_SAFE_LAYERS = ("tbb", "omp")
+"""numba threading layers that accept parallel kernels launched from several threads at once."""
 
 THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "SPARSECORE_NUM_THREADS", "OMP_NUM_THREADS")
 """Environment variables read, in this order, for the default thread count."""
@@ -214,3 +232,38 @@ def _blas_libraries() -> tuple[Any, ...]:
     except ImportError:  # pragma: no cover - threadpoolctl is an install requirement
         return ()
     return tuple(threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers)
+
+
+def threading_layer() -> str:
+    """The threading layer numba runs parallel kernels on (``"tbb"``, ``"omp"`` or ``"workqueue"``),
+    started if it was not yet."""
+    numba = numba_module()
+    numba.get_num_threads()  # launches the layer when numba was imported by someone else first
+    return str(numba.threading_layer())
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_lock() -> Optional[threading.RLock]:
+    """One process-wide lock when the layer is not thread-safe, else None (decided once: a process
+    keeps the layer it started)."""
+    return None if threading_layer() in THREAD_SAFE_LAYERS else threading.RLock()
+
+
+_UNLOCKED = contextlib.nullcontext()
+
+
+def serialised_kernels(like: Any = None) -> contextlib.AbstractContextManager[Any]:
+    """The process-wide kernel lock when numba's layer is not thread-safe (``workqueue``), else a
+    context that locks nothing (also for GPU work: ``like`` a CuPy array).
+
+    Re-entrant: a locked entry point may call another. Taken only by entry points on their calling
+    thread (never inside the worker threads of a pass), so it cannot wait on itself.
+
+    Example:
+        >>> with serialised_kernels(features):
+        ...     run_compiled_kernels()
+    """
+    if like is not None and type(like).__module__.split(".")[0] == "cupy":
+        return _UNLOCKED
+    lock = _kernel_lock()
+    return _UNLOCKED if lock is None else lock

@@ -31,61 +31,10 @@ from tests.dense_oracle import (  # noqa: E402
     dense_conv_transpose,
     make_rng,
     occupancy,
-    random_features,
-    random_indices,
     read_sites,
     sites_of,
 )
-
-FP16 = helper.TensorProto.FLOAT16
-
-
-class GraphBuilder:
-    """Collects nodes and FP16 initializers of a libspconv graph."""
-
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-        self.nodes: list = []
-        self.initializers: list = []
-        self.weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-    def conv(self, name: str, source: str, target: str, in_channels: int, out_channels: int, *, kind: str = "subm",
-             kernel: int = 3, stride: int = 1, padding: int = 0, rulebook: str = "", activation: str = "None",
-             ndim: int = 3, **extra) -> None:
-        weight = (self.rng.standard_normal((out_channels, *(kernel,) * ndim, in_channels)) / np.sqrt(in_channels * 9))
-        weight = weight.astype(np.float16)
-        bias = self.rng.uniform(-0.3, 0.3, out_channels).astype(np.float16)
-        self.weights[name] = (weight.astype(np.float64), bias.astype(np.float64))
-        for suffix, value in (("weight", weight), ("bias", bias)):
-            self.initializers.append(helper.make_tensor(f"{name}.{suffix}", FP16, list(value.shape), value.tobytes(),
-                                                        raw=True))
-        self.nodes.append(helper.make_node(
-            "SparseConvolution", [source, f"{name}.weight", f"{name}.bias"], [target], name, ndim=ndim,
-            in_channels=in_channels, out_channels=out_channels, kernel_size=[kernel] * ndim, stride=[stride] * ndim,
-            padding=[padding] * ndim, dilation=[1] * ndim, output_padding=[0] * ndim, groups=1,
-            subm=int(kind == "subm"), transposed=int(kind == "transposed"), inverse=int(kind == "inverse"),
-            rulebook=rulebook, activation=activation, precision="fp16", output_precision="fp16", **extra))
-
-    def op(self, op_type: str, inputs: list[str], target: str, name: str, **attributes) -> None:
-        self.nodes.append(helper.make_node(op_type, inputs, [target], name, **attributes))
-
-    def model(self, channels: int, output: str) -> "onnx.ModelProto":
-        graph = helper.make_graph(self.nodes, "scn", [helper.make_tensor_value_info("0", FP16, [None, channels])],
-                                  [helper.make_tensor_value_info(output, FP16, None)], self.initializers)
-        return helper.make_model(graph, opset_imports=[helper.make_operatorsetid("ai.onnx", 11)])
-
-
-def _dense_subm(dense, weight, bias, mask, relu=False):
-    padding = (weight.shape[1] - 1) // 2  # keeps the grid: a SubM layer's output sites are its input sites
-    out = (dense_conv(dense, torch.from_numpy(weight), 1, padding, 1)
-           + torch.from_numpy(bias).view(1, -1, 1, 1, 1)) * mask
-    return out.clamp(min=0) * mask if relu else out
-
-
-def _case(seed: int, shape=(9, 11, 7), batch: int = 2, channels: int = 4, num: int = 120):
-    rng = make_rng(seed)
-    indices = random_indices(rng, shape, batch, num=num)
-    return rng, indices, random_features(rng, len(indices), channels)
+from tests.runtime_graphs import GraphBuilder, case_input as _case, dense_subm as _dense_subm  # noqa: E402
 
 
 def _check_sites(runtime_indices, expected_mask) -> None:
@@ -353,3 +302,34 @@ def test_reshape_for_another_batch_size_names_the_node() -> None:
     first = indices[:, 0] == 0
     with pytest.raises(runtime.GraphError, match="reshape_bev.*Reshape.*batch size"):
         session.run(features[first], indices[first], 1, (9, 11, 7))
+
+
+def test_a_session_budget_refuses_a_step_and_names_the_node() -> None:
+    rng, indices, features = _case(16, shape=(20, 20, 20), num=2000)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 8, kernel=9, rulebook="a", activation="ReLU")
+    builder.conv("conv1", "1", "2", 8, 6, kind="regular", stride=2, padding=1, rulebook="down")
+    model = builder.model(4, "2")
+    with pytest.raises(runtime.MemoryBudgetError, match=r"node 'conv0' \(SparseConvolution\): building the rulebook "
+                                                        r"of a subm geometry.*more than the memory budget of 2 MiB"):
+        runtime.load_model(model, memory_budget="2M").run(features, indices, 2, (20, 20, 20))
+    ample = runtime.load_model(model, memory_budget="1G").run(features, indices, 2, (20, 20, 20)).sparse
+    plain = runtime.load_model(model).run(features, indices, 2, (20, 20, 20)).sparse
+    np.testing.assert_array_equal(ample.features, plain.features)
+    with pytest.raises(ValueError, match="memory_budget='lots' must be a positive number of bytes"):
+        runtime.load_model(model, memory_budget="lots")
+
+
+def test_check_finite_names_the_first_node_whose_output_is_not_finite() -> None:
+    rng, indices, features = _case(17)
+    builder = GraphBuilder(rng)
+    builder.conv("conv0", "0", "1", 4, 8, rulebook="a")
+    builder.op("Relu", ["1"], "2", "relu0")
+    model = builder.model(4, "2")
+    features[5, 2] = np.inf  # reaches conv0's output at site 5 and its neighbours
+    with pytest.raises(runtime.NonFiniteError, match=r"node 'conv0' \(SparseConvolution\) wrote [0-9]+ non-finite "
+                                                     r"value\(s\).*float32 output.*input features"):
+        runtime.load_model(model, check_finite=True).run(features, indices, 2, (9, 11, 7))
+    unchecked = runtime.load_model(model).run(features, indices, 2, (9, 11, 7)).sparse  # float32: off by default
+    assert not np.isfinite(unchecked.features).all()
+    assert runtime.load_model(model, dtype="float16").check_finite

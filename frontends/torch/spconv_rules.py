@@ -16,6 +16,7 @@ attributes) and read its attributes; they import no layer class.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -101,12 +102,50 @@ def apply_activation(features: torch.Tensor, activation: Optional[str], alpha: f
     return features
 
 
+def _saved_weight(module: Any, state_dict: dict, key: str, layout: str) -> torch.Tensor:
+    """The checkpoint's weight under ``key``, checked against the shape ``layout`` gives this layer."""
+    weight = state_dict[key]
+    variable = f"SPCONV_SAVED_WEIGHT_LAYOUT={layout}"
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"state_dict[{key!r}] is a {type(weight).__module__}.{type(weight).__name__}, not a "
+                        f"torch.Tensor; {variable} reorders tensors: convert it first (torch.from_numpy)")
+    expected = tuple(module.weight.shape)  # [out, *kernel, in // groups]
+    kernel = expected[1:-1]
+    saved = (*kernel, expected[0], expected[-1]) if layout == "RSKC" else (*kernel, expected[-1], expected[0])
+    order = "[*kernel, out, in]" if layout == "RSKC" else "[*kernel, in, out]"
+    shape = tuple(weight.shape)
+    if shape == saved:
+        if shape == expected:
+            warnings.warn(
+                f"state_dict[{key!r}] has shape {list(shape)}, which is both the {layout} layout {order} that "
+                f"{variable} asks for and sparsecore's (and spconv's) own [out, *kernel, in]; it is read as "
+                f"{layout}. If this checkpoint was saved without {variable}, unset the variable to load it",
+                UserWarning, stacklevel=4)
+        return weight
+    if shape == expected:
+        raise ValueError(f"state_dict[{key!r}] has shape {list(shape)}: the layout [out, *kernel, in] "
+                         f"(sparsecore's and spconv's default, KRSC), not the {layout} layout {order} = "
+                         f"{list(saved)} that {variable} asks for; unset the variable (or set KRSC) to load "
+                         "this checkpoint")
+    raise ValueError(f"state_dict[{key!r}] has shape {list(shape)} ({weight.dim()}-D), but {variable} reads this "
+                     f"layer's weight as {order} = {list(saved)} ({len(saved)}-D): the checkpoint does not fit "
+                     f"{type(module).__name__}({module.in_channels}, {module.out_channels}, kernel_size="
+                     f"{list(kernel)})")
+
+
 def weight_layout_hook(module: Any, state_dict: dict, prefix: str, *args: Any) -> None:
     """A ``load_state_dict`` pre-hook: fills a missing voxel-count buffer and applies
     ``SPCONV_SAVED_WEIGHT_LAYOUT`` (``KRSC``, the default, ``RSKC`` or ``RSCK``), as spconv.
 
+    Under ``RSKC`` / ``RSCK`` the saved weight must have the shape that layout gives the layer;
+    a shape that is also the default layout's (the two coincide, e.g. 3 channels in and out with
+    a 3x3x3 kernel under ``RSKC``) loads with a warning naming the key, since the file cannot say
+    which it is.
+
     Raises:
-        ValueError: for another layout name.
+        ValueError: for another layout name, or a weight (named by its key) whose shape is not the
+            layout's (the message says when it is the default layout's instead).
+        TypeError: a weight that is not a torch tensor (named by its key).
     """
     name = prefix + MAX_NUM_VOXELS_DURING_TRAINING
     if hasattr(module, MAX_NUM_VOXELS_DURING_TRAINING) and name not in state_dict:
@@ -115,11 +154,11 @@ def weight_layout_hook(module: Any, state_dict: dict, prefix: str, *args: Any) -
     key = prefix + "weight"
     if not layout or layout == "KRSC" or key not in state_dict:
         return
+    if layout not in ("RSKC", "RSCK"):
+        raise ValueError(f"SPCONV_SAVED_WEIGHT_LAYOUT must be KRSC, RSKC or RSCK, got {layout!r}")
     ndim = module.ndim
-    weight = state_dict[key]
+    weight = _saved_weight(module, state_dict, key, layout)
     if layout == "RSKC":  # [*k, out, in] -> [out, *k, in]
         state_dict[key] = weight.permute(ndim, *range(ndim), ndim + 1).contiguous()
-    elif layout == "RSCK":  # [*k, in, out] -> [out, *k, in]
+    else:  # RSCK: [*k, in, out] -> [out, *k, in]
         state_dict[key] = weight.permute(ndim + 1, *range(ndim), ndim).contiguous()
-    else:
-        raise ValueError(f"SPCONV_SAVED_WEIGHT_LAYOUT must be KRSC, RSKC or RSCK, got {layout!r}")

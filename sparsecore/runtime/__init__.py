@@ -14,13 +14,21 @@ int8 files (``export_onnx(..., precision="int8")`` or NVIDIA's int8
 export) run their int8 nodes through `sparsecore.int8` with the file's
 dynamic ranges (`sparsecore.runtime.quantized`). Reading the file needs the ``onnx`` package (``pip install
 'sparsecore[onnx]'``); torch and jax are never imported.
+
+A model file is input from elsewhere: `load` validates it whole before the
+first run (`sparsecore.runtime.checks`, `sparsecore.runtime.int8_checks`),
+reads external data only from regular files inside the model's folder
+(`sparsecore.runtime.files`), holds every run to a memory budget
+(`sparsecore.memory_budget`) and, in float16, reports the first node whose
+output overflows (`NonFiniteError`). See docs/deployment.md.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
+from ..memory_budget import MemoryBudgetError
 from .nodes import (
     ACTIVATIONS,
     SUPPORTED_OPS,
@@ -28,6 +36,7 @@ from .nodes import (
     ConvNode,
     Graph,
     GraphError,
+    NonFiniteError,
     ReluNode,
     ReshapeNode,
     ScatterDenseNode,
@@ -46,6 +55,8 @@ __all__ = [
     "Graph",
     "GraphError",
     "Int8Value",
+    "MemoryBudgetError",
+    "NonFiniteError",
     "ReluNode",
     "ReshapeNode",
     "RuntimeOutput",
@@ -57,23 +68,31 @@ __all__ = [
 ]
 
 
-def load(path: Union[str, Path], *, dtype: str = "float32") -> Session:
+def load(path: Union[str, Path], *, dtype: str = "float32", memory_budget: Union[int, str, None] = None,
+         check_finite: Optional[bool] = None) -> Session:
     """Reads and validates a libspconv ONNX file and returns a `Session` that runs it.
 
     Args:
-        path: the ``.onnx`` file.
+        path: the ``.onnx`` file (external data, if any, beside it in the same folder).
         dtype: ``"float32"`` (default; FP16 weights widened) or ``"float16"``: the float nodes'
             dtype (int8 nodes compute in int8 with int32 sums whatever it is).
+        memory_budget: the most bytes one step of a run may allocate (bytes, ``"8G"``, ``"30%"``);
+            None: `sparsecore.memory_budget`'s process-wide budget.
+        check_finite: raise `NonFiniteError` naming the first float node whose output holds inf or
+            NaN; None (default): on for float16, off for float32.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        GraphError: a corrupt or foreign file, or a node the runtime cannot run (named), including
-            int8 nodes without usable dynamic ranges.
+        GraphError: a corrupt, foreign or inconsistent file, named: the node and the attribute or
+            initializer (see `parse_model`), an external-data path outside the model's folder, a
+            node the runtime cannot run, int8 nodes without usable dynamic ranges.
         ImportError: the ``onnx`` package is missing.
     """
-    return Session(parse_model(read_model(path)), dtype=dtype)
+    return Session(parse_model(read_model(path)), dtype=dtype, memory_budget=memory_budget,
+                   check_finite=check_finite)
 
 
-def load_model(model: Any, *, dtype: str = "float32") -> Session:
-    """Like `load`, from an in-memory ``onnx.ModelProto``."""
-    return Session(parse_model(model), dtype=dtype)
+def load_model(model: Any, *, dtype: str = "float32", memory_budget: Union[int, str, None] = None,
+               check_finite: Optional[bool] = None) -> Session:
+    """Like `load`, from an in-memory ``onnx.ModelProto`` (whose external data is already loaded)."""
+    return Session(parse_model(model), dtype=dtype, memory_budget=memory_budget, check_finite=check_finite)

@@ -5,7 +5,12 @@ one graph input, the voxel features ``[N, C]``, and six node types:
 ``SparseConvolution``, ``Add`` (or ``QuantAdd``), ``Relu``, ``ScatterDense``,
 ``Reshape`` and ``Transpose``. The indices, batch size and spatial shape are
 run-time inputs, not part of the graph. Every problem found here is a
-`GraphError` naming the node (its name, position and op type).
+`GraphError` naming the node (its name, position and op type) and the
+attribute or initializer. `parse_model` validates the whole graph before a
+session exists: `sparsecore.runtime.checks` (names, single writers,
+``onnx.checker``, finite values, channels chained from the declared input, one
+dimensionality), each node's attributes here (flags 0 or 1, enums in their
+sets, sizes positive), and `sparsecore.runtime.int8_checks` (dynamic ranges).
 
 Parsing needs the ``onnx`` package (the ``onnx`` extra); nothing here imports
 torch or jax.
@@ -13,12 +18,14 @@ torch or jax.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..geometry import ConvGeometry
+from .checks import check_finite, check_structure, check_values, describe_node
+from .files import read_model
+from .int8_checks import check_int8_ranges
 from .nodes import (
     ACTIVATIONS,
     DOMAINS,
@@ -39,11 +46,6 @@ __all__ = ["parse_model", "read_model"]
 
 # ONNX TensorProto data types the runtime reads as initializers
 _FLOAT16, _FLOAT = 10, 1
-
-def _describe(position: int, node: Any) -> str:
-    name = node.name or "<unnamed>"
-    return f"node {position} {name!r} ({node.op_type})"
-
 
 def _attributes(node: Any) -> dict[str, Any]:
     import onnx.helper
@@ -77,6 +79,13 @@ class _Reader:
             raise self.fail(f"the attribute {key!r} must be an int, got {value!r}")
         return int(value)
 
+    def flag(self, key: str) -> int:
+        """A 0 / 1 flag (0 when absent)."""
+        value = self.integer(key, 0)
+        if value not in (0, 1):
+            raise self.fail(f"the flag {key!r} must be 0 or 1, got {value}")
+        return value
+
     def integers(self, key: str, length: int | None = None, default: Sequence[int] | None = None,
                  minimum: int | None = None) -> tuple[int, ...]:
         value = self.attributes.get(key, default)
@@ -105,6 +114,7 @@ class _Reader:
         value = self.attributes.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
             raise self.fail(f"the attribute {key!r} must be a float, got {value!r}")
+        check_finite(self.where, f"the attribute {key!r}", float(value))
         return float(value)
 
     def reals(self, key: str) -> tuple[float, ...]:
@@ -156,6 +166,8 @@ def _conv_node(where: str, node: Any, reader: _Reader, initializers: dict[str, n
     kernel_size = reader.integers("kernel_size", ndim, minimum=1)
     groups = reader.integer("groups", 1)
     in_channels, out_channels = reader.integer("in_channels"), reader.integer("out_channels")
+    if in_channels < 1 or out_channels < 1:
+        raise reader.fail(f"in_channels={in_channels} and out_channels={out_channels} must be >= 1")
     if groups < 1 or in_channels % groups or out_channels % groups:
         raise reader.fail(f"groups={groups} must be >= 1 and divide in_channels={in_channels} and "
                           f"out_channels={out_channels}")
@@ -163,13 +175,15 @@ def _conv_node(where: str, node: Any, reader: _Reader, initializers: dict[str, n
     if tuple(weight.shape) != expected:
         raise reader.fail(f"the weight {node.input[1]!r} has shape {tuple(weight.shape)}, but the attributes "
                           f"(out_channels, kernel_size, in_channels / groups) give {expected}")
+    check_finite(where, f"the weight {node.input[1]!r}", weight)
     if len(node.input) == 3:
         bias = initializers[node.input[2]]
         if tuple(bias.shape) != (out_channels,):
             raise reader.fail(f"the bias {node.input[2]!r} has shape {tuple(bias.shape)}, expected ({out_channels},)")
+        check_finite(where, f"the bias {node.input[2]!r}", bias)
     else:
         bias = np.zeros(out_channels, dtype=weight.dtype)
-    subm, transposed, inverse = (reader.integer(key, 0) for key in ("subm", "transposed", "inverse"))
+    subm, transposed, inverse = (reader.flag(key) for key in ("subm", "transposed", "inverse"))
     if subm + transposed + inverse > 1:
         raise reader.fail(f"subm={subm}, transposed={transposed}, inverse={inverse}: at most one may be set")
     kind = "subm" if subm else "transposed" if transposed else "inverse" if inverse else "regular"
@@ -218,7 +232,8 @@ def _make_node(where: str, node: Any, initializers: dict[str, np.ndarray]) -> No
     if node.op_type == "ScatterDense":
         reader.text("format", "zyx", ("zyx",))
         reader.text("output_layout", "NCHW", ("NCHW",))
-        return ScatterDenseNode(node.name, node.input[0], node.output[0], reader.integers("output_shape", default=()),
+        return ScatterDenseNode(node.name, node.input[0], node.output[0],
+                                reader.integers("output_shape", default=(), minimum=1),
                                 input_dynamic_range=reader.range("input_dynamic_range"))
     dims = reader.integers("dims")
     if node.op_type == "Reshape":
@@ -255,15 +270,44 @@ def _check_value_kinds(nodes: Sequence[Node], graph_input: str, wheres: Sequence
     return dense
 
 
+def _declared_channels(value: Any) -> int | None:
+    """The channels ``C`` of the graph input's declared ``[N, C]`` shape, or None when it states none."""
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims = tensor_type.shape.dim
+    if len(dims) != 2:
+        raise GraphError(f"the graph input {value.name!r} is declared with {len(dims)} axes; libspconv's input is "
+                         "the voxel features [N, C]")
+    if not dims[1].HasField("dim_value"):
+        return None
+    if dims[1].dim_value < 1:
+        raise GraphError(f"the graph input {value.name!r} declares {dims[1].dim_value} channels; it needs >= 1")
+    return int(dims[1].dim_value)
+
+
 def parse_model(model: Any) -> Graph:
-    """Validates an ``onnx.ModelProto`` in libspconv's format and returns its `Graph`.
+    """Validates an ``onnx.ModelProto`` in libspconv's format, whole, and returns its `Graph`.
 
     Raises:
-        GraphError: naming the node, for an unknown op type, a missing or malformed
-            attribute, a weight whose shape disagrees with the attributes, an
-            undefined input, or a graph without exactly one input and one output.
+        GraphError: naming the node and the attribute or initializer, for an unknown op type,
+            names that repeat or values written twice (`sparsecore.runtime.checks`), a model
+            ``onnx.checker`` refuses, a missing, malformed or non-finite attribute, a flag that is
+            not 0 or 1, a non-finite weight or bias, a weight whose shape disagrees with the
+            attributes, an undefined input, channel counts that do not chain from the declared
+            input, layers of different dimensionality, int8 ranges that describe no tensor or not
+            the weights (`sparsecore.runtime.int8_checks`), or a graph without exactly one input
+            and one output.
     """
     graph = model.graph
+    for position, node in enumerate(graph.node):
+        if node.op_type not in SUPPORTED_OPS or node.domain not in DOMAINS:
+            raise GraphError(
+                f"{describe_node(position, node)}: op type {node.op_type!r}"
+                f"{' in domain ' + repr(node.domain) if node.domain else ''} is not part of libspconv's format; "
+                f"the runtime runs {list(SUPPORTED_OPS)}"
+            )
+    check_structure(model)
     initializers = {}
     for tensor in graph.initializer:
         initializers[tensor.name] = _initializer_array(tensor, f"initializer {tensor.name!r}")
@@ -277,46 +321,13 @@ def parse_model(model: Any) -> Graph:
         raise GraphError("the graph has no nodes")
     nodes, wheres = [], []
     for position, node in enumerate(graph.node):
-        where = _describe(position, node)
-        if node.op_type not in SUPPORTED_OPS or node.domain not in DOMAINS:
-            raise GraphError(
-                f"{where}: op type {node.op_type!r}{' in domain ' + repr(node.domain) if node.domain else ''} "
-                f"is not part of libspconv's format; the runtime runs {list(SUPPORTED_OPS)}"
-            )
+        where = describe_node(position, node)
         nodes.append(_make_node(where, node, initializers))
         wheres.append(where)
     kinds = _check_value_kinds(nodes, inputs[0].name, wheres)
     output = graph.output[0].name
     if output not in kinds:
         raise GraphError(f"the graph output {output!r} is not produced by any node")
-    first_conv = next((node for node in nodes if isinstance(node, ConvNode)), None)
-    dims = inputs[0].type.tensor_type.shape.dim
-    if len(dims) == 2 and dims[1].HasField("dim_value"):
-        channels = int(dims[1].dim_value)
-    elif first_conv is not None and first_conv.input == inputs[0].name:
-        channels = first_conv.in_channels
-    else:
-        raise GraphError(f"the graph input {inputs[0].name!r} has no [N, C] shape to read the channels from")
-    return Graph(inputs[0].name, channels, output, tuple(nodes), kinds[output])
-
-
-def read_model(path: Union[str, Path]) -> Any:
-    """Reads an ONNX file, turning a missing, corrupt or foreign file into a clear `GraphError`."""
-    try:
-        import onnx
-    except ImportError:
-        raise ImportError(
-            "sparsecore.runtime reads ONNX files with the 'onnx' package; install it with "
-            "pip install 'sparsecore[onnx]' (or pip install onnx)"
-        ) from None
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no ONNX file at {str(path)!r}")
-    try:
-        return onnx.load(str(path))
-    except Exception as error:
-        raise GraphError(
-            f"{str(path)!r} is not a readable ONNX model ({type(error).__name__}: {error}); export one "
-            "with sparsecore.torch.export_onnx or NVIDIA's exptool"
-        ) from None
-
+    channels, ndim = check_values(nodes, wheres, inputs[0].name, _declared_channels(inputs[0]))
+    check_int8_ranges(nodes, wheres)
+    return Graph(inputs[0].name, channels, output, tuple(nodes), kinds[output], ndim)

@@ -11,6 +11,7 @@ from ..geometry import ConvGeometry
 
 __all__ = [
     "GraphError",
+    "NonFiniteError",
     "SUPPORTED_OPS",
     "DOMAINS",
     "ACTIVATIONS",
@@ -35,6 +36,11 @@ DOMAINS = ("", "ai.onnx", "spconv")
 
 class GraphError(ValueError):
     """A graph the runtime cannot run: the message names the node and what is wrong."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A run whose float values overflowed (inf) or became NaN: the message names the first node whose
+    output is not finite (`sparsecore.runtime.Session`'s ``check_finite``, on for float16 sessions)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,8 @@ class Graph:
         output: the graph output's name.
         nodes: the nodes, each reading only the input or earlier nodes' outputs.
         output_is_dense: True when the output is a dense array (after ``ScatterDense``).
+        ndim: the spatial dimensionality of the layers (the sites are ``[N, 1 + ndim]``), 0 when no
+            node states one.
     """
 
     input: str
@@ -167,3 +175,4 @@ class Graph:
     output: str
     nodes: tuple[Node, ...]
     output_is_dense: bool
+    ndim: int = 0

@@ -3,6 +3,14 @@
 int8 nodes (``precision`` / ``output_precision`` ``"int8"``) run the core's
 int8 passes with libspconv's reading of the dynamic ranges (see
 `sparsecore.runtime.quantized`); float nodes run in the session's dtype.
+Before a run allocates, each step is held to `sparsecore.memory_budget`'s
+budget (the session's ``memory_budget``, else the process-wide one): a step
+beyond it raises `MemoryBudgetError` naming the node and the size. A float16
+session checks every float node's output and raises `NonFiniteError` naming
+the first node whose output holds infinity or NaN (float16 ends at 65504);
+``check_finite=True`` does the same in float32. Runs are safe from several
+threads at once: under numba's ``workqueue`` layer, which is not, a run holds
+`sparsecore.threads.serialised_kernels`' lock.
 Each run starts a fresh rulebook cache: layers naming the same ``rulebook``
 (spconv's ``indice_key``) share one geometry, built once per run, exactly as
 the torch model's ``indice_dict`` does; an inverse conv reverses the rulebook
@@ -12,15 +20,19 @@ CuPy is touched only when CuPy arrays arrive.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from .._dispatch import array_module, device_of, to_core_array
 from ..functional import sparse_conv
+from ..memory_budget import MemoryBudgetError, budget, parse_budget
 from ..tensor import SparseTensor
-from .nodes import AddNode, ConvNode, Graph, GraphError, ReluNode, ReshapeNode, ScatterDenseNode, TransposeNode
+from ..threads import serialised_kernels
+from .nodes import (AddNode, ConvNode, Graph, GraphError, NonFiniteError, ReluNode, ReshapeNode, ScatterDenseNode,
+                    TransposeNode)
 from .quantized import (Int8Value, computes_int8, int8_add, int8_conv, int8_parameters, residual_fusions,
                         tensor_scales)
 
@@ -70,23 +82,47 @@ class Session:
         graph: the parsed graph.
         dtype: ``"float32"`` (weights widened from FP16) or ``"float16"`` (FP16 storage, float32
             accumulation in the core's products).
+        memory_budget: the most bytes one step of a run may allocate (bytes, ``"8G"`` or ``"30%"``,
+            `sparsecore.memory_budget.parse_budget`); None: the process-wide budget.
+        check_finite: raise `NonFiniteError` naming the first float node whose output is not finite;
+            None (default): on for float16 sessions, off for float32.
+
+    Raises:
+        GraphError: in a float16 session, a float conv's weight or bias beyond float16's range (named).
     """
 
-    def __init__(self, graph: Graph, dtype: str = "float32") -> None:
+    def __init__(self, graph: Graph, dtype: str = "float32", *, memory_budget: Union[int, str, None] = None,
+                 check_finite: Optional[bool] = None) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         self.graph = graph
+        self.memory_budget = None if memory_budget is None else parse_budget(memory_budget, "memory_budget")
+        self.check_finite = dtype == "float16" if check_finite is None else bool(check_finite)
         # libspconv's tensor_name -> scale of the values read as int8 (checked here, before any run)
         self._scales = tensor_scales(graph)
         self._fusions = residual_fusions(graph)  # int8 conv -> Add -> Relu run as one int8 pass
         self.dtype = np.dtype(dtype)
-        # weights converted to this session's dtype, per device: (node name, device) -> (weight, bias)
-        self._weights: dict[tuple[str, str], tuple[Any, Any]] = {}
+        # weights converted to this session's dtype, per device: (node id, device) -> (weight, bias)
+        self._weights: dict[tuple[int, str], Any] = {}
         self._released = self._released_after()  # per node position, the values no later node reads
+        if self.dtype == np.float16:
+            self._check_float16_weights()
+
+    def _check_float16_weights(self) -> None:
+        limit = float(np.finfo(np.float16).max)
+        for node in self.graph.nodes:
+            if not isinstance(node, ConvNode) or computes_int8(node):
+                continue
+            for what, values in (("weight", node.weight), ("bias", node.bias)):
+                largest = float(np.abs(values).max()) if values.size else 0.0
+                if largest > limit:
+                    raise GraphError(f"node {node.name!r} (SparseConvolution): its {what} holds {largest:.6g}, "
+                                     f"beyond float16's largest value {limit:g}; run this model with "
+                                     "dtype='float32'")
 
     def _parameters(self, node: ConvNode, like: Any) -> Any:
         device = device_of(like)
-        key = (node.name, device)
+        key = (id(node), device)  # by the node itself: names need not be set
         cached = self._weights.get(key)
         if cached is None:
             xp = array_module(like)
@@ -181,7 +217,7 @@ class Session:
         Args:
             features: ``[N, C]`` float array (NumPy or CuPy; any DLPack array), C the graph input's channels.
             indices: int ``[N, 1 + D]`` (batch, then coordinates in ``spatial_shape``'s order, zyx for 3D),
-                unique sites, on the features' device.
+                unique sites, on the features' device; D the graph's dimensionality.
             batch_size: ``B``.
             spatial_shape: ``D`` ints, the input grid.
 
@@ -191,6 +227,8 @@ class Session:
 
         Raises:
             ValueError: bad inputs (named), or a `GraphError` naming the node that cannot run.
+            MemoryBudgetError: a node's step beyond the memory budget (the node and the size named).
+            NonFiniteError: with ``check_finite``, the first float node whose output is not finite.
         """
         features = to_core_array(features, "features")
         if features.ndim != 2 or features.shape[1] != self.graph.input_channels:
@@ -200,40 +238,89 @@ class Session:
             )
         if features.dtype.kind != "f":
             raise TypeError(f"features must be a float array, got dtype {features.dtype}")
+        self._check_sites(indices, spatial_shape)
         features = features.astype(self.dtype, copy=False)
-        values: dict[str, Any] = {self.graph.input: SparseTensor(features, indices, spatial_shape, batch_size)}
+        chosen = budget(self.memory_budget) if self.memory_budget is not None else contextlib.nullcontext()
+        with chosen, serialised_kernels(features):
+            return self._run(SparseTensor(features, indices, spatial_shape, batch_size))
+
+    def _check_sites(self, indices: Any, spatial_shape: Any) -> None:
+        ndim = self.graph.ndim
+        if not ndim:
+            return
+        shape = tuple(getattr(indices, "shape", ()))
+        if len(shape) == 2 and shape[1] != 1 + ndim:
+            raise ValueError(f"indices must be [N, {1 + ndim}] (batch index, then {ndim} coordinates): this graph's "
+                             f"layers are {ndim}-D, but the sites given are {shape[1] - 1}-D (indices of shape "
+                             f"{shape})")
+        try:
+            axes = len(spatial_shape)
+        except TypeError:
+            return
+        if axes != ndim:
+            raise ValueError(f"spatial_shape must have {ndim} entries (this graph's layers are {ndim}-D), got "
+                             f"{tuple(spatial_shape)}")
+
+    def _run(self, first: SparseTensor) -> RuntimeOutput:
+        values: dict[str, Any] = {self.graph.input: first}
         fused: set[int] = set()  # the Add and Relu nodes a fused conv has computed
         for position, node in enumerate(self.graph.nodes):
             for name in self._released[position - 1] if position else ():
                 values.pop(name, None)  # read by no later node: its memory goes back before the next pass
             if id(node) in fused:
                 continue
-            fusion = self._fusions.get(id(node))
-            if fusion is not None and fusion.add.inputs[1] in values:
-                values[fusion.relu.output] = self._conv(node, values[node.input], values[fusion.add.inputs[1]])
-                fused.update((id(fusion.add), id(fusion.relu)))
-                continue
-            if isinstance(node, ConvNode):
-                result = self._conv(node, values[node.input])
-            elif isinstance(node, AddNode):
-                result = self._add_node(node, values[node.inputs[0]], values[node.inputs[1]])
-            elif isinstance(node, ReluNode):
-                value = values[node.input]
-                if isinstance(value, Int8Value):  # max(q, 0) keeps the scale
-                    result = Int8Value(value.sites, array_module(value.values).maximum(value.values, 0), value.scale)
-                elif isinstance(value, SparseTensor):
-                    result = value.replace(array_module(value.features).maximum(value.features, 0))
-                else:
-                    result = array_module(value).maximum(value, value.dtype.type(0))
-            elif isinstance(node, ScatterDenseNode):
-                result = self._float(values[node.input]).dense(channels_first=True)
-            else:
-                result = self._dense_op(node, values[node.input])
-            values[node.output] = result
+            try:
+                written = self._node(node, values, fused)
+            except MemoryBudgetError as error:
+                raise MemoryBudgetError(f"node {node.name!r} ({_op_name(node)}): {error}") from None
+            if self.check_finite:
+                self._check_output(node, values[written])
         output = self._float(values[self.graph.output])
         if isinstance(output, SparseTensor):
             return RuntimeOutput(None, output)
         return RuntimeOutput(output, None)
+
+    def _node(self, node: Any, values: dict[str, Any], fused: set[int]) -> str:
+        """Runs one node into ``values``; returns the name it wrote."""
+        fusion = self._fusions.get(id(node))
+        if fusion is not None and fusion.add.inputs[1] in values:
+            values[fusion.relu.output] = self._conv(node, values[node.input], values[fusion.add.inputs[1]])
+            fused.update((id(fusion.add), id(fusion.relu)))
+            return fusion.relu.output
+        if isinstance(node, ConvNode):
+            result = self._conv(node, values[node.input])
+        elif isinstance(node, AddNode):
+            result = self._add_node(node, values[node.inputs[0]], values[node.inputs[1]])
+        elif isinstance(node, ReluNode):
+            value = values[node.input]
+            if isinstance(value, Int8Value):  # max(q, 0) keeps the scale
+                result = Int8Value(value.sites, array_module(value.values).maximum(value.values, 0), value.scale)
+            elif isinstance(value, SparseTensor):
+                result = value.replace(array_module(value.features).maximum(value.features, 0))
+            else:
+                result = array_module(value).maximum(value, value.dtype.type(0))
+        elif isinstance(node, ScatterDenseNode):
+            result = self._float(values[node.input]).dense(channels_first=True)
+        else:
+            result = self._dense_op(node, values[node.input])
+        values[node.output] = result
+        return node.output
+
+    @staticmethod
+    def _check_output(node: Any, value: Any) -> None:
+        if isinstance(value, Int8Value):
+            return
+        array = value.core_features if isinstance(value, SparseTensor) else value
+        xp = array_module(array)
+        finite = xp.isfinite(array)
+        if array.size == 0 or bool(finite.all()):
+            return
+        count = int(array.size - int(finite.sum()))
+        raise NonFiniteError(
+            f"node {node.name!r} ({_op_name(node)}) wrote {count} non-finite value(s) (inf or NaN) of "
+            f"{array.size} in its {array.dtype} output: the first node whose output is not finite"
+            + (" (float16 holds at most 65504; run with dtype='float32')" if array.dtype == np.float16 else
+               " (check the input features for inf or NaN)"))
 
     def describe(self) -> str:
         """A table of the nodes: name, op type, value names, and each conv's kind, shape and rulebook."""
@@ -257,3 +344,9 @@ class Session:
         widths = [max(len(row[column]) for row in rows) for column in range(4)]
         return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
                          for row in rows)
+
+
+def _op_name(node: Any) -> str:
+    return {ConvNode: "SparseConvolution", AddNode: "Add", ReluNode: "Relu", ScatterDenseNode: "ScatterDense",
+            ReshapeNode: "Reshape", TransposeNode: "Transpose"}[type(node)]
+
