@@ -30,6 +30,7 @@ offset). The GPU's rulebook builders write maps directly with their own kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,9 @@ class NeighbourMap:
             submanifold centre), or -1.
         symmetric: a submanifold map (``N_in == N_out``, offset ``k`` of input
             ``i`` is offset ``K - 1 - k`` of output ``i``): one side is stored.
+        derived: a per-map cache of what is computed from the map alone (its
+            pair-list view, kernel launch plans), filled on first use; not part
+            of the value.
     """
 
     output_neighbours: Any
@@ -84,6 +88,11 @@ class NeighbourMap:
     kernel_size: tuple[int, ...]
     identity_offset: int = -1
     symmetric: bool = False
+    derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        # a copy or a pickle starts with an empty cache
+        return {**self.__dict__, "derived": {}}
 
     def __post_init__(self) -> None:
         volume = self.kernel_volume
