@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _kernel_int8, _kernel_keys, _kernel_layouts, _kernel_pairs, _launch
+from . import _kernel_int8, _kernel_keys, _kernel_layouts, _kernel_maps, _kernel_pairs, _launch
 from ._launch import INT64_MAX, KernelDevice, KernelLauncher, check_float, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
@@ -231,6 +231,18 @@ class KernelBackend:
                              output_spatial_shape: tuple[int, ...]) -> tuple[Any, Any, tuple[int, ...]]:
         """Valid (input row, output key) pairs per offset with the ``sc_*_conv_candidates`` kernels."""
         return _kernel_pairs.conv_candidate_pairs(self.device, indices, geometry, output_spatial_shape)
+
+    def submanifold_map(self, indices: Any, spatial_shape: Sequence[int], batch_size: int,
+                        kernel_size: Sequence[int], dilation: Sequence[int], check: bool) -> tuple[Any, Any, Any]:
+        """A submanifold neighbour map's tables in two launches, no read back (`_kernel_maps.submanifold_map`)."""
+        return _kernel_maps.submanifold_map(self.device, indices, spatial_shape, batch_size, kernel_size, dilation,
+                                            check)
+
+    def strided_map(self, indices: Any, spatial_shape: Sequence[int], batch_size: int, geometry: Any,
+                    output_spatial_shape: Sequence[int], check: bool) -> Any:
+        """A regular, transposed or pooling neighbour map with one read back (`_kernel_maps.strided_map`)."""
+        return _kernel_maps.strided_map(self.device, indices, spatial_shape, batch_size, geometry,
+                                        output_spatial_shape, check)
 
     # --------------------------------------------------------- feature passes
 

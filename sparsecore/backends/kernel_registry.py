@@ -152,6 +152,17 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
         ),
     ),
     KernelFile("int8.cu", (_per_type("sc_int8_conv", ("signed char", "float")), KernelSpec("sc_int8_max_pool"))),
+    KernelFile(
+        "neighbour_map.cu",
+        (
+            KernelSpec("sc_map_insert_sites"),
+            KernelSpec("sc_map_check_sites"),
+            KernelSpec("sc_map_submanifold"),
+            KernelSpec("sc_map_candidates"),
+            KernelSpec("sc_map_mark_outputs"),
+            KernelSpec("sc_map_strided"),
+        ),
+    ),
 )
 
 
