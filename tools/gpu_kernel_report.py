@@ -261,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = args.device == "cuda" or (args.device == "auto" and _gpu_visible())
     run_nvrtc = not on_gpu or args.nvrtc
     cached = [path for path in Path(cache_dir).rglob("*") if path.is_file()]
+    gpu_pass = (f"on (CUPY_CACHE_DIR={cache_dir}, {'NOT EMPTY: not cold' if cached else 'empty'})" if on_gpu
+                else "off (no GPU)")
     header = (f"kernel report: {len(files)} files; NVRTC pass {'for ' + args.arch if run_nvrtc else 'skipped'}; "
-              f"GPU pass {'on (CUPY_CACHE_DIR=' + cache_dir + (', NOT EMPTY: not cold' if cached else ', empty') + ')' if on_gpu else 'off (no GPU)'}; "
-              f"CUDA headers: {kernel_registry.cuda_include_dir()}")
+              f"GPU pass {gpu_pass}; CUDA headers: {kernel_registry.cuda_include_dir()}")
     reports: list[FileReport] = []
     for file in files:
         try:
