@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from . import _kernel_builds
-from .interop import INT32_MAX, array_module, as_batch_size, as_indices, as_spatial_shape, check_indices_in_range
+from .interop import INT32_MAX, as_batch_size, as_indices, as_spatial_shape, check_indices_in_range
 from .backends import ArrayBackend, backend_for
 from .geometry import ConvGeometry, PerAxis
 from .hashing import check_packable, key_strides, pack_keys, unpack_keys
-from .neighbour_map import NeighbourMap, pairs_from_neighbour_map
+from .neighbour_map import NeighbourMap
 from .pair_map import PairMap
 
 __all__ = [
@@ -107,9 +107,12 @@ class Rulebook:
             return self.stored_pairs
         derived = self.stored_map.derived
         if "pair_map" not in derived:
-            pair_input, pair_output, starts = pairs_from_neighbour_map(array_module(self.stored_map.output_neighbours),
-                                                                       self.stored_map)
-            derived["pair_map"] = PairMap(pair_input, pair_output, starts, self.num_input, self.num_output,
+            # the [K, N_out] view of the table compacted row by row with the backend's compaction
+            # (one read back on the GPU: the per-offset counts): offsets in order, output rows
+            # increasing within an offset, as `pairs_from_neighbour_map`, the reference, lists them
+            table = self.stored_map.output_neighbours
+            output_rows, input_rows, starts = backend_for(table).compact_pairs(table.T)
+            derived["pair_map"] = PairMap(input_rows, output_rows, starts, self.num_input, self.num_output,
                                           tuple(self.geometry.kernel_size), self.identity_offset, trusted=True)
         return derived["pair_map"]
 
