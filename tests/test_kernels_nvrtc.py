@@ -52,7 +52,11 @@ def _compile(file: str, options: list[str]) -> tuple[int, str]:
 def test_kernel_file_compiles(file: str, architecture: str) -> None:
     if kernel_registry.cuda_include_dir() is None:
         pytest.skip("no CUDA headers (install cupy-cuda13x[ctk] / nvidia-cuda-runtime)")
-    options = list(kernel_registry.nvrtc_options((f"-arch={architecture}",)))
+    tensor_cores = kernel_registry.kernel_file(file).tensor_cores
+    if tensor_cores and kernel_registry.tensor_core_include_dir() is None:
+        pytest.fail(f"{file} includes <mma.h>, but {kernel_registry.TENSOR_CORE_HEADER} was not found: install the "
+                    "dev extra (nvidia-cuda-crt), as the README says")
+    options = list(kernel_registry.nvrtc_options((f"-arch={architecture}",), tensor_cores=tensor_cores))
     program, log = _compile(file, options)
     try:
         assert "warning" not in log.lower(), f"NVRTC warnings for {file}:\n{log}"
