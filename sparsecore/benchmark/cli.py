@@ -189,7 +189,12 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
         from sparsecore.benchmark.device_targets import format_verdicts, judge
         from sparsecore.benchmark.network_suite import rows_from_json
 
-        rows = [row for path in arguments.json for row in rows_from_json(path)[1]]
+        rows = []
+        for path in arguments.json:
+            try:
+                rows += rows_from_json(path)[1]
+            except (OSError, ValueError, KeyError, TypeError) as error:  # judge what there is; say what is not
+                print(f"no benchmark table from {path}: {type(error).__name__}: {error}")
         verdicts = judge(rows)
         print(format_verdicts(verdicts), end="")
         return 0 if all(verdict.outcome == "PASS" for verdict in verdicts) else 1
