@@ -231,19 +231,23 @@ def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_
 
     Returns:
         The `NeighbourMap`.
+
+    Nothing is read back to the host (the offset of each pair comes from the
+    host ``offset_starts``; padding is written to a spare row that is cut off),
+    so a padded pair map on the GPU converts inside a JAX callback.
     """
     volume = len(offset_starts) - 1
-    counts = [int(offset_starts[k + 1]) - int(offset_starts[k]) for k in range(volume)]
-    offsets = xp.repeat(xp.arange(volume, dtype=xp.int64), xp.asarray(counts, dtype=xp.int64)) if volume else \
-        xp.zeros(0, dtype=xp.int64)
+    count = int(offset_starts[-1])
+    ends = xp.asarray([int(stop) for stop in offset_starts[1:]], dtype=xp.int64)
+    offsets = xp.searchsorted(ends, xp.arange(count, dtype=xp.int64), side="right")  # offset of each pair
     pair_input = pair_input.astype(xp.int64)
     pair_output = pair_output.astype(xp.int64)
-    keep = (pair_input >= 0) & (pair_output >= 0)
-    pair_input, pair_output, offsets = pair_input[keep], pair_output[keep], offsets[keep]
+    valid = (pair_input >= 0) & (pair_output >= 0)
 
     def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
-        table = xp.full((rows, volume), -1, dtype=xp.int32)
-        table[keys, offsets] = values.astype(xp.int32)
+        table = xp.full((rows + 1, volume), -1, dtype=xp.int32)  # row `rows` takes the padding
+        table[xp.where(valid, keys, rows), offsets] = xp.where(valid, values, -1).astype(xp.int32)
+        table = table[:rows]
         return table, row_masks(xp, table), None  # the order is sorted when first read
 
     out_table, out_masks, out_order = side(int(num_output), pair_output, pair_input)

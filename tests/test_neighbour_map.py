@@ -23,6 +23,12 @@ from sparsecore.neighbour_map import (NeighbourMap, mask_order, mask_words, neig
                                       neighbour_map_of, pairs_from_neighbour_map, row_masks)
 
 
+try:
+    from .cuda_emulation import device_arrays
+except ImportError:
+    from cuda_emulation import device_arrays
+
+
 def _rng(*seed: int) -> np.random.Generator:
     return np.random.default_rng([20261205, *seed])
 
@@ -86,6 +92,28 @@ def test_padding_rows_are_no_pairs():
     neighbour_map = neighbour_map_from_pairs(np, pair_input, pair_output, (0, 3, 5), 4, 4, (2,))
     np.testing.assert_array_equal(neighbour_map.output_neighbours, [[-1, 1], [0, -1], [-1, -1], [-1, 3]])
     np.testing.assert_array_equal(neighbour_map.input_neighbours, [[1, -1], [-1, 0], [-1, -1], [-1, 3]])
+
+
+def test_padded_pairs_convert_on_the_device_without_a_read():
+    """A padded pair map (a JAX callback's, on the GPU) becomes a map with no read back to the host."""
+    rng = _rng(6)
+    pair_input, pair_output, starts = _random_pairs(rng, 20, 16, 9)
+    padded_input, padded_output, padded_starts = [], [], [0]
+    for start, stop in zip(starts, starts[1:]):  # every offset padded to 16 slots with -1
+        padded_input += pair_input[start:stop].tolist() + [-1] * (16 - (stop - start))
+        padded_output += pair_output[start:stop].tolist() + [int(rng.integers(16))] * (16 - (stop - start))
+        padded_starts.append(padded_starts[-1] + 16)
+    xp = device_arrays.DEVICE_NUMPY
+    with device_arrays.forbid_host_reads():
+        neighbour_map = neighbour_map_from_pairs(xp, device_arrays.to_device(np.array(padded_input, np.int32)),
+                                                 device_arrays.to_device(np.array(padded_output, np.int32)),
+                                                 tuple(padded_starts), 20, 16, (3, 3))
+        order = neighbour_map.output_order
+    expected = neighbour_map_from_pairs(np, pair_input, pair_output, starts, 20, 16, (3, 3))
+    for name in ("output_neighbours", "output_masks", "input_neighbours", "input_masks"):
+        assert isinstance(getattr(neighbour_map, name), device_arrays.DeviceArray), name
+        np.testing.assert_array_equal(np.asarray(getattr(neighbour_map, name)), getattr(expected, name), name)
+    np.testing.assert_array_equal(np.asarray(order), expected.output_order)
 
 
 @pytest.mark.parametrize("words", [1, 2, 5])
