@@ -8,9 +8,9 @@ matrix at ``i + j * ld``, batch ``b`` at ``b * stride``), reading and writing
 the NumPy arrays behind the pointers it is handed, and checking cuBLAS's own
 argument rules (``lda >= max(1, rows stored)``...). So the arguments are
 asserted by value, and their numerics against ``np.matmul`` in float64: a wrong
-leading dimension, stride or transpose flag fails here. The conv passes then
-run end to end through the emulated kernels with the modelled cuBLAS, against
-a float64 reference computed pair by pair.
+leading dimension, stride or transpose flag fails here. (The kernel backend's
+conv passes no longer multiply through the backend's GEMM: they are the fused
+kernels of ``kernels_cu/implicit_gemm.cu``, tested in test_implicit_gemm.py.)
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import sys
 import numpy as np
 import pytest
 
-import sparsecore as sc
-from sparsecore import _conv_products, conv
+from sparsecore import _conv_products
 from sparsecore.backends import _cublas_gemm as gemm_module
 from sparsecore.backends._cublas_gemm import CublasGemm, operand_layout, tf32_from_environment
 
 try:
-    from kernel_targets import emulated_backend, rng_for
+    from kernel_targets import rng_for
 except ImportError:  # tests/ imported as a package
-    from tests.kernel_targets import emulated_backend, rng_for
+    from tests.kernel_targets import rng_for
 
 # cuBLAS / CUDA enumeration values, from cublas_api.h and library_types.h (restated, not imported).
 OP_N, OP_T = 0, 1
@@ -329,60 +328,3 @@ def test_operand_layout_rules():
     assert operand_layout((2, 3, 4), (20, 5, 1)) == gemm_module.OperandLayout(False, 5, 20)
     assert operand_layout((3, 4), (8, 2)) is None  # every other column
     assert operand_layout((2, 3, 3, 4), (7, 36, 12, 1)) is None  # batch axes that do not collapse
-
-
-# ============================================== the conv passes through the modelled cuBLAS
-
-
-def _reference(features, weight, grad_output, rulebook, groups):
-    """Forward and both gradients pair by pair in float64 (no GEMM batching, no chunks)."""
-    out_channels, in_per_group = weight.shape[0], weight.shape[-1]
-    matrices = weight.astype(np.float64).reshape(out_channels, -1, in_per_group)  # [out, K, in/g]
-    features64, grad64 = features.astype(np.float64), grad_output.astype(np.float64)
-    out = np.zeros((rulebook.num_output, out_channels))
-    grad_features = np.zeros_like(features64)
-    grad_matrices = np.zeros_like(matrices)
-    starts = list(rulebook.offset_starts)
-    per_out = out_channels // groups
-    for offset in range(len(starts) - 1):
-        inputs = np.asarray(rulebook.pair_input[starts[offset]:starts[offset + 1]])
-        outputs = np.asarray(rulebook.pair_output[starts[offset]:starts[offset + 1]])
-        for group in range(groups):
-            o_slice = slice(group * per_out, (group + 1) * per_out)
-            i_slice = slice(group * in_per_group, (group + 1) * in_per_group)
-            w = matrices[o_slice, offset, :]  # [out/g, in/g]
-            np.add.at(out[:, o_slice], outputs, features64[inputs][:, i_slice] @ w.T)
-            np.add.at(grad_features[:, i_slice], inputs, grad64[outputs][:, o_slice] @ w)
-            grad_matrices[o_slice, offset, :] += grad64[outputs][:, o_slice].T @ features64[inputs][:, i_slice]
-    return out, grad_features, grad_matrices.reshape(weight.shape)
-
-
-@pytest.mark.parametrize("dtype_name, groups, kind", [("float32", 1, "subm"), ("float16", 1, "subm"),
-                                                      ("float64", 2, "regular"), ("float32", 2, "subm")])
-def test_conv_passes_through_the_modelled_cublas(dtype_name, groups, kind):
-    engine, library = _gemm()
-    backend = dataclasses.replace(emulated_backend(), native_float16=True, gemm=engine)
-    rng = rng_for(37, groups, len(kind), len(dtype_name))
-    shape = (6, 5, 4)
-    cells = rng.choice(2 * int(np.prod(shape)), size=60, replace=False)
-    indices = np.stack(np.unravel_index(cells, (2, *shape)), axis=1).astype(np.int32)
-    geometry = (sc.ConvGeometry.create(3, 3, kind="subm") if kind == "subm"
-                else sc.ConvGeometry.create(3, 3, stride=2, padding=1, kind="regular"))
-    rulebook = sc.build_rulebook(indices, shape, 2, geometry, backend=backend)
-    features = rng.uniform(-2, 2, (rulebook.num_input, 4)).astype(dtype_name)
-    weight = rng.uniform(-2, 2, (6, 3, 3, 3, 4 // groups)).astype(dtype_name)
-    grad_output = rng.uniform(-2, 2, (rulebook.num_output, 6)).astype(dtype_name)
-    out = conv.conv_forward(features, weight, rulebook, groups=groups, backend=backend)
-    grad_features, grad_weight = conv.conv_backward(grad_output, features, weight, rulebook, groups, backend=backend)
-    expected = _reference(features, weight, grad_output, rulebook, groups)
-    tolerance = {"float16": 3e-2, "float32": 1e-4, "float64": 1e-11}[dtype_name]
-    for actual, wanted, what in zip((out, grad_features, grad_weight), expected,
-                                    ("forward", "grad_features", "grad_weight")):
-        assert actual.dtype == np.dtype(dtype_name), what
-        np.testing.assert_allclose(actual.astype(np.float64), wanted, rtol=tolerance,
-                                   atol=tolerance * max(1.0, float(np.abs(wanted).max())), err_msg=what)
-    assert library.gemms, "the products went through cuBLAS"
-    batched = [call for call in library.gemms if call["batchCount"] > 1]
-    assert batched, "a chunk of offsets is one strided-batched call"
-    if dtype_name == "float16":
-        assert {(call["Atype"], call["computeType"]) for call in library.gemms} == {(R_16F, COMPUTE_32F)}

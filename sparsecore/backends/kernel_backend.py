@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _kernel_int8, _kernel_keys, _kernel_layouts, _kernel_maps, _kernel_pairs, _launch
+from . import _kernel_fused, _kernel_int8, _kernel_keys, _kernel_layouts, _kernel_maps, _kernel_pairs, _launch
 from ._launch import INT64_MAX, KernelDevice, KernelLauncher, check_float, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
@@ -111,9 +111,13 @@ class KernelBackend:
 
     @property
     def device(self) -> KernelDevice:
-        """The array module and launch settings, all the launch wrappers of `_kernel_pairs` and
-        `_kernel_int8` receive."""
+        """The array module and launch settings the launch wrappers (`_kernel_pairs`...) receive."""
         return KernelDevice(self.xp, self.launcher, self.block_threads, self.max_blocks)
+
+    @property
+    def fused_passes(self) -> _kernel_fused.FusedPasses:
+        """The feature passes over neighbour maps (`_kernel_fused`), on TF32 when ``gemm.tf32`` is set."""
+        return _kernel_fused.FusedPasses(self.device, bool(getattr(self.gemm, "tf32", False)))
 
     def _run(self, kernel: str, type_names: tuple[str, ...], work: int, args: tuple[Any, ...]) -> None:
         _launch.launch(self.launcher, kernel, type_names, work, args, self.block_threads, self.max_blocks)
