@@ -43,12 +43,14 @@ def _load(name: str) -> Any:
 
 host_operations = _load("host_operations")
 host_counting = _load("host_counting")
-LAYERS = network.REFERENCE_NETWORK[:6]  # conv (builds), conv (reuses), pool, conv (builds), conv, pool
+# conv (builds its rulebook), conv (reuses it), pool (builds), conv (builds on the pool's output sites)
+LAYERS = network.REFERENCE_NETWORK[:4]
 
 
-def _strip_scene() -> scenes.VoxelScene:
+def _strip_scene(width: int = 24) -> scenes.VoxelScene:
+    """A strip of the small synthetic scene: 138 sites at width 24 (the emulated feature kernels run on it)."""
     scene = network.network_scene("synthetic", "small", seed=3)
-    keep = scene.indices[:, 2] < 60  # 874 sites
+    keep = scene.indices[:, 2] < width
     return scenes.VoxelScene(np.ascontiguousarray(scene.features[keep]), np.ascontiguousarray(scene.indices[keep]),
                              scene.spatial_shape, 1, "strip of the small synthetic scene")
 
@@ -297,3 +299,27 @@ def test_command_writes_json_and_compares_runs(tmp_path: Path, monkeypatch: pyte
     path.write_text(json.dumps(document))
     assert host_operations.main(["--layers", "3", "--sites", "0", "--compare", str(path)]) == 1
     assert "lines differ" in capsys.readouterr().out
+
+
+def test_peak_meter_sees_what_a_block_allocates() -> None:
+    target = host_operations.emulation_target()
+    with host_operations._peak_meter(target) as peak:
+        kept = np.ones(1_000_000)          # 8 MB, kept
+        dropped = np.ones(500_000)         # 4 MB while it lives
+        del dropped
+    assert 12_000_000 <= peak[0] < 12_100_000
+    assert kept.nbytes == 8_000_000
+    scratch = host_operations.PassScratch("forward", 1000, 1200, 1700)
+    assert (scratch.scratch_bytes, scratch.ratio) == (500, 0.5)
+
+
+def test_feature_pass_scratch_counts_the_results_apart() -> None:
+    target = host_operations.emulation_target()
+    scene = _strip_scene()
+    forward, backward = host_operations.feature_pass_scratch(target, scene, 16, skip_feature_kernels=True)
+    assert len(scene.indices) == 138
+    sites = len(scene.indices)
+    assert (forward.direction, forward.reference_bytes, forward.result_bytes) == ("forward", sites * 16 * 4,
+                                                                                 sites * 16 * 4)
+    assert (backward.reference_bytes, backward.result_bytes) == (sites * 16 * 4, sites * 16 * 4 + 27 * 16 * 16 * 4)
+    assert forward.peak_bytes >= forward.result_bytes and backward.peak_bytes >= backward.result_bytes

@@ -61,8 +61,9 @@ import host_counting  # noqa: E402
 from host_counting import OUTSIDE, STAGES, CountingLibrary, Tally  # noqa: E402
 from sparsecore.benchmark import network  # noqa: E402
 
-__all__ = ["CountingTarget", "emulation_target", "cuda_target", "count_network", "LayerCount", "layer_counts",
-           "pass_counts", "TargetResult", "target_results", "compare_documents", "format_report", "main"]
+__all__ = ["CountingTarget", "emulation_target", "cuda_target", "count_network", "PassScratch",
+           "feature_pass_scratch", "LayerCount", "layer_counts", "pass_counts", "TargetResult", "target_results",
+           "compare_documents", "format_report", "main"]
 
 FORMAT = "sparsecore host operations, format 1"
 PASSES = ("forward", "backward")
@@ -224,6 +225,110 @@ def count_network(target: CountingTarget, scene: Any, scene_name: str,
     }
 
 
+@dataclass(frozen=True)
+class PassScratch:
+    """The memory one feature pass allocates beyond what it returns.
+
+    Attributes:
+        direction: ``"forward"`` or ``"backward"``.
+        reference_bytes: the output (forward) or the input gradient (backward): the target's yardstick.
+        result_bytes: everything the pass returns (the backward's weight gradient too).
+        peak_bytes: the most bytes allocated during the pass above its start, its results included.
+    """
+
+    direction: str
+    reference_bytes: int
+    result_bytes: int
+    peak_bytes: int
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Peak allocated beyond the results."""
+        return max(self.peak_bytes - self.result_bytes, 0)
+
+    @property
+    def ratio(self) -> float:
+        """Scratch over the reference size (issue 28's target: at most 0.25)."""
+        return self.scratch_bytes / max(self.reference_bytes, 1)
+
+
+@contextlib.contextmanager
+def _peak_meter(target: CountingTarget) -> Iterator[list[int]]:
+    """Yields a list that holds, after the block, the peak bytes allocated above the block's start.
+
+    The emulation's arrays are NumPy's, which report their buffers to
+    `tracemalloc`; on the GPU, CuPy's memory pool is followed by a hook.
+    """
+    measured: list[int] = []
+    if target.name == "cuda":
+        from sparsecore.benchmark.gpu_memory import _peak_hook_class
+
+        target.synchronize()
+        hook = _peak_hook_class(target.library)()
+        with hook:
+            yield measured
+            target.synchronize()
+        measured.append(int(hook.peak))
+        return
+    import tracemalloc
+
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        yield measured
+        measured.append(int(tracemalloc.get_traced_memory()[1] - base))
+    finally:
+        if started:
+            tracemalloc.stop()
+
+
+def feature_pass_scratch(target: CountingTarget, scene: Any, channels: int = 64,
+                         skip_feature_kernels: bool = False) -> tuple[PassScratch, PassScratch]:
+    """Scratch memory of a SubMConv3d ``channels -> channels`` forward and backward pass on ``scene``.
+
+    The rulebook is built and one forward and backward run first (kernels
+    compile, the rulebook's memoised views are made: they belong to the
+    rulebook, not to a pass); the second forward and backward are measured.
+
+    Returns:
+        ``(forward, backward)``.
+    """
+    import sparsecore as sc
+    from sparsecore.benchmark.cases import LayerSpec
+    from sparsecore.benchmark.cpu import layer_weight
+
+    tally = Tally(target.internal_files)  # counts nothing (no pass named): only the kernels' skipping is wanted
+    generator = np.random.default_rng(5)
+    count = len(scene.indices)
+    features = target.to_device(generator.standard_normal((count, channels)).astype(np.float32))
+    grad = target.to_device(generator.standard_normal((count, channels)).astype(np.float32))
+    weight = target.to_device(layer_weight(LayerSpec("scratch", "subm", channels, channels), 5))
+    indices = target.to_device(np.ascontiguousarray(scene.indices, dtype=np.int32))
+    geometry = sc.ConvGeometry.create(3, 3, kind="subm")
+    backend = target.backend
+
+    def is_device(value: Any) -> bool:
+        return isinstance(value, target.array_type)
+
+    with _quiet_garbage(), host_counting.routed(is_device, target.library, backend), \
+            host_counting.counting(tally, backend, target.array_type, skip_feature_kernels, target.ufunc_override):
+        rulebook = sc.build_rulebook(indices, tuple(scene.spatial_shape), 1, geometry)
+        sc.conv_backward(grad, features, weight, rulebook, backend=backend)
+        sc.conv_forward(features, weight, rulebook, backend=backend)
+        target.synchronize()
+        with _peak_meter(target) as forward_peak:
+            output = sc.conv_forward(features, weight, rulebook, backend=backend)
+        with _peak_meter(target) as backward_peak:
+            grad_input, grad_weight = sc.conv_backward(grad, features, weight, rulebook, backend=backend)
+    forward = PassScratch("forward", int(output.nbytes), int(output.nbytes), forward_peak[0])
+    backward = PassScratch("backward", int(grad_input.nbytes), int(grad_input.nbytes + grad_weight.nbytes),
+                           backward_peak[0])
+    return forward, backward
+
+
 def _replace_xp(backend: Any, library: Any) -> Any:
     import dataclasses
 
@@ -327,6 +432,14 @@ def target_results(document: dict[str, Any]) -> list[TargetResult]:
         results.append(TargetResult(f"{title}: host operations", operations, f"<= {operations_limit}",
                                     operations <= operations_limit))
         results.append(TargetResult(f"{title}: reads back", reads, f"<= {reads_limit}", reads <= reads_limit))
+    for entry in document.get("scratch", []):
+        ratio = entry["scratch_bytes"] / max(entry["reference_bytes"], 1)
+        what = "output" if entry["direction"] == "forward" else "input gradient"
+        results.append(TargetResult(f"SubMConv3d {entry['channels']}->{entry['channels']} {entry['direction']}: "
+                                    f"scratch beyond the results, % of the {what}", round(100 * ratio),
+                                    "<= 25", ratio <= 0.25,
+                                    f"{entry['scratch_bytes'] / 2**20:.1f} MiB beyond "
+                                    f"{entry['result_bytes'] / 2**20:.1f} MiB of results"))
     for pass_name, field, limit, label in (("forward", 1, 1, "kernel launches"), ("forward", 2, 0, "cuBLAS calls"),
                                            ("backward", 1, 2, "kernel launches")):
         convs = [row for row in layer_counts(document, pass_name) if row.kind == "subm"]
@@ -431,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=len(network.REFERENCE_NETWORK),
                         help="count the first LAYERS layers of the network only (default: all 20)")
     parser.add_argument("--sites", type=int, default=25, help="call sites to list per pass (0: none)")
+    parser.add_argument("--memory", action="store_true",
+                        help="also measure the scratch memory of a SubMConv3d 64->64 forward and backward on the "
+                        "scene (peak allocated beyond the results: tracemalloc on the emulation, CuPy's pool on a GPU)")
     parser.add_argument("--json", metavar="PATH", help="also write the counts as JSON (for --compare)")
     parser.add_argument("--compare", metavar="PATH",
                         help="compare the per-layer counts with another run's --json; exit 1 where they differ")
@@ -442,6 +558,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layers must be between 1 and {len(network.REFERENCE_NETWORK)}, got {args.layers}")
     document = count_network(target, scene, args.scene, network.REFERENCE_NETWORK[:args.layers],
                              skip_feature_kernels=args.device == "emulation" and not args.run_all)
+    if args.memory:
+        passes = feature_pass_scratch(target, scene, 64,
+                                      skip_feature_kernels=args.device == "emulation" and not args.run_all)
+        document["scratch"] = [{"direction": item.direction, "channels": 64, "reference_bytes": item.reference_bytes,
+                                "result_bytes": item.result_bytes, "peak_bytes": item.peak_bytes,
+                                "scratch_bytes": item.scratch_bytes} for item in passes]
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     print(format_report(document, args.sites))
