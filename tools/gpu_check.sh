@@ -247,7 +247,7 @@ if [ "$fused" = 1 ]; then
   hostops_scene=${GPU_CHECK_HOSTOPS_SCENE:-basic}
   if command -v "${CXX:-g++}" >/dev/null; then
     start_background hostops-emulation 300 "$scratch/host_ops_emulation.txt" "$py" -P tools/host_operations.py \
-      --scene "$hostops_scene" --sites 0 --json "$out/host_ops_emulation.json" ${GPU_CHECK_HOSTOPS_ARGS:-}
+      --scene "$hostops_scene" --sites 0 --memory --json "$out/host_ops_emulation.json" ${GPU_CHECK_HOSTOPS_ARGS:-}
   else
     record hostops-emulation "skipped: no g++ on this machine (the emulation compiles the kernels with it)" 0 "-"
   fi
@@ -304,7 +304,7 @@ PY
   compare=()
   [ -s "$out/host_ops_emulation.json" ] && compare=(--compare "$out/host_ops_emulation.json")
   run_step hostops 60 "$scratch/host_ops_gpu.txt" "$py" -P tools/host_operations.py \
-    --device "${GPU_CHECK_HOSTOPS_DEVICE:-cuda}" --scene "$hostops_scene" --sites 0 \
+    --device "${GPU_CHECK_HOSTOPS_DEVICE:-cuda}" --scene "$hostops_scene" --sites 0 --memory \
     --json "$out/host_ops_gpu.json" "${compare[@]}" ${GPU_CHECK_HOSTOPS_ARGS:-}
   if [ "${#compare[@]}" -eq 0 ]; then
     echo "no emulation count to compare with (see hostops-emulation in the steps)" >"$scratch/host_ops_compare.txt"
