@@ -59,11 +59,3 @@ def test_submanifold_pairs_equal_the_numpy_rulebook(target, shape, kernel, count
             np.testing.assert_array_equal(np.sort(target.get(got)), np.sort(want))
         pairs = {tuple(pair) for pair in zip(*(target.get(rows).tolist() for rows in actual.pairs(offset)))}
         assert pairs == {tuple(pair) for pair in zip(*(rows.tolist() for rows in expected.pairs(offset)))}
-
-
-def test_mirrored_pairs_rejects_inconsistent_starts(target):
-    rows = target.put(np.array([0, 1, 2], np.int32))
-    with pytest.raises(ValueError, match=r"half_starts must run from 0 to 3 \(the pairs found\)"):
-        target.backend.mirrored_pairs(rows, rows, target.put(np.arange(3)), (0, 2), 3)
-    with pytest.raises(ValueError, match="got \\(0, 3\\) for 2 columns"):
-        target.backend.mirrored_pairs(rows, rows[:2], target.put(np.arange(3)), (0, 3), 3)

@@ -447,6 +447,37 @@ def test_conv_candidates(backend, n, geometry, transposed):
     np.testing.assert_array_equal(backend.get(keys), expected)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("geometry", CANDIDATE_GEOMETRIES)
+@pytest.mark.parametrize("n", [0, 50])
+def test_map_candidates(backend, n, geometry, transposed):
+    """neighbour_map.cu's candidates: the same keys as the pair builder's twin, laid out [n, K], the offset
+    positions computed in the kernel, sites of a batch element >= batch_size refused."""
+    kernel_size, stride, padding, dilation = (np.array(value) for value in geometry)
+    rng = _rng(14, n, len(kernel_size), int(transposed))
+    shape = np.array([7, 6, 9][: len(kernel_size)])
+    if transposed:
+        out_shape = (shape - 1) * stride - 2 * padding + dilation * (kernel_size - 1) + 1
+    else:
+        out_shape = (shape + 2 * padding - dilation * (kernel_size - 1) - 1) // stride + 1
+    columns = [rng.integers(0, 3, size=n)] + [rng.integers(0, size, size=n) for size in shape]
+    indices = np.column_stack(columns).astype(np.int32).reshape(n, 1 + len(shape))
+    positions = np.array(list(itertools.product(*[range(size) for size in kernel_size])), dtype=np.int32)
+    volume = positions.shape[0]
+
+    def axes(values):
+        return [np.int64(value) for value in list(values) + [0] * (4 - len(values))]
+
+    keys = backend.xp.empty(n * volume, dtype=np.int64)
+    backend.launch._launch("sc_map_candidates", [], n * volume,
+                           [backend.put(indices), np.int64(n), np.int32(len(shape)), np.int64(2),
+                            *axes(kernel_size), *axes(stride), *axes(padding), *axes(dilation), *axes(out_shape),
+                            np.int32(transposed), np.int32(volume), keys])
+    expected = twins.conv_candidates(indices, positions, stride, padding, dilation, out_shape, transposed)
+    expected[:, indices[:, 0] >= 2] = -1  # batch_size 2: the third batch element is outside
+    np.testing.assert_array_equal(backend.get(keys).reshape(n, volume), expected.T)
+
+
 @pytest.mark.parametrize("counts, width", [([5, 0, 9, 3], 9), ([4], 7), ([0, 0], 3), ([6, 6], 6)])
 @pytest.mark.parametrize("write_output", [True, False])
 def test_chunk_layout(backend, counts, width, write_output):
@@ -463,21 +494,6 @@ def test_chunk_layout(backend, counts, width, write_output):
     got = backend.launch.chunk_layout(backend.put(pair_input), backend.put(pair_output), starts, counts, width,
                                       write_output, num_rows)
     expected = twins.chunk_layout(pair_input, pair_output, starts, counts, width, write_output, num_rows)
-    for actual, wanted in zip(got, expected):
-        np.testing.assert_array_equal(backend.get(actual), wanted)
-
-
-@pytest.mark.parametrize("lengths, num_sites", [([3, 0, 5, 2], 9), ([], 4), ([0, 0], 0), ([6], 6)])
-def test_mirror_pairs(backend, lengths, num_sites):
-    rng = _rng(13, len(lengths), num_sites)
-    half = sum(lengths)
-    half_starts = [0, *np.cumsum(lengths).tolist()] if lengths else [0]
-    found_rows = rng.integers(0, max(num_sites, 1), size=half).astype(np.int32)
-    columns = rng.integers(0, max(num_sites, 1), size=half).astype(np.int32)
-    sorted_rows = rng.permutation(max(num_sites, 1)).astype(np.int64)[:num_sites]
-    got = backend.launch.mirror_pairs(backend.put(found_rows), backend.put(columns), backend.put(sorted_rows),
-                                      half_starts, num_sites)
-    expected = twins.mirror_pairs(found_rows, columns, sorted_rows, half_starts, num_sites)
     for actual, wanted in zip(got, expected):
         np.testing.assert_array_equal(backend.get(actual), wanted)
 

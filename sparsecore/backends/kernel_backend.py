@@ -296,11 +296,6 @@ class KernelBackend:
         return _kernel_layouts.chunk_layout(self.device, pair_input, pair_output, starts, counts, width,
                                             write_output, num_rows)
 
-    def mirrored_pairs(self, found_rows: Any, columns: Any, sorted_rows: Any, half_starts: tuple[int, ...],
-                       num_sites: int) -> tuple[Any, Any, tuple[int, ...]]:
-        """A submanifold rulebook's pairs from the half below the centre, in one launch (`_kernel_layouts`)."""
-        return _kernel_layouts.mirrored_pairs(self.device, found_rows, columns, sorted_rows, half_starts, num_sites)
-
     def scatter_add_planned(self, target: Any, plan: Any, values: Any) -> None:
         """`scatter_add_pairs` over a `scatter_plan`: one ``sc_sum_run_rows`` launch."""
         _kernel_pairs.scatter_add_planned(self.device, target, plan, values)

@@ -158,7 +158,6 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_regular_conv_candidates"),
             KernelSpec("sc_transposed_conv_candidates"),
             KernelSpec("sc_chunk_layout"),
-            KernelSpec("sc_mirror_pairs"),
         ),
     ),
     KernelFile("int8.cu", (_per_type("sc_int8_conv", ("signed char", "float")), KernelSpec("sc_int8_max_pool"))),

@@ -284,19 +284,6 @@ class Launcher:
                       output_rows, slots])
         return input_rows, output_rows, slots
 
-    def mirror_pairs(self, found_rows: Any, columns: Any, sorted_rows: Any, half_starts: Sequence[int],
-                     num_sites: int) -> tuple[Any, Any]:
-        """``(pair_input, pair_output)`` int32 ``[2 H + N]`` of a submanifold rulebook (``sc_mirror_pairs``)."""
-        xp = self.xp
-        half = int(found_rows.shape[0])
-        pair_input = xp.empty(2 * half + num_sites, dtype=xp.int32)
-        pair_output = xp.empty(2 * half + num_sites, dtype=xp.int32)
-        self._launch("sc_mirror_pairs", [], half + num_sites,
-                     [self._contiguous(found_rows, xp.int32), self._contiguous(columns, xp.int32),
-                      self._contiguous(sorted_rows, xp.int64), self._small(list(half_starts), np.int64),
-                      np.int32(len(half_starts) - 1), np.int64(half), np.int64(num_sites), pair_input, pair_output])
-        return pair_input, pair_output
-
     def conv_candidates(self, indices: Any, kernel_positions: Any, stride: Sequence[int], padding: Sequence[int],
                         dilation: Sequence[int], output_shape: Sequence[int], transposed: bool = False) -> Any:
         """Output keys ``[K, N]`` int64 (-1 where invalid) of a strided or transposed conv."""

@@ -242,14 +242,3 @@ def chunk_layout(pair_input, pair_output, starts, counts, width, write_output, n
             if written >= 0:
                 slots[r, written] = r * width + j
     return input_rows.reshape(-1), output_rows.reshape(-1), slots
-
-
-def mirror_pairs(found_rows, columns, sorted_rows, half_starts, num_sites):
-    """``sc_mirror_pairs`` by offsets: the half below the centre, the identity, then the mirrored half."""
-    outputs = sorted_rows[columns].astype(np.int32)
-    pieces = [(found_rows[a:b], outputs[a:b]) for a, b in zip(half_starts[:-1], half_starts[1:])]
-    identity = np.arange(num_sites, dtype=np.int32)
-    ordered = pieces + [(identity, identity)] + [(output, found) for found, output in reversed(pieces)]
-    pair_input = np.concatenate([piece[0] for piece in ordered]).astype(np.int32)
-    pair_output = np.concatenate([piece[1] for piece in ordered]).astype(np.int32)
-    return pair_input, pair_output
