@@ -40,6 +40,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
+
 from .interop import array_module
 
 __all__ = [
@@ -189,6 +191,10 @@ def row_masks(xp: Any, neighbours: Any) -> Any:
     """uint32 ``[N, W]`` bit masks of an int32 ``[N, K]`` table's non-negative entries (xp, a few operations)."""
     rows, volume = int(neighbours.shape[0]), int(neighbours.shape[1])
     words = mask_words(volume)
+    if xp is numpy:  # the host: packed bytes read as little-endian words (3-5x faster)
+        packed = xp.zeros((rows, words * 4), dtype=xp.uint8)
+        packed[:, : -(-volume // 8)] = xp.packbits(neighbours >= 0, axis=1, bitorder="little")
+        return packed.view("<u4").astype(xp.uint32, copy=False)
     padded = xp.zeros((rows, words * 32), dtype=xp.uint32)
     padded[:, :volume] = (neighbours >= 0).astype(xp.uint32)
     bits = xp.left_shift(xp.uint32(1), xp.arange(32, dtype=xp.uint32))
@@ -238,15 +244,23 @@ def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_
     """
     volume = len(offset_starts) - 1
     count = int(offset_starts[-1])
-    ends = xp.asarray([int(stop) for stop in offset_starts[1:]], dtype=xp.int64)
-    offsets = xp.searchsorted(ends, xp.arange(count, dtype=xp.int64), side="right")  # offset of each pair
+    on_host = xp is numpy
+    if on_host:  # the counts are host ints: a repeat, 3-5x faster than the search
+        offsets = xp.repeat(xp.arange(volume, dtype=xp.int64),
+                            xp.diff(xp.asarray(offset_starts, dtype=xp.int64)))
+    else:
+        ends = xp.asarray([int(stop) for stop in offset_starts[1:]], dtype=xp.int64)
+        offsets = xp.searchsorted(ends, xp.arange(count, dtype=xp.int64), side="right")  # offset of each pair
     pair_input = pair_input.astype(xp.int64)
     pair_output = pair_output.astype(xp.int64)
     valid = (pair_input >= 0) & (pair_output >= 0)
 
     def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
         table = xp.full((rows + 1, volume), -1, dtype=xp.int32)  # row `rows` takes the padding
-        table[xp.where(valid, keys, rows), offsets] = xp.where(valid, values, -1).astype(xp.int32)
+        if on_host:  # one flat index (2-3x faster than a pair of index arrays)
+            table.reshape(-1)[xp.where(valid, keys, rows) * volume + offsets] = xp.where(valid, values, -1)
+        else:
+            table[xp.where(valid, keys, rows), offsets] = xp.where(valid, values, -1).astype(xp.int32)
         table = table[:rows]
         return table, row_masks(xp, table), None  # the order is sorted when first read
 
