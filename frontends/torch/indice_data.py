@@ -363,6 +363,9 @@ def layer_data(rulebook: sc.Rulebook, indices: torch.Tensor, saved: Any, kind: s
         data = saved
     elif kind == "inverse":
         data = IndiceData(rulebook, indices, saved.indices, algo)
+        paired = saved.__dict__.get("neighbour_map")  # the paired layer's map, read backwards: nothing derived
+        if paired is not None and rulebook.input_indices is saved.rulebook.output_indices:
+            data.__dict__["neighbour_map"] = paired.swapped()
     else:
         data = IndiceData(rulebook, indices, indices if kind == "subm" else None, algo)
     _ = data.out_indices
