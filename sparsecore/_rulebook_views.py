@@ -16,7 +16,7 @@ from .interop import array_module
 from .neighbour_map import NeighbourMap, neighbour_map_of, pairs_from_neighbour_map
 from .pair_map import PairMap
 
-__all__ = ["runs_fused_passes", "map_view", "pair_view", "index_rows"]
+__all__ = ["runs_fused_passes", "map_view", "pair_view", "index_rows", "refuse_bfloat16"]
 
 
 def runs_fused_passes(backend: Any) -> bool:
@@ -53,3 +53,16 @@ def index_rows(rulebook: Any) -> Any:
     if stored is not None:
         return stored.output_neighbours
     return rulebook.pair_input
+
+
+def refuse_bfloat16(**arrays: Any) -> None:
+    """Raises for a bfloat16 array reaching the NumPy backend's passes (only the kernel backend runs it).
+
+    Raises:
+        TypeError: naming the first bfloat16 argument.
+    """
+    for name, array in arrays.items():
+        if array is not None and array.dtype.name == "bfloat16":
+            raise TypeError(f"{name} has dtype bfloat16, which only the GPU (kernel) backend's feature passes run; "
+                            "on the CPU cast it with .astype(float32)")
+

@@ -50,7 +50,7 @@ from ._conv_products import (
     weight_from_matrices,
 )
 from ._dispatch import check_same_device, to_core_array
-from ._rulebook_views import index_rows, map_view, pair_view, runs_fused_passes
+from ._rulebook_views import index_rows, map_view, pair_view, refuse_bfloat16, runs_fused_passes
 from ._validation import as_features
 from .backends import ArrayBackend, backend_for
 from .conv_weight import check_conv_weight, check_weight_layout
@@ -90,7 +90,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap | Neig
     Returns:
         ``[N_out, C_out]`` in the features' dtype.
     """
-    features = as_features(features, rulebook.num_input)
+    features = as_features(features, rulebook.num_input, bfloat16=True)
     weight = check_conv_weight(weight, rulebook, features.shape[1], groups)
     if bias is not None:
         bias = to_core_array(bias, "bias")
@@ -100,6 +100,7 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap | Neig
     backend = backend if backend is not None else backend_for(features)
     if runs_fused_passes(backend):  # one sc_implicit_gemm launch over the map
         return backend.fused_passes.conv_forward(features, weight, map_view(rulebook, backend.xp), bias, groups)
+    refuse_bfloat16(features=features, weight=weight, bias=bias)
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     with cpu_blas_threads(backend):
@@ -164,10 +165,10 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         in the dtypes of ``features`` and ``weight``. (The bias gradient is
         ``grad_output.sum(0)``.)
     """
-    features = as_features(features, rulebook.num_input)
+    features = as_features(features, rulebook.num_input, bfloat16=True)
     weight = check_conv_weight(weight, rulebook, features.shape[1], groups)
     grad_output = as_features(grad_output, rulebook.num_output, name="grad_output",
-                              rows_meaning="output site of the rulebook")
+                              rows_meaning="output site of the rulebook", bfloat16=True)
     if grad_output.shape[1] != weight.shape[0]:
         raise ValueError(
             f"grad_output has {grad_output.shape[1]} channels but the weight has "
@@ -179,6 +180,7 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         grad_features, grad_weight = backend.fused_passes.conv_backward(grad_output, features, weight,
                                                                         map_view(rulebook, backend.xp), groups)
         return grad_features, grad_weight if grad_weight.dtype == weight.dtype else grad_weight.astype(weight.dtype)
+    refuse_bfloat16(features=features, weight=weight, grad_output=grad_output)
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     with cpu_blas_threads(backend):

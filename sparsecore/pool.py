@@ -20,7 +20,7 @@ from typing import Any
 from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
 from ._chunks import check_padded_pairs
-from ._rulebook_views import index_rows, map_view, pair_view, runs_fused_passes
+from ._rulebook_views import index_rows, map_view, pair_view, refuse_bfloat16, runs_fused_passes
 from .backends import ArrayBackend, backend_for
 from .neighbour_map import NeighbourMap
 from .rulebook import PairMap, Rulebook
@@ -58,15 +58,16 @@ def _pass_operands(values: Any, rulebook: Rulebook | PairMap | NeighbourMap, bac
         ``(pair_input, pair_output, offset_starts)``.
     """
     if stage == "forward":
-        values = as_features(values, rulebook.num_input)
+        values = as_features(values, rulebook.num_input, bfloat16=True)
         check_same_device(features=values, indices=index_rows(rulebook))
     else:
         values = as_features(values, rulebook.num_output, name="grad_output",
-                             rows_meaning="output site of the rulebook")
+                             rows_meaning="output site of the rulebook", bfloat16=True)
         check_same_device(grad_output=values, indices=index_rows(rulebook))
     backend = backend if backend is not None else backend_for(values)
     if runs_fused_passes(backend):
         return backend, values, map_view(rulebook, backend.xp)
+    refuse_bfloat16(**{"features" if stage == "forward" else "grad_output": values})
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     pairs = (rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts))
@@ -122,7 +123,7 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
         ``[N_in, C]`` in ``grad_output``'s dtype: summed in float64 without a
         rulebook, in the compute dtype over the pairs with one; deterministic.
     """
-    grad_output = as_features(grad_output, name="grad_output")
+    grad_output = as_features(grad_output, name="grad_output", bfloat16=True)
     argmax = to_core_array(argmax, "argmax")
     if argmax.shape != grad_output.shape:
         raise ValueError(f"argmax has shape {tuple(argmax.shape)}, grad_output {tuple(grad_output.shape)}; they must match")
@@ -139,6 +140,7 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
         backend = backend if backend is not None else backend_for(grad_output)
         if runs_fused_passes(backend):  # per input row over the map's input side
             return backend.fused_passes.max_pool_backward(grad_output, argmax, map_view(rulebook, backend.xp))
+        refuse_bfloat16(grad_output=grad_output)
         rulebook = pair_view(rulebook)
         check_padded_pairs(rulebook, backend)
         return backend.max_pool_backward_pairs(grad_output, argmax, rulebook.pair_input, rulebook.pair_output,

@@ -20,23 +20,22 @@ errors instead of hanging.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from sparsecore.backends import _kernel_fused, kernel_registry
 from sparsecore.backends._kernel_fused import FusedPasses
-from sparsecore.neighbour_map import neighbour_map_from_pairs
 
 try:
     from cuda_emulation import fused_twins as twins, harness
     from cuda_emulation.numpy_twins import narrow
-    from kernel_targets import BFLOAT16, rng_for, target  # noqa: F401
+    from fused_maps import bits, on_target, random_map, storage, symmetric_map
+    from kernel_targets import rng_for, target  # noqa: F401
 except ImportError:  # tests/ imported as a package
     from tests.cuda_emulation import fused_twins as twins, harness
     from tests.cuda_emulation.numpy_twins import narrow
-    from tests.kernel_targets import BFLOAT16, rng_for, target  # noqa: F401
+    from tests.fused_maps import bits, on_target, random_map, storage, symmetric_map
+    from tests.kernel_targets import rng_for, target  # noqa: F401
 
 # (dtype name, tf32): the five engines
 ENGINES = [("float32", False), ("float64", False), ("float16", False), ("bfloat16", False), ("float32", True)]
@@ -45,67 +44,6 @@ ENGINE_IDS = ["float32", "float64", "float16", "bfloat16", "tf32"]
 
 def _passes(target, tf32: bool) -> FusedPasses:
     return FusedPasses(target.backend.device, tf32)
-
-
-def _storage(target, bits: np.ndarray, dtype_name: str):
-    """A twin's storage array (bfloat16 as uint16 bits) as the target's array."""
-    if dtype_name == "bfloat16":
-        if BFLOAT16 is None or target.xp is not np:
-            pytest.skip("bfloat16 arrays need ml_dtypes on NumPy")
-        return target.put(bits.view(BFLOAT16))
-    return target.put(bits)
-
-
-def _bits(target, array, dtype_name: str) -> np.ndarray:
-    host = np.asarray(target.get(array))
-    return host.view(np.uint16) if dtype_name == "bfloat16" else host
-
-
-def random_map(rng: np.random.Generator, num_input: int, num_output: int, kernel_size: tuple[int, ...],
-               density: float = 0.5, empty_rows: int = 3):
-    """A `NeighbourMap` of random pairs (unique rows on both sides within each offset, as in a rulebook);
-    the last ``empty_rows`` outputs get no pair at all."""
-    volume = int(np.prod(kernel_size))
-    inputs, outputs, starts = [], [], [0]
-    reachable = max(num_output - empty_rows, 0)
-    for _ in range(volume):
-        count = int(rng.integers(0, int(min(num_input, reachable) * density) + 1))
-        inputs.append(rng.choice(num_input, count, replace=False))
-        outputs.append(rng.choice(reachable, count, replace=False))
-        starts.append(starts[-1] + count)
-    pair_input = np.concatenate(inputs).astype(np.int32)
-    pair_output = np.concatenate(outputs).astype(np.int32)
-    return neighbour_map_from_pairs(np, pair_input, pair_output, tuple(starts), num_input, num_output, kernel_size)
-
-
-def symmetric_map(rng: np.random.Generator, num_rows: int, kernel_size: tuple[int, ...]):
-    """A submanifold-like map: offset ``k`` pairs ``(i, o)`` mirrored by offset ``K - 1 - k`` as ``(o, i)``;
-    stored as one side (``symmetric=True``)."""
-    volume = int(np.prod(kernel_size))
-    table = np.full((num_rows, volume), -1, np.int32)
-    for k in range(volume // 2):
-        count = int(rng.integers(0, num_rows // 2 + 1))
-        outputs = rng.choice(num_rows, count, replace=False)
-        inputs = rng.choice(num_rows, count, replace=False)
-        table[outputs, k] = inputs
-        table[inputs, volume - 1 - k] = outputs
-    if volume % 2:
-        table[:, volume // 2] = np.arange(num_rows)
-    offsets, outputs = np.nonzero(table.T >= 0)  # grouped by offset
-    starts = np.concatenate([[0], np.cumsum(np.bincount(offsets, minlength=volume))])
-    return neighbour_map_from_pairs(np, table.T[offsets, outputs].astype(np.int32), outputs.astype(np.int32),
-                                    tuple(int(s) for s in starts), num_rows, num_rows, kernel_size,
-                                    identity_offset=volume // 2 if volume % 2 else -1, symmetric=True)
-
-
-def _on_target(target, neighbour_map):
-    """The map's arrays on the target (CuPy on a GPU)."""
-    if target.xp is np:
-        return neighbour_map
-    fields = {name: None if getattr(neighbour_map, name) is None else target.put(getattr(neighbour_map, name))
-              for name in ("output_neighbours", "output_masks", "output_order", "input_neighbours", "input_masks",
-                           "input_order")}
-    return dataclasses.replace(neighbour_map, **fields)
 
 
 # name, num_input, num_output, kernel_size, groups, in_channels, out_channels, bias, symmetric
@@ -138,19 +76,19 @@ def test_conv_passes_are_exact_on_small_integers(target, case, engine):
     bias = twins.small_integers(rng, (out_channels,), dtype_name) if with_bias else None
     grad_output = twins.small_integers(rng, (neighbour_map.num_output, out_channels), dtype_name)
     passes = _passes(target, tf32)
-    device_map = _on_target(target, neighbour_map)
-    put = lambda array: None if array is None else _storage(target, array, dtype_name)  # noqa: E731
+    device_map = on_target(target, neighbour_map)
+    put = lambda array: None if array is None else storage(target, array, dtype_name)  # noqa: E731
     out = passes.conv_forward(put(features), put(weight), device_map, put(bias), groups)
     expected = twins.implicit_gemm(features, weight, bias, neighbour_map.output_neighbours, groups, dtype_name)
-    np.testing.assert_array_equal(_bits(target, out, dtype_name), narrow(expected, dtype_name), "forward")
+    np.testing.assert_array_equal(bits(target, out, dtype_name), narrow(expected, dtype_name), "forward")
     grad_features, grad_weight = passes.conv_backward(put(grad_output), put(features), put(weight), device_map, groups)
     table, _, _, reversed_offsets = neighbour_map.input_side()
     expected = twins.implicit_gemm(grad_output, weight, None, table, groups, dtype_name, reversed_offsets, True)
-    np.testing.assert_array_equal(_bits(target, grad_features, dtype_name), narrow(expected, dtype_name),
+    np.testing.assert_array_equal(bits(target, grad_features, dtype_name), narrow(expected, dtype_name),
                                   "input gradient")
     expected = twins.weight_gradient(features, grad_output, neighbour_map.output_neighbours, groups, weight.shape,
                                      dtype_name)
-    np.testing.assert_array_equal(_bits(target, grad_weight, dtype_name), narrow(expected, dtype_name),
+    np.testing.assert_array_equal(bits(target, grad_weight, dtype_name), narrow(expected, dtype_name),
                                   "weight gradient")
 
 
@@ -164,12 +102,12 @@ def test_weight_gradient_splits_sum_exactly(target, engine, splits):
     features = twins.small_integers(rng, (300, 5), dtype_name)
     weight = twins.small_integers(rng, (6, 3, 5), dtype_name)
     grad_output = twins.small_integers(rng, (290, 6), dtype_name)
-    put = lambda array: _storage(target, array, dtype_name)  # noqa: E731
+    put = lambda array: storage(target, array, dtype_name)  # noqa: E731
     _, grad_weight = _passes(target, tf32).conv_backward(put(grad_output), put(features), put(weight),
-                                                         _on_target(target, neighbour_map), 1, splits=splits)
+                                                         on_target(target, neighbour_map), 1, splits=splits)
     expected = twins.weight_gradient(features, grad_output, neighbour_map.output_neighbours, 1, weight.shape,
                                      dtype_name)
-    np.testing.assert_array_equal(_bits(target, grad_weight, dtype_name), narrow(expected, dtype_name))
+    np.testing.assert_array_equal(bits(target, grad_weight, dtype_name), narrow(expected, dtype_name))
 
 
 def _within_gemm_bound(actual, exact, abs_sum, dtype_name, tf32, what):
@@ -188,15 +126,15 @@ def test_random_data_within_a_gemm_bound_and_bitwise_run_to_run(target, engine):
     wide = lambda shape: narrow(rng.uniform(-2, 2, size=shape).astype(np.float32), dtype_name)  # noqa: E731
     features, weight = wide((130, in_channels)), wide((out_channels, 9, in_channels))
     bias, grad_output = wide((out_channels,)), wide((120, out_channels))
-    put = lambda array: _storage(target, array, dtype_name)  # noqa: E731
-    passes, device_map = _passes(target, tf32), _on_target(target, neighbour_map)
+    put = lambda array: storage(target, array, dtype_name)  # noqa: E731
+    passes, device_map = _passes(target, tf32), on_target(target, neighbour_map)
     runs = [(passes.conv_forward(put(features), put(weight), device_map, put(bias), groups),
              *passes.conv_backward(put(grad_output), put(features), put(weight), device_map, groups))
             for _ in range(2)]
     for first, second, what in zip(*runs, ("forward", "input gradient", "weight gradient")):
-        assert _bits(target, first, dtype_name).tobytes() == _bits(target, second, dtype_name).tobytes(), what
+        assert bits(target, first, dtype_name).tobytes() == bits(target, second, dtype_name).tobytes(), what
     absolute = lambda array: np.abs(twins.widen(array, dtype_name))  # noqa: E731
-    as_float = lambda array: twins.widen(_bits(target, array, dtype_name), dtype_name)  # noqa: E731
+    as_float = lambda array: twins.widen(bits(target, array, dtype_name), dtype_name)  # noqa: E731
     out, grad_features, grad_weight = runs[0]
     table = neighbour_map.output_neighbours
     exact = twins.implicit_gemm(features, weight, bias, table, groups, dtype_name)
@@ -220,10 +158,10 @@ def test_one_launch_forward_two_backward_in_the_engine_configuration(target, eng
     neighbour_map = random_map(rng, 150, 200, (3,))  # 4 row tiles: more work items than the 2-block grid
     backend, launcher = target.recording()
     passes = FusedPasses(backend.device, tf32)
-    put = lambda array: _storage(target, array, dtype_name)  # noqa: E731
+    put = lambda array: storage(target, array, dtype_name)  # noqa: E731
     features = twins.small_integers(rng, (150, 4), dtype_name)
     weight = twins.small_integers(rng, (5, 3, 4), dtype_name)
-    device_map = _on_target(target, neighbour_map)
+    device_map = on_target(target, neighbour_map)
     passes.conv_forward(put(features), put(weight), device_map, None, 1)
     passes.conv_backward(put(twins.small_integers(rng, (200, 5), dtype_name)), put(features), put(weight),
                          device_map, 1)
@@ -242,12 +180,12 @@ def test_empty_maps_and_channels_launch_nothing(target):
     rng = rng_for(44)
     empty = random_map(rng, 0, 0, (3,))
     out = passes.conv_forward(target.put(np.zeros((0, 3), np.float32)), target.put(np.ones((4, 3, 3), np.float32)),
-                              _on_target(target, empty), None, 1)
+                              on_target(target, empty), None, 1)
     assert tuple(out.shape) == (0, 4)
     grads = passes.conv_backward(target.put(np.zeros((0, 4), np.float32)), target.put(np.zeros((0, 3), np.float32)),
-                                 target.put(np.ones((4, 3, 3), np.float32)), _on_target(target, empty), 1)
+                                 target.put(np.ones((4, 3, 3), np.float32)), on_target(target, empty), 1)
     assert tuple(grads[0].shape) == (0, 3) and not np.any(target.get(grads[1]))
-    outputs_only = _on_target(target, random_map(rng, 0, 6, (3,)))  # outputs with no input at all: the bias
+    outputs_only = on_target(target, random_map(rng, 0, 6, (3,)))  # outputs with no input at all: the bias
     bias = np.arange(4, dtype=np.float32)
     out = passes.conv_forward(target.put(np.zeros((0, 3), np.float32)), target.put(np.ones((4, 3, 3), np.float32)),
                               outputs_only, target.put(bias), 1)
