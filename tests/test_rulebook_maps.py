@@ -261,3 +261,28 @@ def test_the_geometry_path_of_a_network_derives_no_pairs(device):
     for rulebook in (first, strided, coarse, up):
         assert rulebook.stored_pairs is None and "pair_map" not in rulebook.neighbour_map.derived
     assert len(reads) == 1
+
+
+@pytest.mark.parametrize("problem", ["none", "duplicate", "coordinate", "batch"])
+def test_a_tensor_checks_its_sites_with_one_read(device, problem):
+    """A `SparseTensor` on the GPU checks its sites in one kernel pass and one read back; a bad site
+    gets the NumPy path's message."""
+    _, reads = device
+    indices = random_sites(rng_for(34), 300, (20, 18, 16), 2)
+    if problem == "duplicate":
+        indices[250] = indices[3]
+    elif problem == "coordinate":
+        indices[77, 3] = -1
+    elif problem == "batch":
+        indices[5, 0] = 2
+    features = np.ones((300, 2), np.float32)
+    reads.clear()
+    if problem == "none":
+        sc.SparseTensor(device_arrays.to_device(features), device_arrays.to_device(indices), (20, 18, 16), 2)
+        assert len(reads) == 1
+        return
+    with pytest.raises(ValueError) as expected:
+        sc.SparseTensor(features, indices, (20, 18, 16), 2)
+    with pytest.raises(ValueError) as actual:
+        sc.SparseTensor(device_arrays.to_device(features), device_arrays.to_device(indices), (20, 18, 16), 2)
+    assert str(actual.value) == str(expected.value)
