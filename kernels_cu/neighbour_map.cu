@@ -44,7 +44,7 @@
 //      c. sc_map_mark_outputs writes marks[t] = 1 where sorted position t holds the
 //         first candidate of a valid key (keys recomputed from the sites, so marks
 //         may overwrite the keys' buffer), else 0.
-//      d. marks -> ranks: an inclusive cumsum (xp, in place); ranks[n * K - 1] is
+//      d. marks -> ranks: an inclusive cumsum (xp); ranks[n * K - 1] is
 //         the output count (read back by the host: the build's one read).
 //      e. sc_map_strided, over n + n * K items: item i < n writes input row i
 //         (a binary search of each candidate's key among the sorted candidates

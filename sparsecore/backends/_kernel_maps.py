@@ -178,7 +178,7 @@ def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int]
         device.run("sc_map_check_sites", (), count,
                    (indices, np.int64(count), *shape, *grid, *no_margin, table, np.int64(capacity), keys,
                     np.int64(total - 1), np.int32(_PROBLEM_SHIFT)))
-    ranks = xp.cumsum(keys, out=keys)
+    ranks = xp.cumsum(keys)  # a new array: no in-place scan asked of CuPy
     last = int(ranks[total - 1])  # the build's one read back
     problems, num_output = last >> _PROBLEM_SHIFT, last & ((1 << _PROBLEM_SHIFT) - 1)
     if problems:
