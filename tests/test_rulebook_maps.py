@@ -286,3 +286,33 @@ def test_a_tensor_checks_its_sites_with_one_read(device, problem):
     with pytest.raises(ValueError) as actual:
         sc.SparseTensor(device_arrays.to_device(features), device_arrays.to_device(indices), (20, 18, 16), 2)
     assert str(actual.value) == str(expected.value)
+
+
+def test_a_network_forward_derives_no_pairs(device):
+    """sparse_conv and sparse_max_pool on the GPU path: the only reads back are the strided builds' counts,
+    and no rulebook derives its pair lists."""
+    _, reads = device
+    rng = rng_for(35)
+    host_indices = random_sites(rng, 400, (16, 14, 12), 2)
+    host_features = rng.standard_normal((400, 4)).astype(np.float32)
+    host_weights = [rng.standard_normal((4, 3, 3, 3, 4)).astype(np.float32) for _ in range(3)]
+    expected = sc.SparseTensor(host_features, host_indices, (16, 14, 12), 2)  # the NumPy backend's run
+    for position, weight in enumerate(host_weights):
+        if position == 2:
+            expected = sc.sparse_max_pool(expected, 2, indice_key="p0")
+        expected = sc.sparse_conv(expected, weight, kind="subm", indice_key=f"s{position // 2}")
+    weights = [device_arrays.to_device(weight) for weight in host_weights]
+    x = sc.SparseTensor(device_arrays.to_device(host_features), device_arrays.to_device(host_indices), (16, 14, 12), 2)
+    reads.clear()
+    with device_arrays.forbid_host_reads():
+        x = sc.sparse_conv(x, weights[0], kind="subm", indice_key="s0")
+        x = sc.sparse_conv(x, weights[1], kind="subm", indice_key="s0")
+    x = sc.sparse_max_pool(x, 2, indice_key="p0")  # the pool's build reads its output count
+    assert len(reads) == 1
+    with device_arrays.forbid_host_reads():
+        y = sc.sparse_conv(x, weights[2], kind="subm", indice_key="s1")
+    assert isinstance(y.core_features, device_arrays.DeviceArray)
+    do.assert_sites(np.asarray(y.core_indices), expected.core_indices)
+    np.testing.assert_allclose(np.asarray(y.core_features), expected.core_features, rtol=1e-4, atol=1e-4)
+    for rulebook in y.rulebooks.value.aliases.values():
+        assert rulebook.stored_pairs is None and "pair_map" not in rulebook.neighbour_map.derived
