@@ -43,21 +43,6 @@
 //    Key = row-major over (batch, out_0, ..., out_{ndim-1}) with no padding:
 //    ((b * out_0 + y_0) * out_1 + y_1) ... ; the caller checks that
 //    batch_size * prod(out) fits in int64.
-//
-// 3. A chunk of kernel offsets laid out [m, W] for the feature passes
-//    (sparsecore/_chunks.py, _conv_products.chunk_layout), with its scatter
-//    table, in one pass:
-//      pair_input, pair_output int32 [P]   the rulebook's pairs
-//      starts_counts    int64 [2, m]        first pair and pair count of each offset
-//      input_rows, output_rows int32 [m * W]
-//      slots            int32 [m, num_rows + 1], -1 on entry
-//    slot s = r * W + j (offset r, position j < W) holds pair p = starts[r] + j
-//    when j < counts[r] (input_rows[s] = pair_input[p], output_rows[s] =
-//    pair_output[p]), else -1 in both. Where the written row w (output_rows[s]
-//    when write_output, else input_rows[s]) is >= 0, slots[r, w] = s: the
-//    product row that feeds row w in offset r (sc_sum_run_rows). A row appears
-//    at most once per offset, so no two threads write one slot.
-
 
 #include "sc_common.cuh"
 
@@ -228,26 +213,4 @@ __global__ void sc_transposed_conv_candidates(const int* __restrict__ indices, l
                                               long long* __restrict__ out_keys) {
   sc::conv_candidates<true>(indices, n, ndim, kernel_positions, num_offsets, axis_params,
                             out_keys);
-}
-
-// A chunk's [m, W] rows and scatter slots (see 3. above). Launch over m * W threads.
-__global__ void sc_chunk_layout(const int* __restrict__ pair_input, const int* __restrict__ pair_output,
-                                const long long* __restrict__ starts_counts, long long m, long long width,
-                                int write_output, long long num_rows, int* __restrict__ input_rows,
-                                int* __restrict__ output_rows, int* __restrict__ slots) {
-  sc::for_each_element(m, width, [&](long long s, long long r, long long j) {
-    int input = -1;
-    int output = -1;
-    if (j < starts_counts[m + r]) {
-      const long long p = starts_counts[r] + j;
-      input = pair_input[p];
-      output = pair_output[p];
-    }
-    input_rows[s] = input;
-    output_rows[s] = output;
-    const int written = write_output ? output : input;
-    if (written >= 0) {
-      slots[r * (num_rows + 1) + written] = static_cast<int>(s);
-    }
-  });
 }

@@ -134,7 +134,7 @@ def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: R
         out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
 
     def product(chunk: PairChunk) -> tuple[ChunkLayout, Any]:
-        layout = chunk_layout(backend, rulebook, chunk, "forward", dtype)  # [m, W] rows, kept per rulebook
+        layout = chunk_layout(backend, rulebook, chunk, "forward")  # [m, W] rows, kept per rulebook
         gathered = backend.gather_rows(source, layout.input_rows).reshape(layout.count, layout.width, -1)
         return layout, batched_product(backend, gathered, matrices[offset_index(chunk)])
 
@@ -215,12 +215,11 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
         grad_features = xp.zeros(source.shape, dtype=dtype)
 
     def products(chunk: PairChunk) -> tuple[ChunkLayout, Any, Any]:
-        layout = chunk_layout(backend, rulebook, chunk, "backward", dtype)  # [m, W] rows, kept per rulebook
+        layout = chunk_layout(backend, rulebook, chunk, "backward")  # [m, W] rows, kept per rulebook
         shape = (layout.count, layout.width, -1)
         gathered_grad = backend.gather_rows(grad, layout.output_rows).reshape(shape)
         gathered_source = backend.gather_rows(source, layout.input_rows).reshape(shape)
-        outer = batched_outer(backend, gathered_source, gathered_grad, groups, layout.outer_split)
-        del gathered_source  # two chunk-sized buffers at a time, not three (the GPU's peak memory)
+        outer = batched_outer(backend, gathered_source, gathered_grad, groups)
         return layout, batched_product(backend, gathered_grad, transposed[offset_index(chunk)]), outer
 
     workers = pass_workers(backend, rulebook, features.shape[1], weight.shape[0])

@@ -132,38 +132,6 @@ def test_unique_inverse(target, count):
         assert_equal(target.get(actual), expected, what)
 
 
-@pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
-@pytest.mark.parametrize("count,channels", [(0, 4), (5, 0), (1, 1), (70, 3), (33, 16)])
-def test_gather_rows(target, dtype_name, count, channels):
-    rng = rng_for(4, count, channels)
-    source = random_floats(rng, (25, channels), target.dtype(dtype_name))
-    rows = rng.integers(0, 25, size=count).astype(np.int32)
-    assert_equal(target.get(target.backend.gather_rows(target.put(source), target.put(rows))),
-                  NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
-    few = rows[rows < 13].astype(np.int64)
-    strided = target.put(source)[::2]  # a non-contiguous source on the device
-    assert_equal(target.get(target.backend.gather_rows(strided, target.put(few))),
-                  NUMPY_BACKEND.gather_rows(source[::2], few), "gather_rows, strided source, int64 rows")
-
-
-@pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
-@pytest.mark.parametrize("count", [0, 1, 45])
-def test_scatter_add_rows(target, dtype_name, count):
-    rng = rng_for(5, count)
-    dtype = target.dtype(dtype_name)
-    start = random_floats(rng, (60, 5), dtype)
-    rows = rng.permutation(60)[:count].astype(np.int32)
-    values = random_floats(rng, (count, 5), dtype)
-    expected = start.copy()
-    NUMPY_BACKEND.scatter_add_rows(expected, rows, values)
-    device_target = target.put(start.copy())
-    target.backend.scatter_add_rows(device_target, target.put(rows), target.put(values))
-    assert_equal(target.get(device_target), expected, "scatter_add_rows")
-    fortran = target.xp.asfortranarray(target.put(start.copy()))  # non-contiguous: written back
-    target.backend.scatter_add_rows(fortran, target.put(rows), target.put(values))
-    assert_equal(target.get(target.xp.ascontiguousarray(fortran)), expected, "scatter_add_rows, Fortran target")
-
-
 @pytest.mark.parametrize("size,count", [(0, 0), (7, 0), (1, 5), (40, 300), (500, 120)])
 def test_index_add_is_bincount_bit_for_bit(target, size, count):
     rng = rng_for(6, size, count)
@@ -186,7 +154,7 @@ def test_matmul_against_a_sum_of_products(target):
 
 
 def test_production_launch_configuration_spans_several_blocks(target):
-    """Default 256-thread blocks: hashing 1,500 keys and gathering 3,000 x 3 values need several blocks."""
+    """Default 256-thread blocks: hashing 1,500 keys and summing 3,000 values into 2,000 bins need several blocks."""
     backend, launcher = target.recording(block_threads=256, max_blocks=4096)
     rng = rng_for(8)
     keys = rng.choice(10**6, size=1500, replace=False).astype(np.int64)
@@ -198,12 +166,12 @@ def test_production_launch_configuration_spans_several_blocks(target):
     expected_table, _ = NUMPY_BACKEND.hash_build(keys, values)
     assert_equal(target.get(backend.hash_lookup(table, target.put(queries))),
                   NUMPY_BACKEND.hash_lookup(expected_table, queries), "hash_lookup")
-    source = rng.standard_normal((1500, 3)).astype(np.float32)
-    rows = rng.integers(0, 1500, size=3000).astype(np.int32)
-    assert_equal(target.get(backend.gather_rows(target.put(source), target.put(rows))),
-                  NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
+    index = rng.integers(0, 2000, size=3000).astype(np.int64)
+    values = rng.standard_normal(3000)
+    assert_equal(target.get(backend.index_add(2000, target.put(index), target.put(values))),
+                  NUMPY_BACKEND.index_add(2000, index, values), "index_add")
     launched = {record.expression.split("<")[0] for record in launcher.records}
-    assert launched == {"sc_hash_insert", "sc_hash_lookup", "sc_gather_rows"}, launched
+    assert launched == {"sc_hash_insert", "sc_hash_lookup", "sc_segment_sum_rows"}, launched
     assert all(record.block == 256 and record.grid > 1 for record in launcher.records), launcher.records
 
 
@@ -215,26 +183,21 @@ def test_empty_inputs_launch_nothing(target):
     assert target.get(backend.hash_lookup(table, empty_keys)).shape == (0,)
     assert target.get(backend.hash_lookup_offsets(table, empty_keys, (0, 1, 2))).shape == (3, 0)
     assert [target.get(part).shape for part in backend.hash_items(table)] == [(0,), (0,)]
-    source = target.put(np.zeros((4, 3), np.float32))
-    no_rows = target.put(np.zeros(0, np.int32))
-    assert target.get(backend.gather_rows(source, no_rows)).shape == (0, 3)
-    backend.scatter_add_rows(source, no_rows, target.put(np.zeros((0, 3), np.float32)))
     assert_equal(target.get(backend.index_add(5, empty_keys, target.put(np.zeros(0)))), np.zeros(5), "index_add")
     assert launcher.records == []
 
 
 def test_bad_arguments_raise_naming_them(target):
     backend = target.backend
-    source = target.put(np.zeros((4, 3), np.float32))
-    rows = target.put(np.zeros(2, np.int32))
-    with pytest.raises(TypeError, match="source must have dtype float32"):
-        backend.gather_rows(target.put(np.zeros((4, 3), np.int32)), rows)
-    with pytest.raises(ValueError, match="source must have 2 axes"):
-        backend.gather_rows(target.put(np.zeros(4, np.float32)), rows)
-    with pytest.raises(TypeError, match="rows must be an integer array"):
-        backend.gather_rows(source, target.put(np.zeros(2, np.float32)))
-    with pytest.raises(ValueError, match=r"values must have shape \[2, 3\]"):
-        backend.scatter_add_rows(source, rows, target.put(np.zeros((2, 4), np.float32)))
+    passes = backend.fused_passes
+    rulebook = sc.build_pool_rulebook(target.put(random_sites(rng_for(9), 20, (4, 5, 6), 1)), (4, 5, 6), 1, 2,
+                                      backend=backend)
+    with pytest.raises(TypeError, match="max_pool_forward: features must have dtype float32"):
+        passes.max_pool_forward(target.put(np.zeros((20, 3), np.int32)), rulebook.neighbour_map)
+    with pytest.raises(ValueError, match="avg_pool_forward: features must have 2 axes"):
+        passes.avg_pool_forward(target.put(np.zeros(20, np.float32)), rulebook.neighbour_map)
+    with pytest.raises(TypeError, match="index must be an integer array"):
+        backend.index_add(5, target.put(np.zeros(2, np.float32)), target.put(np.ones(2)))
     with pytest.raises(ValueError, match="values has 1 entries, expected 2"):
         backend.hash_build(target.put(np.zeros(2, np.int64)), target.put(np.zeros(1, np.int64)))
     with pytest.raises(ValueError, match=r"index holds values from 0 to 9, outside \[0, 5\)"):
@@ -533,10 +496,9 @@ def test_cupy_launcher_with_a_stand_in_cupy(monkeypatch):
         cupy_backend = importlib.import_module(module_name)
         assert cupy_backend.CUPY_BACKEND.xp is stand_in and cupy_backend.CUPY_BACKEND.name == "cupy"
         backend = KernelBackend(np, cupy_backend.CupyLauncher(), block_threads=32, max_blocks=2)
-        source = np.arange(12, dtype=np.float32).reshape(4, 3)
-        rows = np.array([3, 0, 3], dtype=np.int32)
-        assert_equal(backend.gather_rows(source, rows), source[rows], "gather_rows")
-        assert requested == [("sc_gather_rows<float>", 3)]
+        index, values = np.array([3, 0, 3], dtype=np.int64), np.array([1.0, 2.0, 4.0])
+        assert_equal(backend.index_add(5, index, values), np.array([2.0, 0, 0, 5.0, 0]), "index_add")
+        assert requested == [("sc_segment_sum_rows<double, double>", 3)]
     finally:
         sys.modules.pop(module_name, None)
         if saved_module is not None:
@@ -553,10 +515,10 @@ def test_cupy_launcher_with_a_stand_in_cupy(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels, groups", [(16, 1), (8, 2)])
 def test_feature_passes_do_not_synchronise_with_the_host(target, channels, groups):
-    """Once a rulebook's layouts are built, conv forward and backward on CuPy never wait for the device.
+    """Once a rulebook exists, conv forward and backward on CuPy never wait for the device.
 
     ``cupyx.allow_synchronize(False)`` makes every CuPy operation that would synchronise
-    (a device read, a size from the device) raise; the first pass builds the layouts it keeps.
+    (a device read, a size from the device) raise; the first pass sorts the map's row orders it keeps.
     """
     if target.name != "cupy":
         pytest.skip("CuPy only")
@@ -574,16 +536,16 @@ def test_feature_passes_do_not_synchronise_with_the_host(target, channels, group
     with cupyx.allow_synchronize(False):
         actual = (conv.conv_forward(features, weight, rulebook, groups=groups, backend=target.backend),
                   *conv.conv_backward(grad, features, weight, rulebook, groups, backend=target.backend))
-    for got, want in zip(actual, expected):  # deterministic: the same bits with the kept layouts
+    for got, want in zip(actual, expected):  # deterministic: the same bits
         assert_equal(target.get(got), target.get(want), "second pass")
 
 
 @pytest.mark.gpu
 def test_cupy_kernels_launch_on_the_current_stream(target):
-    """Captured into a CUDA graph on a new stream, a scatter runs only when the graph is replayed.
+    """Captured into a CUDA graph on a new stream, a pool kernel runs only when the graph is replayed.
 
     Had the kernel gone to another stream, the capture (global mode) would have
-    failed, or the update would have happened at once.
+    failed, or the output would have been written at once.
     """
     if target.name != "cupy":
         pytest.skip("CuPy streams only")
@@ -592,23 +554,26 @@ def test_cupy_kernels_launch_on_the_current_stream(target):
     from sparsecore.backends.cupy_backend import CUPY_BACKEND
 
     rng = rng_for(16)
-    rows = cupy.asarray(rng.permutation(50)[:30].astype(np.int32))
-    values = cupy.asarray(rng.standard_normal((30, 4)).astype(np.float32))
-    buffer = cupy.zeros((50, 4), dtype=np.float32)
-    CUPY_BACKEND.scatter_add_rows(cupy.zeros((50, 4), np.float32), rows, values)  # compiles the kernel
+    neighbours = cupy.asarray(rng.integers(-1, 50, size=(30, 4)).astype(np.int32))
+    features = cupy.asarray(rng.standard_normal((50, 4)).astype(np.float32))
+    buffer = cupy.zeros((30, 4), dtype=np.float32)
+    args = (features, neighbours, np.int64(30), np.int32(4), np.int64(4), buffer)
+    CUPY_BACKEND.launcher.launch("sc_avg_pool_map<float>", 1, 128, args)  # compiles the kernel
+    buffer[...] = 0
     cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        CUPY_BACKEND.scatter_add_rows(buffer, rows, values)  # no allocation, no host sync inside
+        CUPY_BACKEND.launcher.launch("sc_avg_pool_map<float>", 1, 128, args)  # no allocation, no host sync
         graph = stream.end_capture()
     cupy.cuda.Device().synchronize()
     assert float(cupy.abs(buffer).sum()) == 0.0, "the kernel ran outside the captured stream"
     graph.launch(stream)
     stream.synchronize()
-    expected = np.zeros((50, 4), np.float32)
-    expected[cupy.asnumpy(rows)] = cupy.asnumpy(values)
-    assert_equal(cupy.asnumpy(buffer), expected, "replayed scatter")
+    table, values = cupy.asnumpy(neighbours), cupy.asnumpy(features)
+    expected = np.stack([values[row[row >= 0]].mean(axis=0) if (row >= 0).any() else np.zeros(4, np.float32)
+                         for row in table]).astype(np.float32)
+    np.testing.assert_allclose(cupy.asnumpy(buffer), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ import pytest
 import sparsecore as sc
 from sparsecore import pool
 from sparsecore.backends._kernel_fused import FusedPasses
+from sparsecore.neighbour_map import neighbour_map_from_pairs
 
 try:
     from . import dense_oracle as do
@@ -83,6 +84,42 @@ def test_windows_without_inputs_give_zero_and_argmax_minus_one(target):
     np.testing.assert_array_equal(target.get(argmax)[empty], -1)
     np.testing.assert_array_equal(target.get(passes.avg_pool_forward(features, on_target(target, neighbour_map)))[empty],
                                   0)
+
+
+EDGE_VALUES = {
+    # Largest finite values, ties at the rounding boundary, subnormals, signed zeros.
+    "float16": [0.0, -0.0, 2.0**-24, 3 * 2.0**-24, 2.0**-14, 65504.0, -65504.0, 32768.0, 16.0, 2048.0, 1.0, 3.0,
+                -2.0**-24, 1e-3, 0.1],
+    # Kept clear of float32 subnormals, which the GPU flushes to zero (CuPy compiles with -ftz=true).
+    "bfloat16": [0.0, -0.0, 3.3895e38, -3.3895e38, 1.7e38, 2.0**-120, 2.0**-124, 256.0, 1.0, 3.0, 1e-3, 0.1],
+}
+
+
+@pytest.mark.parametrize("dtype_name", sorted(EDGE_VALUES))
+def test_16_bit_rounding_edge_cases(target, dtype_name):
+    """Means of every pair and triple of edge values (rounding ties, into subnormals), and the sums of the
+    backward (overflow to inf), bit for bit."""
+    values = narrow(np.array(EDGE_VALUES[dtype_name], dtype=np.float32)[:, None], dtype_name)
+    count = values.shape[0]
+    windows = np.array([(a, b, c) for a in range(count) for b in range(count) for c in range(count)
+                        if c == b or len({a, b, c}) == 3], dtype=np.int32)
+    windows[windows[:, 1] == windows[:, 2], 2] = -1  # pairs: a window with two inputs
+    inputs, offsets = windows.T.reshape(-1), np.repeat(np.arange(3), windows.shape[0])
+    keep = inputs >= 0
+    outputs = np.tile(np.arange(windows.shape[0]), 3)[keep]
+    starts = np.concatenate([[0], np.cumsum(np.bincount(offsets[keep], minlength=3))])
+    neighbour_map = neighbour_map_from_pairs(np, inputs[keep].astype(np.int32), outputs.astype(np.int32),
+                                             tuple(int(v) for v in starts), count, windows.shape[0], (3,))
+    passes = FusedPasses(target.backend.device)
+    device_map = on_target(target, neighbour_map)
+    out = passes.avg_pool_forward(storage(target, values, dtype_name), device_map)
+    expected = twins.avg_pool_map(values, neighbour_map.output_neighbours, dtype_name)
+    np.testing.assert_array_equal(bits(target, out, dtype_name).view(np.uint16), expected.view(np.uint16))
+    grad_output = values[np.arange(windows.shape[0]) % count]
+    grad = passes.avg_pool_backward(storage(target, grad_output, dtype_name), device_map)
+    expected = twins.avg_pool_map_backward(grad_output, neighbour_map.input_neighbours,
+                                           neighbour_map.output_neighbours, False, dtype_name)
+    np.testing.assert_array_equal(bits(target, grad, dtype_name).view(np.uint16), expected.view(np.uint16))
 
 
 POOL_CASES = do.sample_cases("regular", 6, ndims=(1, 2, 3), base_seed=5200, grouped=False, max_kernel=3) + \

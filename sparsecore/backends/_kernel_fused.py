@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ._launch import FLOAT_DTYPE_NAMES, KernelDevice, check_row_count, expression_of
+from ._launch import KernelDevice, check_float, check_row_count, expression_of
 
 __all__ = ["FusedPasses", "SIMT_THREADS", "WMMA_THREADS", "TILE_ROWS", "TILE_COLUMNS", "SCRATCH_FRACTION",
            "engine_of", "weight_gradient_splits", "weight_gradient_tiles"]
@@ -108,15 +108,6 @@ def _side(neighbour_map: Any, which: str, ordered: bool = True) -> _Side:
     return side
 
 
-def _check_float(array: Any, argument: str, function: str) -> str:
-    if array.ndim != 2:
-        raise ValueError(f"{function}: {argument} must be 2-D [rows, channels], got shape {tuple(array.shape)}")
-    if array.dtype.name not in FLOAT_DTYPE_NAMES:
-        raise TypeError(f"{function}: {argument} must have dtype float32, float64, float16 or bfloat16, got "
-                        f"{array.dtype}")
-    return array.dtype.name
-
-
 @dataclass(frozen=True)
 class FusedPasses:
     """The fused feature passes of a kernel backend (its `KernelDevice` and TF32 switch).
@@ -153,7 +144,7 @@ class FusedPasses:
             ``[N_out, C_out]`` in the features' dtype; a row without neighbours holds the bias (or 0).
         """
         xp = self.device.xp
-        dtype_name = _check_float(features, "features", "conv_forward")
+        dtype_name = check_float(features, "features", "conv_forward")
         features = self._ready(features, features.dtype)
         weight = self._ready(weight, features.dtype)
         out_channels, in_per_group = int(weight.shape[0]), int(weight.shape[-1])
@@ -194,8 +185,8 @@ class FusedPasses:
             caller casts it to the weight's dtype).
         """
         xp = self.device.xp
-        _check_float(grad_output, "grad_output", "conv_backward")
-        dtype_name = _check_float(features, "features", "conv_backward")
+        check_float(grad_output, "grad_output", "conv_backward")
+        dtype_name = check_float(features, "features", "conv_backward")
         dtype = features.dtype
         grad_output = self._ready(grad_output, dtype)
         features = self._ready(features, dtype)
@@ -243,7 +234,7 @@ class FusedPasses:
     def max_pool_forward(self, features: Any, neighbour_map: Any) -> tuple[Any, Any]:
         """``(out [N_out, C], argmax [N_out, C] int32)`` in one ``sc_max_pool_map`` launch."""
         xp = self.device.xp
-        dtype_name = _check_float(features, "features", "max_pool_forward")
+        dtype_name = check_float(features, "features", "max_pool_forward")
         features = self._ready(features, features.dtype)
         side = _side(neighbour_map, "output", ordered=False)
         rows, channels = int(side.num_rows), int(features.shape[1])
@@ -257,7 +248,7 @@ class FusedPasses:
     def max_pool_backward(self, grad_output: Any, argmax: Any, neighbour_map: Any) -> Any:
         """``grad_features [N_in, C]``: per input, over the input side, in one ``sc_max_pool_map_backward``."""
         xp = self.device.xp
-        dtype_name = _check_float(grad_output, "grad_output", "max_pool_backward")
+        dtype_name = check_float(grad_output, "grad_output", "max_pool_backward")
         grad_output = self._ready(grad_output, grad_output.dtype)
         argmax = self._ready(argmax, np.dtype(np.int32))
         side = _side(neighbour_map, "input", ordered=False)
@@ -272,7 +263,7 @@ class FusedPasses:
     def avg_pool_forward(self, features: Any, neighbour_map: Any) -> Any:
         """``out [N_out, C]``, the mean of each window's inputs, in one ``sc_avg_pool_map`` launch."""
         xp = self.device.xp
-        dtype_name = _check_float(features, "features", "avg_pool_forward")
+        dtype_name = check_float(features, "features", "avg_pool_forward")
         features = self._ready(features, features.dtype)
         side = _side(neighbour_map, "output", ordered=False)
         rows, channels = int(side.num_rows), int(features.shape[1])
@@ -285,7 +276,7 @@ class FusedPasses:
     def avg_pool_backward(self, grad_output: Any, neighbour_map: Any) -> Any:
         """``grad_features [N_in, C]`` in one ``sc_avg_pool_map_backward`` launch."""
         xp = self.device.xp
-        dtype_name = _check_float(grad_output, "grad_output", "avg_pool_backward")
+        dtype_name = check_float(grad_output, "grad_output", "avg_pool_backward")
         grad_output = self._ready(grad_output, grad_output.dtype)
         side = _side(neighbour_map, "input", ordered=False)
         output_side = _side(neighbour_map, "output", ordered=False)

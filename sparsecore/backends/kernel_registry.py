@@ -83,7 +83,7 @@ class KernelSpec:
 
     @property
     def name_expressions(self) -> tuple[str, ...]:
-        """NVRTC name expressions, e.g. ``("sc_gather_rows<float>", ...)``."""
+        """NVRTC name expressions, e.g. ``("sc_max_pool_map<float>", ...)``."""
         if not self.template_arguments:
             return (self.name,)
         return tuple(f"{self.name}<{', '.join(arguments)}>" for arguments in self.template_arguments)
@@ -94,7 +94,7 @@ class KernelFile:
     """One source file of ``kernels_cu/`` and the kernels it defines.
 
     Attributes:
-        file: the file name, e.g. ``"gather_scatter.cu"``.
+        file: the file name, e.g. ``"hash_table.cu"``.
         kernels: its kernels.
         tensor_cores: it includes ``<mma.h>`` (wmma), so NVRTC needs ``crt/mma.h``
             (`tensor_core_include_dir`).
@@ -132,24 +132,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_unpack_keys"),
         ),
     ),
-    KernelFile(
-        "gather_scatter.cu",
-        (
-            _per_type("sc_gather_rows", _STORAGE_ONLY),
-            _per_type("sc_scatter_add_rows_unique", _STORAGE_ONLY),
-            _per_type("sc_segment_sum_rows", FLOAT_TYPES),
-            _per_type("sc_sum_run_rows", FLOAT_TYPES),
-        ),
-    ),
-    KernelFile(
-        "pooling.cu",
-        (
-            _per_type("sc_max_pool_forward", _STORAGE_ONLY),
-            _per_type("sc_max_pool_backward", _STORAGE_ONLY),
-            _per_type("sc_avg_pool_forward", _STORAGE_ONLY),
-            _per_type("sc_avg_pool_backward", _STORAGE_ONLY),
-        ),
-    ),
+    KernelFile("segment_sums.cu", (_per_type("sc_segment_sum_rows", (("double", "double"),)),)),
     KernelFile(
         "rulebook.cu",
         (
@@ -157,7 +140,6 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_compact_write"),
             KernelSpec("sc_regular_conv_candidates"),
             KernelSpec("sc_transposed_conv_candidates"),
-            KernelSpec("sc_chunk_layout"),
         ),
     ),
     KernelFile("int8.cu", (_per_type("sc_int8_conv", ("signed char", "float")), KernelSpec("sc_int8_max_pool"))),
@@ -359,7 +341,7 @@ def get_kernel(expression: str, device_id: int) -> Any:
     """The ``cupy.RawKernel`` of a registered name expression on one device (memoized).
 
     Args:
-        expression: e.g. ``name_expression("sc_gather_rows", features.dtype)``.
+        expression: e.g. ``name_expression("sc_max_pool_map", features.dtype)``.
         device_id: the CUDA device ordinal.
     """
     base_name = expression.split("<", 1)[0].strip()
