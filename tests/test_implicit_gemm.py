@@ -275,3 +275,35 @@ def test_a_launch_with_the_wrong_block_size_traps():
         kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
                               neighbour_map.output_order, np.int64(40), np.int32(3), np.int32(1), np.int32(1),
                               np.int32(4), np.int32(4), np.int32(0), np.zeros((40, 4), np.float32)))
+
+
+# ------------------------------------------------------------------------- the TF32 rule
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True), ("2", True), ("-1", False)])
+def test_tf32_follows_cupy_tf32(value, expected):
+    from sparsecore.backends.kernel_backend import tf32_from_environment
+
+    assert tf32_from_environment({} if value is None else {"CUPY_TF32": value}) is expected
+
+
+def test_tf32_rejects_a_non_integer():
+    from sparsecore.backends.kernel_backend import tf32_from_environment
+
+    with pytest.raises(ValueError, match=r"CUPY_TF32 must be an integer .* got 'yes'"):
+        tf32_from_environment({"CUPY_TF32": "yes"})
+
+
+@pytest.mark.parametrize("value, expected", [("0", "False"), ("1", "True")])
+def test_the_cupy_backend_reads_cupy_tf32_at_import_and_its_passes_follow(value, expected):
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("cupy")
+    code = ("from sparsecore.backends.cupy_backend import CUPY_BACKEND as b; "
+            "print(b.tf32, b.fused_passes.tf32)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "CUPY_TF32": value}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [expected, expected]
