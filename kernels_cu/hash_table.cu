@@ -24,25 +24,11 @@
 // Also here: sc_pack_keys / sc_unpack_keys, the keys of sites (at the end).
 
 #include "sc_common.cuh"
+#include "sc_hash.cuh"
 
 namespace sc {
 
 constexpr long long kEmptyKey = -1;
-
-// splitmix64's output finaliser: a bijective 64-bit mix.
-__device__ __forceinline__ unsigned long long mix64(unsigned long long x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-
-__device__ __forceinline__ long long home_slot(long long key, long long capacity) {
-  return static_cast<long long>(mix64(static_cast<unsigned long long>(key)) &
-                                static_cast<unsigned long long>(capacity - 1));
-}
 
 // Value stored for `query`, or -1 when it is absent (or negative).
 template <typename V>

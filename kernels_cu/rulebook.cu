@@ -43,33 +43,6 @@
 //    Key = row-major over (batch, out_0, ..., out_{ndim-1}) with no padding:
 //    ((b * out_0 + y_0) * out_1 + y_1) ... ; the caller checks that
 //    batch_size * prod(out) fits in int64.
-//
-// 3. A chunk of kernel offsets laid out [m, W] for the feature passes
-//    (sparsecore/_chunks.py, _conv_products.chunk_layout), with its scatter
-//    table, in one pass:
-//      pair_input, pair_output int32 [P]   the rulebook's pairs
-//      starts_counts    int64 [2, m]        first pair and pair count of each offset
-//      input_rows, output_rows int32 [m * W]
-//      slots            int32 [m, num_rows + 1], -1 on entry
-//    slot s = r * W + j (offset r, position j < W) holds pair p = starts[r] + j
-//    when j < counts[r] (input_rows[s] = pair_input[p], output_rows[s] =
-//    pair_output[p]), else -1 in both. Where the written row w (output_rows[s]
-//    when write_output, else input_rows[s]) is >= 0, slots[r, w] = s: the
-//    product row that feeds row w in offset r (sc_sum_run_rows). A row appears
-//    at most once per offset, so no two threads write one slot.
-//
-// 4. A submanifold rulebook's pairs from the compacted first half of its
-//    offsets (sc_compact_* over the [centre, N] lookup table), in one pass:
-//      found_rows   int32 [H]     input row of each half pair (compaction's values)
-//      columns      int32 [H]     the sorted-key position of its output site
-//      sorted_rows  int64 [N]     row of each site in key order
-//      half_starts  int64 [c + 1] first half pair of each offset below the centre c
-//      pair_input, pair_output int32 [2 * H + N]
-//    Offsets o < c keep their pairs (found_rows[p], sorted_rows[columns[p]]) in
-//    place; the centre is the identity (i, i) at H + i; offset K - 1 - o is the
-//    mirror image of offset o (input and output swapped), laid out after the
-//    centre in increasing offset order: at H + N + (H - half_starts[o + 1]) +
-//    (p - half_starts[o]).
 
 #include "sc_common.cuh"
 
@@ -240,60 +213,4 @@ __global__ void sc_transposed_conv_candidates(const int* __restrict__ indices, l
                                               long long* __restrict__ out_keys) {
   sc::conv_candidates<true>(indices, n, ndim, kernel_positions, num_offsets, axis_params,
                             out_keys);
-}
-
-// A chunk's [m, W] rows and scatter slots (see 3. above). Launch over m * W threads.
-__global__ void sc_chunk_layout(const int* __restrict__ pair_input, const int* __restrict__ pair_output,
-                                const long long* __restrict__ starts_counts, long long m, long long width,
-                                int write_output, long long num_rows, int* __restrict__ input_rows,
-                                int* __restrict__ output_rows, int* __restrict__ slots) {
-  sc::for_each_element(m, width, [&](long long s, long long r, long long j) {
-    int input = -1;
-    int output = -1;
-    if (j < starts_counts[m + r]) {
-      const long long p = starts_counts[r] + j;
-      input = pair_input[p];
-      output = pair_output[p];
-    }
-    input_rows[s] = input;
-    output_rows[s] = output;
-    const int written = write_output ? output : input;
-    if (written >= 0) {
-      slots[r * (num_rows + 1) + written] = static_cast<int>(s);
-    }
-  });
-}
-
-// A submanifold rulebook's pairs: the half below the centre, the identity and the mirrored
-// half (see 4. above). Launch over H + N threads.
-__global__ void sc_mirror_pairs(const int* __restrict__ found_rows, const int* __restrict__ columns,
-                                const long long* __restrict__ sorted_rows,
-                                const long long* __restrict__ half_starts, int centre, long long half,
-                                long long num_sites, int* __restrict__ pair_input,
-                                int* __restrict__ pair_output) {
-  sc::for_each_element(1, half + num_sites, [&](long long e, long long, long long) {
-    if (e >= half) {  // the centre: every site to itself
-      const int site = static_cast<int>(e - half);
-      pair_input[e] = site;
-      pair_output[e] = site;
-      return;
-    }
-    int low = 0;  // the offset o of pair e: half_starts[o] <= e < half_starts[o + 1]
-    int high = centre - 1;
-    while (low < high) {
-      const int middle = (low + high + 1) / 2;
-      if (half_starts[middle] <= e) {
-        low = middle;
-      } else {
-        high = middle - 1;
-      }
-    }
-    const int input = found_rows[e];
-    const int output = static_cast<int>(sorted_rows[columns[e]]);
-    pair_input[e] = input;
-    pair_output[e] = output;
-    const long long mirrored = half + num_sites + (half - half_starts[low + 1]) + (e - half_starts[low]);
-    pair_input[mirrored] = output;
-    pair_output[mirrored] = input;
-  });
 }

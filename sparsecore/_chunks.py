@@ -7,9 +7,9 @@ runs as a plain GEMM), sized by the backend's ``chunk_elements``. A conv lays a
 chunk's rows out as ``[m, W]`` (`chunk_rows`: ``m`` offsets, each padded with
 row -1 to the widest one's ``W`` pairs), so a chunk costs one gather, one
 batched GEMM (``[m, W, a] @ [m, a, b]``) and one scatter. The NumPy backend
-takes one offset per chunk (cache-sized work, no padding); the GPU backend
-takes as many as fit, so a layer costs a few launches instead of three per
-offset.
+takes one offset per chunk (cache-sized work, no padding); a backend with a
+``chunk_elements`` budget that skips rows of -1 could take as many as fit.
+(The GPU runs fused kernels over neighbour maps and has no chunks.)
 """
 
 from __future__ import annotations

@@ -9,12 +9,8 @@ each one backend GEMM (batched over groups and offsets).
 
 A chunk's ``[m, W]`` rows and its scatter plan depend on the pairs alone:
 `chunk_layout` builds them once per pair map and pass direction and keeps them
-in ``PairMap.derived`` (on the GPU, every array operation costs host time:
-rebuilding them on each call cost more than the products of a small layer).
-A backward layout with very many pairs per offset is padded to a multiple of
-`OUTER_SPLIT_ROWS` so that its weight-gradient product splits its long
-reduction into many short ones (`batched_outer` with ``split``), summed in a
-fixed order: a handful of huge-K GEMMs leave most of a GPU idle.
+in ``PairMap.derived``. This is the NumPy backend's dataflow; the kernel
+backend runs fused kernels instead (`sparsecore.backends._kernel_fused`).
 """
 
 from __future__ import annotations
@@ -38,14 +34,7 @@ __all__ = [
     "uniform_starts",
     "ChunkLayout",
     "chunk_layout",
-    "OUTER_SPLIT_ROWS",
-    "OUTER_SPLIT_MIN_WIDTH",
 ]
-
-# A backward chunk whose widest offset has at least OUTER_SPLIT_MIN_WIDTH pairs is padded to a
-# multiple of OUTER_SPLIT_ROWS, and its weight-gradient GEMM reduces over that many rows per batch.
-OUTER_SPLIT_ROWS = 2048
-OUTER_SPLIT_MIN_WIDTH = 16384
 
 
 def offset_matrices(weight: Any, groups: int, dtype: Any) -> Any:
@@ -99,20 +88,9 @@ def batched_product(backend: ArrayBackend, rows: Any, matrices: Any) -> Any:
     return product.transpose(0, 2, 1, 3).reshape(count * width, groups * out_per_group)
 
 
-def batched_outer(backend: ArrayBackend, left: Any, right: Any, groups: int, split: int = 1) -> Any:
-    """``[m, g, a, b]`` products ``left_g^T @ right_g`` for ``left [m, W, g*a]``, ``right [m, W, g*b]``.
-
-    ``split > 1`` (dividing ``W``) reduces over ``W / split`` rows per GEMM batch, ``m * split``
-    batches, and sums the ``split`` partial products of each offset in order (same dtype).
-    """
+def batched_outer(backend: ArrayBackend, left: Any, right: Any, groups: int) -> Any:
+    """``[m, g, a, b]`` products ``left_g^T @ right_g`` for ``left [m, W, g*a]``, ``right [m, W, g*b]``."""
     count, width = left.shape[:2]
-    if split > 1:
-        if width % split:
-            raise ValueError(f"batched_outer: split {split} must divide the width {width}")
-        rows = width // split
-        parts = batched_outer(backend, left.reshape(count * split, rows, left.shape[2]),
-                              right.reshape(count * split, rows, right.shape[2]), groups)
-        return parts.reshape((count, split) + tuple(parts.shape[1:])).sum(axis=1)
     if count == 1:
         return grouped_outer(backend, left[0], right[0], groups)[None]
     if groups == 1:
@@ -156,7 +134,6 @@ class ChunkLayout:
         width: ``W``, at least the chunk's widest offset.
         scatter: the backend's `scatter_plan` of the rows the pass writes
             (output rows forward, input rows backward).
-        outer_split: how many parts the weight-gradient product splits ``W`` into (1: none).
     """
 
     input_rows: Any
@@ -164,46 +141,28 @@ class ChunkLayout:
     count: int
     width: int
     scatter: Any
-    outer_split: int
 
 
-def _outer_split(backend: ArrayBackend, chunk: PairChunk, direction: str, dtype: Any) -> tuple[int, int]:
-    """``(W, split)`` of a chunk's layout: padded and split only for long float32/64 backward reductions."""
-    width = chunk.width
-    if (direction != "backward" or width < OUTER_SPLIT_MIN_WIDTH or not backend.skips_negative_rows
-            or backend.xp.dtype(dtype).itemsize < 4):
-        return width, 1
-    padded = -(-width // OUTER_SPLIT_ROWS) * OUTER_SPLIT_ROWS
-    return padded, padded // OUTER_SPLIT_ROWS
-
-
-def chunk_layout(backend: ArrayBackend, rulebook: Rulebook | PairMap, chunk: PairChunk, direction: str,
-                 dtype: Any) -> ChunkLayout:
+def chunk_layout(backend: ArrayBackend, rulebook: Rulebook | PairMap, chunk: PairChunk,
+                 direction: str) -> ChunkLayout:
     """The `ChunkLayout` of ``chunk`` for a ``"forward"`` or ``"backward"`` pass, built once per pair map.
 
-    Kept in ``PairMap.derived`` under the backend's name and array module, the direction, the
-    compute dtype's width and the chunk, so a rulebook shared by layers, or reused across steps,
-    lays its pairs out once.
+    Kept in ``PairMap.derived`` under the backend's name and array module, the direction and
+    the chunk, so a rulebook shared by layers, or reused across steps, lays its pairs out once.
     """
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     pair_map = rulebook.pair_map if isinstance(rulebook, Rulebook) else rulebook
-    width, split = _outer_split(backend, chunk, direction, dtype)
-    key = ("chunk layout", backend.name, backend.xp.__name__, direction, width, chunk)
+    width = chunk.width
+    key = ("chunk layout", backend.name, backend.xp.__name__, direction, chunk)
     layout = pair_map.derived.get(key)
     if layout is not None:
         return layout
     num_rows = pair_map.num_output if direction == "forward" else pair_map.num_input
-    padded = getattr(backend, "padded_chunk_layout", None)
-    if padded is not None and (len(chunk.offsets) > 1 or width > chunk.width):
-        # the kernel backend: rows and slot table in one launch
-        input_rows, output_rows, plan = padded(pair_map.pair_input, pair_map.pair_output, chunk.starts,
-                                               chunk.counts, width, direction == "forward", num_rows)
-    else:
-        input_rows, output_rows = (rows.reshape(-1) for rows in chunk_rows(
-            backend.xp, (pair_map.pair_input, pair_map.pair_output), chunk, width))
-        written = output_rows if direction == "forward" else input_rows
-        plan = backend.scatter_plan(written, uniform_starts(chunk, width), num_rows)
-    layout = ChunkLayout(input_rows, output_rows, len(chunk.offsets), width, plan, split)
+    input_rows, output_rows = (rows.reshape(-1) for rows in chunk_rows(
+        backend.xp, (pair_map.pair_input, pair_map.pair_output), chunk, width))
+    written = output_rows if direction == "forward" else input_rows
+    plan = backend.scatter_plan(written, uniform_starts(chunk, width), num_rows)
+    layout = ChunkLayout(input_rows, output_rows, len(chunk.offsets), width, plan)
     pair_map.derived[key] = layout
     return layout

@@ -1,20 +1,26 @@
-"""Sparse convolution feature passes: gather, GEMM, scatter-add over a rulebook.
+"""Sparse convolution feature passes over a rulebook: fused map kernels on the GPU, gather-GEMM-scatter on the CPU.
 
-Given a `Rulebook`, these are plain functions of (features, weight) with static
-output shapes: what PyTorch autograd and JAX ``custom_vjp`` wrap. Weights are
+Given a rulebook (a `Rulebook`, `PairMap` or `NeighbourMap`), these are plain
+functions of (features, weight) with static output shapes: what PyTorch
+autograd and JAX ``custom_vjp`` wrap. Weights are
 ``[out_channels, *kernel_size, in_channels // groups]`` (checked by
-`sparsecore.conv_weight`, whose checks are re-exported here); grouped and
-depthwise convolutions use a batched GEMM per kernel offset.
+`sparsecore.conv_weight`, whose checks are re-exported here).
 
-Dataflow: the kernel offsets are taken in chunks (`sparsecore._chunks`, sized
-by the backend): per chunk one gather of its input rows laid out ``[m, W]``
+On a kernel backend (the GPU, or its CPU emulation) each pass is fused kernels
+over the rulebook's neighbour map (`sparsecore._rulebook_views.map_view`):
+the forward one ``sc_implicit_gemm`` launch (bias in its epilogue), the
+backward one for the input gradient and one ``sc_weight_gradient``
+(`sparsecore.backends._kernel_fused`): no cuBLAS call, no gathered rows, no
+scatter, bitwise reproducible.
+
+On the NumPy backend, the dataflow over pairs: the kernel offsets are taken
+in chunks (`sparsecore._chunks`, sized by the backend): per chunk one gather of its input rows laid out ``[m, W]``
 (``m`` offsets padded to ``W`` pairs with row -1), one batched GEMM
 ``[m, W, a] @ [m, a, b]`` (`sparsecore._conv_products`), and one
 `scatter_add_planned` of the products; the layout and its scatter plan are
 built once per rulebook (`sparsecore._conv_products.chunk_layout`). A submanifold centre offset (every row to
 itself) is a plain GEMM that initialises the output. Products run in
-``backend.compute_dtype``: float32 for float16 inputs on NumPy, float16
-(cuBLAS, float32 accumulation) on the GPU.
+``backend.compute_dtype`` (float32 for float16 inputs).
 
 On the CPU (NumPy backend), `sparsecore.cpu_dataflow.dataflow_on_cpu` chooses per
 layer and stage between that dataflow and two compiled ones: ``"tiled"`` (every
@@ -44,6 +50,7 @@ from ._conv_products import (
     weight_from_matrices,
 )
 from ._dispatch import check_same_device, to_core_array
+from ._rulebook_views import index_rows, map_view, pair_view, refuse_bfloat16, runs_fused_passes
 from ._validation import as_features
 from .backends import ArrayBackend, backend_for
 from .conv_weight import check_conv_weight, check_weight_layout
@@ -62,6 +69,7 @@ from .cpu_dataflow import (
     waves,
 )
 from .memory_budget import check_pass
+from .neighbour_map import NeighbourMap
 from .rulebook import PairMap, Rulebook
 from .threads import serialised_kernels
 
@@ -69,14 +77,14 @@ __all__ = ["conv_forward", "conv_backward", "check_conv_weight", "check_weight_l
            "dataflow_on_cpu", "FUSED_MAX_MATRIX", "FUSED_GROUPED_BACKWARD_MAX_MATRIX"]
 
 
-def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias: Any | None = None,
+def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap | NeighbourMap, bias: Any | None = None,
                  groups: int = 1, *, backend: ArrayBackend | None = None) -> Any:
     """Sparse convolution forward: ``out[o] += features[i] @ W_k`` for each pair ``(i, o)`` of offset ``k``.
 
     Args:
-        features: ``[N_in, C_in]`` float16/32/64.
+        features: ``[N_in, C_in]`` float16/32/64 (bfloat16 too on a kernel backend).
         weight: ``[C_out, *kernel_size, C_in // groups]``.
-        rulebook: the layer's `Rulebook` or `PairMap` (``num_input == N_in``).
+        rulebook: the layer's `Rulebook`, `PairMap` or `NeighbourMap` (``num_input == N_in``).
         bias: optional ``[C_out]``.
         groups: channel groups (``C_in`` and ``C_out`` divisible by it).
         backend: the primitives to run on; by default the backend of ``features``.
@@ -84,14 +92,18 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, bias:
     Returns:
         ``[N_out, C_out]`` in the features' dtype.
     """
-    features = as_features(features, rulebook.num_input)
+    features = as_features(features, rulebook.num_input, bfloat16=True)
     weight = check_conv_weight(weight, rulebook, features.shape[1], groups)
     if bias is not None:
         bias = to_core_array(bias, "bias")
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape [{weight.shape[0]}] (out_channels), got {tuple(bias.shape)}")
-    check_same_device(features=features, weight=weight, bias=bias, indices=rulebook.pair_input)
+    check_same_device(features=features, weight=weight, bias=bias, indices=index_rows(rulebook))
     backend = backend if backend is not None else backend_for(features)
+    if runs_fused_passes(backend):  # one sc_implicit_gemm launch over the map
+        return backend.fused_passes.conv_forward(features, weight, map_view(rulebook, backend.xp), bias, groups)
+    refuse_bfloat16(features=features, weight=weight, bias=bias)
+    rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     check_pass("conv_forward", rulebook.num_output, weight.shape[0], rulebook.num_input, features.shape[1], features)
     with serialised_kernels(features), cpu_blas_threads(backend):
@@ -125,7 +137,7 @@ def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: R
         out = xp.zeros((rulebook.num_output, weight.shape[0]), dtype=dtype)
 
     def product(chunk: PairChunk) -> tuple[ChunkLayout, Any]:
-        layout = chunk_layout(backend, rulebook, chunk, "forward", dtype)  # [m, W] rows, kept per rulebook
+        layout = chunk_layout(backend, rulebook, chunk, "forward")  # [m, W] rows, kept per rulebook
         gathered = backend.gather_rows(source, layout.input_rows).reshape(layout.count, layout.width, -1)
         return layout, batched_product(backend, gathered, matrices[offset_index(chunk)])
 
@@ -139,7 +151,7 @@ def _forward_pass(backend: ArrayBackend, features: Any, weight: Any, rulebook: R
     return out.astype(features.dtype, copy=False)
 
 
-def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebook | PairMap,
+def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebook | PairMap | NeighbourMap,
                   groups: int = 1, *, backend: ArrayBackend | None = None) -> tuple[Any, Any]:
     """Gradients of `conv_forward` with respect to the features and the weight.
 
@@ -147,7 +159,7 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         grad_output: ``[N_out, C_out]``.
         features: ``[N_in, C_in]``, as passed to the forward.
         weight: ``[C_out, *kernel_size, C_in // groups]``.
-        rulebook: the layer's rulebook.
+        rulebook: the layer's `Rulebook`, `PairMap` or `NeighbourMap`.
         groups: channel groups.
         backend: the primitives to run on; by default the backend of ``features``.
 
@@ -156,10 +168,10 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         in the dtypes of ``features`` and ``weight``. (The bias gradient is
         ``grad_output.sum(0)``.)
     """
-    features = as_features(features, rulebook.num_input)
+    features = as_features(features, rulebook.num_input, bfloat16=True)
     weight = check_conv_weight(weight, rulebook, features.shape[1], groups)
     grad_output = as_features(grad_output, rulebook.num_output, name="grad_output",
-                              rows_meaning="output site of the rulebook")
+                              rows_meaning="output site of the rulebook", bfloat16=True)
     if grad_output.shape[1] != weight.shape[0]:
         raise ValueError(
             f"grad_output has {grad_output.shape[1]} channels but the weight has "
@@ -167,6 +179,12 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         )
     check_same_device(grad_output=grad_output, features=features, weight=weight)
     backend = backend if backend is not None else backend_for(features)
+    if runs_fused_passes(backend):  # input gradient and weight gradient: one launch each
+        grad_features, grad_weight = backend.fused_passes.conv_backward(grad_output, features, weight,
+                                                                        map_view(rulebook, backend.xp), groups)
+        return grad_features, grad_weight if grad_weight.dtype == weight.dtype else grad_weight.astype(weight.dtype)
+    refuse_bfloat16(features=features, weight=weight, grad_output=grad_output)
+    rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     check_pass("conv_backward", rulebook.num_input, features.shape[1], rulebook.num_output, weight.shape[0], features)
     with serialised_kernels(features), cpu_blas_threads(backend):
@@ -201,12 +219,11 @@ def _backward_pass(backend: ArrayBackend, grad_output: Any, features: Any, weigh
         grad_features = xp.zeros(source.shape, dtype=dtype)
 
     def products(chunk: PairChunk) -> tuple[ChunkLayout, Any, Any]:
-        layout = chunk_layout(backend, rulebook, chunk, "backward", dtype)  # [m, W] rows, kept per rulebook
+        layout = chunk_layout(backend, rulebook, chunk, "backward")  # [m, W] rows, kept per rulebook
         shape = (layout.count, layout.width, -1)
         gathered_grad = backend.gather_rows(grad, layout.output_rows).reshape(shape)
         gathered_source = backend.gather_rows(source, layout.input_rows).reshape(shape)
-        outer = batched_outer(backend, gathered_source, gathered_grad, groups, layout.outer_split)
-        del gathered_source  # two chunk-sized buffers at a time, not three (the GPU's peak memory)
+        outer = batched_outer(backend, gathered_source, gathered_grad, groups)
         return layout, batched_product(backend, gathered_grad, transposed[offset_index(chunk)]), outer
 
     workers = pass_workers(backend, rulebook, features.shape[1], weight.shape[0])

@@ -98,6 +98,6 @@ def check_conv_weight(weight: Any, rulebook: Rulebook | PairMap, in_channels: in
             f"groups={groups} must divide both in_channels ({in_channels}) and out_channels "
             f"({out_channels})"
         )
-    if weight.dtype.kind != "f":
+    if weight.dtype.kind != "f" and weight.dtype.name != "bfloat16":  # bfloat16 runs on the kernel backend
         raise TypeError(f"weight must be a float array, got dtype {weight.dtype}")
     return weight

@@ -275,12 +275,14 @@ def check_unique_sites(indices: Any, spatial_shape: Sequence[int], batch_size: i
 
 
 def as_features(features: Any, num_rows: int | None = None, name: str = "features",
-                rows_meaning: str = "active site (features and indices must have one row per site)") -> Any:
-    """A float16/32/64 core array ``[N, C]``, with ``num_rows`` rows when given."""
+                rows_meaning: str = "active site (features and indices must have one row per site)",
+                bfloat16: bool = False) -> Any:
+    """A float16/32/64 core array ``[N, C]`` (bfloat16 too when ``bfloat16``: a pass that runs it on the
+    kernel backend), with ``num_rows`` rows when given."""
     array = to_core_array(features, name)
     if array.ndim != 2:
         raise ValueError(f"{name} must be 2-D [N, C], got shape {tuple(array.shape)}")
-    if array.dtype not in FLOAT_DTYPES:
+    if array.dtype not in FLOAT_DTYPES and not (bfloat16 and array.dtype.name == "bfloat16"):
         raise TypeError(
             f"{name} must be float16, float32 or float64, got dtype {array.dtype}; cast it "
             "with .astype(float32)"

@@ -5,6 +5,12 @@ sites do not count as zeros) and remembers the input row of the maximum for
 the backward pass; ties go to the earliest kernel offset. Average pooling
 divides by the number of active inputs in the window ("real point count",
 as spconv documents), not by the kernel volume.
+
+A pass takes a `Rulebook`, `PairMap` or `NeighbourMap`. On a kernel backend
+(the GPU, or its emulation) each pass is one launch over the neighbour map
+(``kernels_cu/pool_maps.cu``: the forward over the output side, the backward
+per input row over the input side, no atomics); the NumPy backend runs over
+the pairs.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from typing import Any
 from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
 from ._chunks import check_padded_pairs
+from ._rulebook_views import index_rows, map_view, pair_view, refuse_bfloat16, runs_fused_passes
 from .backends import ArrayBackend, backend_for
+from .neighbour_map import NeighbourMap
 from .rulebook import PairMap, Rulebook
 
 __all__ = [
@@ -34,8 +42,8 @@ def _sum_dtype(xp: Any, dtype: Any) -> Any:
     return xp.float32 if dtype == xp.float16 else dtype
 
 
-def _pass_operands(values: Any, rulebook: Rulebook | PairMap, backend: ArrayBackend | None,
-                   stage: str) -> tuple[ArrayBackend, Any, tuple[Any, Any, tuple[int, ...]]]:
+def _pass_operands(values: Any, rulebook: Rulebook | PairMap | NeighbourMap, backend: ArrayBackend | None,
+                   stage: str) -> tuple[ArrayBackend, Any, Any]:
     """Checks a pooling pass's rows and picks its backend.
 
     Args:
@@ -45,22 +53,28 @@ def _pass_operands(values: Any, rulebook: Rulebook | PairMap, backend: ArrayBack
         stage: ``"forward"`` or ``"backward"``.
 
     Returns:
-        ``(backend, contiguous values, (pair_input, pair_output, offset_starts))``.
+        ``(backend, values, view)``: on a kernel backend ``values`` as given and the `NeighbourMap`
+        (the fused passes make operands contiguous); else contiguous ``values`` and
+        ``(pair_input, pair_output, offset_starts)``.
     """
     if stage == "forward":
-        values = as_features(values, rulebook.num_input)
-        check_same_device(features=values, indices=rulebook.pair_input)
+        values = as_features(values, rulebook.num_input, bfloat16=True)
+        check_same_device(features=values, indices=index_rows(rulebook))
     else:
         values = as_features(values, rulebook.num_output, name="grad_output",
-                             rows_meaning="output site of the rulebook")
-        check_same_device(grad_output=values, indices=rulebook.pair_input)
+                             rows_meaning="output site of the rulebook", bfloat16=True)
+        check_same_device(grad_output=values, indices=index_rows(rulebook))
     backend = backend if backend is not None else backend_for(values)
+    if runs_fused_passes(backend):
+        return backend, values, map_view(rulebook, backend.xp)
+    refuse_bfloat16(**{"features" if stage == "forward" else "grad_output": values})
+    rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     pairs = (rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts))
     return backend, backend.xp.ascontiguousarray(values), pairs
 
 
-def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
+def max_pool_forward(features: Any, rulebook: Rulebook | PairMap | NeighbourMap, *,
                      backend: ArrayBackend | None = None) -> tuple[Any, Any]:
     """Maximum over each output's active inputs.
 
@@ -72,8 +86,10 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
         ``(out [N_out, C], argmax [N_out, C] int32)``, ``argmax`` holding the input
         row that gave each maximum.
     """
-    backend, source, pairs = _pass_operands(features, rulebook, backend, "forward")
-    return backend.max_pool_pairs(source, *pairs, rulebook.num_output)
+    backend, source, view = _pass_operands(features, rulebook, backend, "forward")
+    if runs_fused_passes(backend):
+        return backend.fused_passes.max_pool_forward(source, view)
+    return backend.max_pool_pairs(source, *view, rulebook.num_output)
 
 
 def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int, backend: ArrayBackend) -> Any:
@@ -88,7 +104,8 @@ def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int, backend: A
     return summed.reshape(num_input, channels).astype(grad_output.dtype)
 
 
-def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *, rulebook: Rulebook | PairMap | None = None,
+def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
+                      rulebook: Rulebook | PairMap | NeighbourMap | None = None,
                       backend: ArrayBackend | None = None) -> Any:
     """Gradient of `max_pool_forward`: each output's gradient goes to its argmax row.
 
@@ -98,14 +115,15 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *, rulebook
         num_input: ``N_in``.
         rulebook: the forward's rulebook, when there is one (not for global
             pooling). With it the gradient is summed per input over its pairs
-            (`ArrayBackend.max_pool_backward_pairs`, one kernel on the GPU, no
-            host synchronisation); without it, scattered by argmax.
+            (one ``sc_max_pool_map_backward`` launch over the map's input side
+            on the GPU, no host synchronisation; `ArrayBackend.max_pool_backward_pairs`
+            on the CPU); without it, scattered by argmax.
 
     Returns:
         ``[N_in, C]`` in ``grad_output``'s dtype: summed in float64 without a
         rulebook, in the compute dtype over the pairs with one; deterministic.
     """
-    grad_output = as_features(grad_output, name="grad_output")
+    grad_output = as_features(grad_output, name="grad_output", bfloat16=True)
     argmax = to_core_array(argmax, "argmax")
     if argmax.shape != grad_output.shape:
         raise ValueError(f"argmax has shape {tuple(argmax.shape)}, grad_output {tuple(grad_output.shape)}; they must match")
@@ -120,6 +138,10 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *, rulebook
                 "forward's rulebook"
             )
         backend = backend if backend is not None else backend_for(grad_output)
+        if runs_fused_passes(backend):  # per input row over the map's input side
+            return backend.fused_passes.max_pool_backward(grad_output, argmax, map_view(rulebook, backend.xp))
+        refuse_bfloat16(grad_output=grad_output)
+        rulebook = pair_view(rulebook)
         check_padded_pairs(rulebook, backend)
         return backend.max_pool_backward_pairs(grad_output, argmax, rulebook.pair_input, rulebook.pair_output,
                                                tuple(rulebook.offset_starts), num_input)
@@ -133,13 +155,13 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *, rulebook
     return _scatter_by_argmax(grad_output, argmax, num_input, backend)
 
 
-def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
+def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap | NeighbourMap, *,
                      backend: ArrayBackend | None = None) -> Any:
     """Mean over each output's active inputs (`ArrayBackend.avg_pool_pairs`).
 
     Sums in float32 for 16-bit storage (float64 for float64), in kernel-offset
     order, then divides by the window's count of active inputs; an output
-    without inputs is 0. On the GPU one ``sc_avg_pool_forward`` launch reads
+    without inputs is 0. On the GPU one ``sc_avg_pool_map`` launch reads
     the input rows in place (no gathered copy).
 
     Args:
@@ -150,11 +172,13 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     Returns:
         ``[N_out, C]`` in the features' dtype.
     """
-    backend, source, pairs = _pass_operands(features, rulebook, backend, "forward")
-    return backend.avg_pool_pairs(source, *pairs, rulebook.num_output)
+    backend, source, view = _pass_operands(features, rulebook, backend, "forward")
+    if runs_fused_passes(backend):
+        return backend.fused_passes.avg_pool_forward(source, view)
+    return backend.avg_pool_pairs(source, *view, rulebook.num_output)
 
 
-def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
+def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap | NeighbourMap, *,
                       backend: ArrayBackend | None = None) -> Any:
     """Gradient of `avg_pool_forward` (`ArrayBackend.avg_pool_backward_pairs`).
 
@@ -166,8 +190,10 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap, *,
     Returns:
         ``[N_in, C]``.
     """
-    backend, source, pairs = _pass_operands(grad_output, rulebook, backend, "backward")
-    return backend.avg_pool_backward_pairs(source, *pairs, rulebook.num_input)
+    backend, source, view = _pass_operands(grad_output, rulebook, backend, "backward")
+    if runs_fused_passes(backend):
+        return backend.fused_passes.avg_pool_backward(source, view)
+    return backend.avg_pool_backward_pairs(source, *view, rulebook.num_input)
 
 
 def _batch_rows(indices: Any, batch_size: int, num_rows: int) -> tuple[Any, list[Any]]:

@@ -12,6 +12,14 @@ pass of a layer (forward, both backward products) and by layers that share an
 
 Output sites of the subm builder are the input sites in input order; those of
 the regular and transposed builders are sorted by (batch, coordinates).
+
+One rulebook, two views of its pairs: a `PairMap` (pair lists grouped by
+offset, `sparsecore.pair_map`) and a `NeighbourMap` (per-row tables,
+`sparsecore.neighbour_map`). A rulebook stores the view its backend computes
+natively and derives the other when first asked (memoised): the NumPy
+backend's compiled builders write pairs (its tile plans are made from them),
+the kernel backend's write neighbour maps (`sparsecore._kernel_builds`), so a
+GPU network that never asks for pair lists never reads its pair counts back.
 """
 
 from __future__ import annotations
@@ -20,11 +28,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from . import _kernel_builds
 from .interop import INT32_MAX, as_batch_size, as_indices, as_spatial_shape, check_indices_in_range
 from .backends import ArrayBackend, backend_for
 from .geometry import ConvGeometry, PerAxis
 from .hashing import check_packable, key_strides, pack_keys, unpack_keys
 from .memory_budget import check_rulebook_build
+from .neighbour_map import NeighbourMap
+from .pair_map import PairMap
 from .threads import serialised_kernels
 
 __all__ = [
@@ -36,126 +47,31 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, eq=False)
-class PairMap:
-    """The part of a rulebook the feature passes read: pairs, counts and sizes.
-
-    Frontends rebuild it from saved integer tensors (a ``torch.library`` op or a
-    JAX callback cannot carry a Python `Rulebook`); every feature pass accepts
-    a `PairMap` or a `Rulebook`.
-
-    Attributes:
-        pair_input: int32 ``[P]`` input rows, grouped by kernel offset.
-        pair_output: int32 ``[P]`` output rows, grouped by kernel offset.
-        offset_starts: ``K + 1`` ints delimiting each offset's pairs.
-        num_input: number of input rows.
-        num_output: number of output rows.
-        kernel_size: per-axis kernel size (``prod == K``).
-        identity_offset: an offset whose pairs are ``i -> i`` for all rows, or -1.
-        padded: the pair arrays may hold -1 entries, padding that is no pair
-            (a fixed-capacity layout such as ``sparsecore.jax``'s, used without
-            reading its true counts back to the host). Only backends whose
-            ``skips_negative_rows`` is true (the GPU kernels) accept it.
-        trusted: the pairs come from a rulebook the library built, so the range
-            check of the rows is skipped (no host synchronisation on the GPU).
-        derived: a per-map cache of layouts computed from the pairs alone (the CPU
-            neighbour tables of `sparsecore.cpu_dataflow`), filled on first use so
-            every pass and every layer sharing the map builds them once; not part
-            of the value.
-
-    Raises:
-        ValueError: offsets that do not match the kernel or the pair arrays, or
-            (unless ``trusted``) a row outside ``[0, num_input)`` /
-            ``[0, num_output)``; only a ``padded`` map may hold -1 (no pair).
-        TypeError: non-integer pair arrays.
-    """
-
-    pair_input: Any
-    pair_output: Any
-    offset_starts: tuple[int, ...]
-    num_input: int
-    num_output: int
-    kernel_size: tuple[int, ...]
-    identity_offset: int = -1
-    padded: bool = False
-    trusted: bool = dataclasses.field(default=False, repr=False)
-    derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        volume = 1
-        for size in self.kernel_size:
-            volume *= size
-        if len(self.offset_starts) != volume + 1:
-            raise ValueError(
-                f"offset_starts has {len(self.offset_starts)} entries; kernel_size "
-                f"{tuple(self.kernel_size)} needs {volume + 1}"
-            )
-        if self.pair_input.shape[0] != self.offset_starts[-1] or self.pair_output.shape[0] != self.offset_starts[-1]:
-            raise ValueError(
-                f"pair arrays have {self.pair_input.shape[0]} / {self.pair_output.shape[0]} "
-                f"entries but offset_starts ends at {self.offset_starts[-1]}"
-            )
-        if not self.trusted:
-            self._check_rows()
-
-    def __getstate__(self) -> dict:
-        # a copy or a pickle starts with an empty cache (the layouts are rebuilt on use)
-        return {**self.__dict__, "derived": {}}
-
-    def _check_rows(self) -> None:
-        starts = tuple(self.offset_starts)
-        if starts[0] != 0 or any(b < a for a, b in zip(starts[:-1], starts[1:])):
-            raise ValueError(f"offset_starts must start at 0 and never decrease, got {starts}")
-        for name, rows, limit in (("pair_input", self.pair_input, self.num_input),
-                                  ("pair_output", self.pair_output, self.num_output)):
-            if getattr(rows, "ndim", None) != 1 or getattr(rows, "dtype", None) is None or rows.dtype.kind not in "iu":
-                raise TypeError(
-                    f"{name} must be a 1-D integer array of rows, got "
-                    f"{getattr(rows, 'dtype', type(rows).__name__)} with shape {getattr(rows, 'shape', None)}"
-                )
-            if rows.shape[0] == 0:
-                continue
-            lowest, highest = int(rows.min()), int(rows.max())
-            floor = -1 if self.padded else 0
-            if lowest < floor or highest >= limit:
-                bad = lowest if lowest < floor else highest
-                raise ValueError(
-                    f"{name} holds row {bad}, outside [{floor}, {limit}) ("
-                    + ("num_input" if name == "pair_input" else "num_output")
-                    + f" = {limit}); rows index the feature arrays"
-                    + ("" if self.padded else
-                       "; negative rows are never wrapped (only a padded=True map may hold -1 = no pair)")
-                )
-
-    @property
-    def kernel_volume(self) -> int:
-        """Number of kernel offsets."""
-        return len(self.offset_starts) - 1
-
-    @property
-    def num_pairs(self) -> int:
-        """Total number of pairs."""
-        return self.offset_starts[-1]
-
-    def pairs(self, offset: int) -> tuple[Any, Any]:
-        """``(input_rows, output_rows)`` int32 arrays of one kernel offset."""
-        start, stop = self.offset_starts[offset], self.offset_starts[offset + 1]
-        return self.pair_input[start:stop], self.pair_output[start:stop]
-
-
-def _read_from_pair_map(name: str, doc: str) -> property:
-    """A read-only `Rulebook` property that reads ``name`` of its `PairMap`."""
+def _from_pairs(name: str, doc: str) -> property:
+    """A read-only `Rulebook` property that reads ``name`` of its `PairMap` (derived if not stored)."""
     return property(lambda rulebook: getattr(rulebook.pair_map, name), doc=doc)
+
+
+def _from_stored(name: str, doc: str) -> property:
+    """A read-only `Rulebook` property that reads ``name`` of the stored view: never derives pairs."""
+    return property(lambda rulebook: getattr(rulebook._stored, name), doc=doc)
 
 
 @dataclass(frozen=True, eq=False)
 class Rulebook:
-    """A layer's `PairMap` with the sites and grids it maps between: the one rulebook form.
+    """A layer's pairs with the sites and grids it maps between: the one rulebook form.
 
     A pair ``(i, o)`` of offset ``k`` means ``output[o] += features[i] @ W_k``
     where ``W_k = weight[:, k, :].T`` with the weight's kernel axes flattened
     row-major. Within one offset, input rows are unique and output rows are
     unique (the map is injective), so a per-offset scatter needs no atomics.
+
+    The pairs are stored once, as the builder's backend computes them: a
+    `PairMap` (NumPy backend) or a `NeighbourMap` (kernel backend). The other
+    view is derived on first use and memoised (`pair_map`, and
+    `sparsecore.neighbour_map.neighbour_map_of`); ``num_input``, ``num_output``,
+    ``kernel_volume``, ``identity_offset``, ``kernel_size`` and the sites never
+    derive anything.
 
     Attributes:
         geometry: the layer geometry the rulebook was built for.
@@ -164,10 +80,8 @@ class Rulebook:
         batch_size: number of batch elements.
         input_indices: int32 ``[N_in, 1 + D]``, the sites it was built from.
         output_indices: int32 ``[N_out, 1 + D]``, the output sites.
-        pair_map: the pairs, grouped by kernel offset (what the feature passes
-            read); ``pair_input``, ``pair_output``, ``offset_starts``,
-            ``identity_offset``, ``num_pairs``, ``kernel_volume``,
-            ``offset_counts`` and ``pairs(k)`` read it.
+        stored_pairs: the `PairMap`, when the builder wrote pairs; else None.
+        stored_map: the `NeighbourMap`, when the builder wrote a map; else None.
     """
 
     geometry: ConvGeometry
@@ -176,18 +90,56 @@ class Rulebook:
     batch_size: int
     input_indices: Any = dataclasses.field(repr=False)
     output_indices: Any = dataclasses.field(repr=False)
-    pair_map: PairMap = dataclasses.field(repr=False)
+    stored_pairs: PairMap | None = dataclasses.field(default=None, repr=False)
+    stored_map: NeighbourMap | None = dataclasses.field(default=None, repr=False)
 
-    pair_input = _read_from_pair_map("pair_input", "int32 ``[P]`` input rows, grouped by kernel offset.")
-    pair_output = _read_from_pair_map("pair_output", "int32 ``[P]`` output rows, grouped by kernel offset.")
-    offset_starts = _read_from_pair_map(
+    def __post_init__(self) -> None:
+        if self.stored_pairs is None and self.stored_map is None:
+            raise ValueError("a Rulebook stores its pairs as a PairMap or a NeighbourMap; got neither")
+
+    @property
+    def _stored(self) -> PairMap | NeighbourMap:
+        return self.stored_map if self.stored_map is not None else self.stored_pairs
+
+    @property
+    def pair_map(self) -> PairMap:
+        """The pairs grouped by kernel offset (what the CPU passes read): stored, or derived from the
+        neighbour map when first read (one read back of the offset counts on the GPU; memoised)."""
+        if self.stored_pairs is not None:
+            return self.stored_pairs
+        derived = self.stored_map.derived
+        if "pair_map" not in derived:
+            # the [K, N_out] view of the table compacted row by row with the backend's compaction
+            # (one read back on the GPU: the per-offset counts): offsets in order, output rows
+            # increasing within an offset, as `pairs_from_neighbour_map`, the reference, lists them
+            table = self.stored_map.output_neighbours
+            output_rows, input_rows, starts = backend_for(table).compact_pairs(table.T)
+            derived["pair_map"] = PairMap(input_rows, output_rows, starts, self.num_input, self.num_output,
+                                          tuple(self.geometry.kernel_size), self.identity_offset, trusted=True)
+        return derived["pair_map"]
+
+    @property
+    def neighbour_map(self) -> NeighbourMap | None:
+        """The per-row view (what the GPU's fused kernels read): stored, or the one
+        `sparsecore.neighbour_map.neighbour_map_of` derived from the pairs; None before that."""
+        if self.stored_map is not None:
+            return self.stored_map
+        return self.stored_pairs.derived.get("neighbour_map")
+
+    pair_input = _from_pairs("pair_input", "int32 ``[P]`` input rows, grouped by kernel offset.")
+    pair_output = _from_pairs("pair_output", "int32 ``[P]`` output rows, grouped by kernel offset.")
+    offset_starts = _from_pairs(
         "offset_starts", "``K + 1`` ints; offset ``k`` owns pairs ``[offset_starts[k], offset_starts[k + 1])``.")
-    identity_offset = _read_from_pair_map(
+    num_pairs = _from_pairs("num_pairs", "Total number of (input, output) pairs over all offsets.")
+    identity_offset = _from_stored(
         "identity_offset", "An offset whose pairs are ``i -> i`` for every row (a subm kernel's centre), or -1.")
-    num_input = _read_from_pair_map("num_input", "Number of input sites.")
-    num_output = _read_from_pair_map("num_output", "Number of output sites.")
-    num_pairs = _read_from_pair_map("num_pairs", "Total number of (input, output) pairs over all offsets.")
-    kernel_volume = _read_from_pair_map("kernel_volume", "Number of kernel offsets.")
+    num_input = _from_stored("num_input", "Number of input sites.")
+    num_output = _from_stored("num_output", "Number of output sites.")
+
+    @property
+    def kernel_volume(self) -> int:
+        """Number of kernel offsets."""
+        return self.geometry.kernel_volume
 
     @property
     def kernel_size(self) -> tuple[int, ...]:
@@ -211,31 +163,17 @@ def _made_rulebook(geometry: ConvGeometry, input_shape: tuple[int, ...], output_
     """A `Rulebook` the library built (its pairs trusted: no range check, no host synchronisation)."""
     pair_map = PairMap(pair_input, pair_output, starts, int(input_indices.shape[0]), int(output_indices.shape[0]),
                        geometry.kernel_size, identity_offset, trusted=True)
-    return Rulebook(geometry, input_shape, output_shape, batch, input_indices, output_indices, pair_map)
+    return Rulebook(geometry, input_shape, output_shape, batch, input_indices, output_indices, stored_pairs=pair_map)
 
 
-def _raise_duplicate(indices: Any, rows: tuple[int, int], name: str) -> None:
-    first, second = sorted(rows)
-    raise ValueError(
-        f"{name} contains duplicate sites: rows {first} and {second} are both "
-        f"{indices[first].tolist()}. Each active site must appear once; merge duplicate "
-        "points first (for example with sparsecore.voxelize, or by summing their features)"
-    )
-
-
-def _prepare(indices: Any, spatial_shape: Any, batch_size: Any, ndim: int,
-             trusted: bool) -> tuple[Any, tuple[int, ...], int]:
+def _prepare(indices: Any, spatial_shape: Any, batch_size: Any, ndim: int) -> tuple[Any, tuple[int, ...], int]:
     shape = as_spatial_shape(spatial_shape)
     if len(shape) != ndim:
         raise ValueError(
             f"spatial_shape {shape} has {len(shape)} axes but the layer has {ndim} "
             "spatial dimensions"
         )
-    batch = as_batch_size(batch_size)
-    indices = as_indices(indices, ndim)
-    if not trusted:
-        check_indices_in_range(indices, shape, batch)
-    return indices, shape, batch
+    return as_indices(indices, ndim), shape, as_batch_size(batch_size)
 
 
 def _concatenate_pairs(xp: Any, pieces: list[tuple[Any, Any]]) -> tuple[Any, Any, tuple[int, ...]]:
@@ -256,7 +194,7 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
     rows = xp.arange(indices.shape[0], dtype=xp.int64)
     table, duplicate = backend.hash_build(keys, rows, check_duplicates=not assume_unique)
     if duplicate is not None:
-        _raise_duplicate(indices, duplicate, "indices")
+        _kernel_builds.raise_duplicate(indices, duplicate, "indices")
     sorted_keys, sorted_rows = backend.hash_items(table)
     strides = key_strides(shape, reach)[1:]
     offsets = geometry.kernel_offsets().astype("int64") * geometry.dilation - reach
@@ -270,15 +208,10 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
                                                 last_size, last_step)
         return _made_rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
                               starts, identity_offset=centre)
-    # Offsets before the centre, looked up in one pass into a [centre, N] table
-    # of input rows, compacted in one pass.
+    # Any other backend, through the primitive protocol: offsets before the centre,
+    # looked up in one pass into a [centre, N] table of input rows, compacted in one pass.
     found = backend.hash_lookup_offsets(table, sorted_keys, deltas[:centre])
     columns, found_rows, row_starts = backend.compact_pairs(found)
-    mirrored = getattr(backend, "mirrored_pairs", None)
-    if mirrored is not None:  # the kernel backend: the pairs below the centre, mirrored, in one launch
-        pair_input, pair_output, starts = mirrored(found_rows, columns, sorted_rows, row_starts, indices.shape[0])
-        return _made_rulebook(geometry, shape, shape, batch, indices, indices, pair_input, pair_output,
-                              starts, identity_offset=centre)
     matched_rows = xp.take(sorted_rows, columns).astype(xp.int32)
     pieces: list[tuple[Any, Any] | None] = [None] * volume
     for offset in range(centre):
@@ -294,9 +227,7 @@ def _submanifold(indices: Any, shape: tuple[int, ...], batch: int, geometry: Con
                           starts, identity_offset=centre)
 
 
-def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
-             backend: ArrayBackend, assume_unique: bool) -> Rulebook:
-    xp = backend.xp
+def _output_shape(shape: tuple[int, ...], batch: int, geometry: ConvGeometry) -> tuple[int, ...]:
     out_shape = geometry.output_spatial_shape(shape)
     if max(out_shape) > INT32_MAX:
         raise ValueError(
@@ -305,16 +236,36 @@ def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeo
             f"({INT32_MAX}); use a smaller grid or a coarser voxel size"
         )
     check_packable(out_shape, batch)
+    return out_shape
+
+
+def _strided(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
+             backend: ArrayBackend, assume_unique: bool) -> Rulebook:
+    xp = backend.xp
+    out_shape = _output_shape(shape, batch, geometry)
     if not assume_unique and indices.shape[0] > 1:
         keys = pack_keys(indices, shape, batch, assume_in_range=True, backend=backend)
         _, duplicate = backend.hash_build(keys, xp.arange(indices.shape[0], dtype=xp.int64))
         if duplicate is not None:
-            _raise_duplicate(indices, duplicate, "indices")
+            _kernel_builds.raise_duplicate(indices, duplicate, "indices")
     pair_input, candidate_keys, starts = backend.conv_candidate_pairs(indices, geometry, out_shape)
     output_keys, inverse = backend.unique_inverse(candidate_keys)
     output_indices = unpack_keys(output_keys, out_shape, backend=backend)
     return _made_rulebook(geometry, shape, out_shape, batch, indices, output_indices,
                           pair_input, inverse.astype(xp.int32), starts)
+
+
+def _mapped(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeometry,
+            backend: ArrayBackend, assume_unique: bool) -> Rulebook:
+    """A rulebook stored as the neighbour map a kernel backend builds (`sparsecore._kernel_builds`)."""
+    if geometry.kind == "subm":
+        neighbour_map = _kernel_builds.submanifold_neighbour_map(indices, shape, batch, geometry, backend,
+                                                                 check=not assume_unique)
+        return Rulebook(geometry, shape, shape, batch, indices, indices, stored_map=neighbour_map)
+    out_shape = _output_shape(shape, batch, geometry)
+    output_indices, neighbour_map = _kernel_builds.strided_neighbour_map(indices, shape, out_shape, batch, geometry,
+                                                                         backend, check=not assume_unique)
+    return Rulebook(geometry, shape, out_shape, batch, indices, output_indices, stored_map=neighbour_map)
 
 
 def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
@@ -341,14 +292,18 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
     """
     if not isinstance(geometry, ConvGeometry):
         raise TypeError(f"geometry must be a ConvGeometry, got {type(geometry).__name__}")
-    indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim, assume_unique)
-    check_rulebook_build(geometry, indices, shape, batch)  # sparsecore.memory_budget
+    indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim)
     backend = backend if backend is not None else backend_for(indices)
-    with serialised_kernels(indices):  # numba's workqueue layer: one thread at a time (sparsecore.threads)
-        if geometry.kind == "subm":
-            return _submanifold(indices, shape, batch, geometry, backend, assume_unique)
-        if geometry.kind in ("regular", "transposed"):
-            return _strided(indices, shape, batch, geometry, backend, assume_unique)
+    maps = _kernel_builds.builds_neighbour_maps(backend)
+    if not assume_unique and not maps:  # a kernel backend checks the sites in its build (one read back)
+        check_indices_in_range(indices, shape, batch)
+    check_rulebook_build(geometry, indices, shape, batch)  # sparsecore.memory_budget
+    if geometry.kind in ("subm", "regular", "transposed"):
+        if maps:
+            return _mapped(indices, shape, batch, geometry, backend, assume_unique)
+        build = _submanifold if geometry.kind == "subm" else _strided
+        with serialised_kernels(indices):  # numba's workqueue layer: one thread at a time (sparsecore.threads)
+            return build(indices, shape, batch, geometry, backend, assume_unique)
     raise ValueError(
         "an inverse conv reverses the rulebook of a regular conv: build it with "
         "inverse_rulebook(saved_rulebook), not build_rulebook"
@@ -391,6 +346,9 @@ def inverse_rulebook(rulebook: Rulebook) -> Rulebook:
             "inverse conv with a SparseConv / SparseMaxPool layer's indice_key"
         )
     geometry = dataclasses.replace(rulebook.geometry, kind="inverse")
+    if rulebook.stored_map is not None:  # the regular map with its sides exchanged
+        return Rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape, rulebook.batch_size,
+                        rulebook.output_indices, rulebook.input_indices, stored_map=rulebook.stored_map.swapped())
     return _made_rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape,
                           rulebook.batch_size, rulebook.output_indices, rulebook.input_indices,
                           rulebook.pair_output, rulebook.pair_input, rulebook.offset_starts)

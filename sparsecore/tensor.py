@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from ._dispatch import array_library, check_same_device, from_core_array
-from .interop import (as_batch_size, as_features, as_indices, as_spatial_shape, check_indices_in_range,
-                      check_unique_sites)
+from ._kernel_builds import check_sites
+from .interop import as_batch_size, as_features, as_indices, as_spatial_shape
 from .dense import from_dense, to_dense
 from .layer_geometry import GeometryCache, InputSites, sites_identity
 from .rulebook import Rulebook
@@ -109,8 +109,7 @@ class SparseTensor:
         features = as_features(self.features, indices.shape[0])
         check_same_device(features=features, indices=indices)
         if not self._checked:
-            check_indices_in_range(indices, shape, batch)
-            check_unique_sites(indices, shape, batch)
+            check_sites(indices, shape, batch)  # on the GPU one kernel pass and one read back
             object.__setattr__(self, "_checked", True)
         object.__setattr__(self, "spatial_shape", shape)
         object.__setattr__(self, "batch_size", batch)

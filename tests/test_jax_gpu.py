@@ -3,10 +3,11 @@
 Marked ``gpu`` (skipped without a CUDA device, and without a JAX that sees a
 GPU). On the device these run what no CPU test can: ``impl="callback"`` taking
 its GPU branch inside XLA (``buffer_callback`` buffers viewed by
-``cupy.from_dlpack``, the core's kernels and cuBLAS GEMMs launched on XLA's
-stream through ``cupy.cuda.Stream.from_external``), under ``jit`` and
-``value_and_grad``, for convolutions (submanifold, strided, transposed,
-grouped) and max / average pools, forward and backward. Each case is checked
+``cupy.from_dlpack``, the rulebook carried as the padded neighbour map XLA
+computes in the program (`layout.map_arrays`), the core's fused map kernels
+launched on XLA's stream through ``cupy.cuda.Stream.from_external``), under
+``jit`` and ``value_and_grad``, for convolutions (submanifold, strided,
+transposed, grouped) and max / average pools, forward and backward. Each case is checked
 against the dense oracle of `test_jax_ops` and the two implementations against
 each other; a chained network under ``jit`` + ``lax.scan`` checks the stream
 ordering between callbacks and XLA's own kernels.
@@ -52,18 +53,22 @@ GPU_POOL_CASES = ["3d-max-k3s2p1", "3d-max-subm-k3", "2d-avg-k3s2p1", "3d-avg-k2
 
 @pytest.fixture
 def gpu_branch_calls(monkeypatch):
-    """Counts the callback's GPU-branch entries (each fetches the CuPy backend once)."""
-    from sparsecore.jax import callback
+    """Counts the callback's GPU-branch entries that read a neighbour map (each fetches the CuPy backend
+    once and views the map's tables)."""
+    from sparsecore.jax import callback, padded
 
-    calls = []
-    original = callback._gpu_backend
+    assert callback.rulebook_form() == "map", "on a GPU the callback passes carry the padded neighbour map"
+    calls, maps = [], []
+    original, view = callback._gpu_backend, padded.neighbour_map
 
     def counted():
         calls.append(1)
         return original()
 
     monkeypatch.setattr(callback, "_gpu_backend", counted)
-    return calls
+    monkeypatch.setattr(padded, "neighbour_map", lambda *args: maps.append(1) or view(*args))
+    yield calls
+    assert not calls or maps, "the GPU branch ran without the neighbour map"
 
 
 def _on_gpu(array) -> bool:

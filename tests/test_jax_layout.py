@@ -3,7 +3,8 @@
 The oracle is the core's rulebook (itself tested against naive pairs and dense
 convolutions): each stored offset row must hold exactly that offset's pairs,
 then -1 (the kernels' "no pair"), for every kind of layer, the subm centre
-included, before and after re-padding to other capacities.
+included, before and after re-padding to other capacities; the padded
+neighbour map made from them (`map_arrays`) must hold the same pairs per row.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsecore.jax.layout import NO_PAIR, pair_layout
+jax = pytest.importorskip("jax")
+
+from sparsecore.jax.layout import NO_PAIR, map_arrays, pair_layout
 
 try:
     from .test_jax_padded import GEOMETRIES, _layout
@@ -45,3 +48,43 @@ def test_pair_capacity_bounds_an_offsets_pairs_and_is_whole_chunks(capacities):
     pairs, chunk = pair_layout(*capacities)
     assert pairs >= min(capacities) and pairs % chunk == 0 and chunk % 8 == 0
     assert pairs - min(capacities) < chunk  # at most one chunk of slack
+
+
+@pytest.mark.parametrize("count", [0, 70])
+@pytest.mark.parametrize("kind", sorted(GEOMETRIES))
+def test_map_arrays_are_the_rulebooks_rows_padded_with_no_neighbour(kind, count):
+    """The padded neighbour map XLA computes from the stored rows: each true row's neighbours (from the core's
+    pairs, read by a loop), -1 and mask 0 on padding rows, and rows stably sorted by mask."""
+    rulebook, padded, capacity_in, capacity_out = _layout(kind, count, 3 * len(kind) + count)
+    symmetric = rulebook.identity_offset >= 0
+    arrays = [np.asarray(array) for array in jax.jit(map_arrays, static_argnums=(2, 3, 4))(
+        padded.pair_input, padded.pair_output, capacity_in, capacity_out, symmetric)]
+    assert len(arrays) == (3 if symmetric else 6)
+    volume = rulebook.kernel_volume
+    sides = [(capacity_out, rulebook.num_output, 1), (capacity_in, rulebook.num_input, 0)][: len(arrays) // 3]
+    for (capacity, true_rows, keyed_by_output), side in zip(sides, (arrays[:3], arrays[3:])):
+        table, masks, order = side
+        expected = np.full((capacity, volume), NO_PAIR, np.int64)
+        for offset in range(volume):
+            rows_in, rows_out = (np.asarray(rows) for rows in rulebook.pairs(offset))
+            keys, values = (rows_out, rows_in) if keyed_by_output else (rows_in, rows_out)
+            for key, value in zip(keys.tolist(), values.tolist()):
+                expected[key, offset] = value
+        np.testing.assert_array_equal(table, expected)
+        assert table.dtype == np.int32 and masks.dtype == np.uint32 and (table[true_rows:] == NO_PAIR).all()
+        bits = [sum(1 << (k % 32) for k in range(volume) if k // 32 == word and expected[row, k] >= 0)
+                for row in range(capacity) for word in range(masks.shape[1])]
+        np.testing.assert_array_equal(masks.reshape(-1), np.asarray(bits, dtype=np.uint64).astype(np.uint32))
+        keys = [tuple(masks[row].tolist()) + (row,) for row in range(capacity)]  # stable: ties by row
+        np.testing.assert_array_equal(order, [key[-1] for key in sorted(keys)])
+    if symmetric:  # the input side it leaves out is the output side with the offsets reversed
+        np.testing.assert_array_equal(arrays[0][:, ::-1][: rulebook.num_input],
+                                      _inverse_table(rulebook, capacity_in)[: rulebook.num_input])
+
+
+def _inverse_table(rulebook, capacity):
+    table = np.full((capacity, rulebook.kernel_volume), NO_PAIR, np.int64)
+    for offset in range(rulebook.kernel_volume):
+        rows_in, rows_out = (np.asarray(rows) for rows in rulebook.pairs(offset))
+        table[rows_in, offset] = rows_out
+    return table

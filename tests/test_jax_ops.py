@@ -42,8 +42,9 @@ except ImportError:
 pytestmark = pytest.mark.usefixtures("x64")
 IMPLS = ["jnp", "callback"]
 # "callback-device": impl="callback" taking its GPU branch (padded pairs, counts on the device), with the
-# buffers left on the CPU and the GPU kernels run by the CPU emulation of CUDA
-ORACLE_IMPLS = IMPLS + ["callback-device"]
+# buffers left on the CPU and the GPU kernels run by the CPU emulation of CUDA; "callback-device-map": the
+# same with the rulebook carried as the padded neighbour map XLA computes (the form traced on a GPU)
+ORACLE_IMPLS = IMPLS + ["callback-device", "callback-device-map"]
 
 
 def _use_impl(impl, monkeypatch):
@@ -55,9 +56,12 @@ def _use_impl(impl, monkeypatch):
     float(), bool(), item(), tolist(), get(), asnumpy, a boolean mask, bincount,
     nonzero...) fails the test, whichever function makes it.
     """
-    if impl != "callback-device":
+    if not impl.startswith("callback-device"):
         return impl
     from sparsecore.jax import callback
+
+    if impl == "callback-device-map":
+        monkeypatch.setattr(callback, "rulebook_form", lambda: "map")
 
     backend = device_arrays.device_backend(emulated_backend())
     core_view = callback._view

@@ -4,8 +4,11 @@ The plan stores each rulebook once, ``[K, Q]`` rows with -1 = no pair. The
 ``buffer_callback`` bridge's GPU path reads it as it is (`padded.pair_map`, no
 count read back to the host); it needs a backend that skips row -1, so it runs
 here on the kernel backend under the CPU emulation of CUDA (and on CuPy where
-a GPU is). Its CPU path joins the true pairs (`padded.true_pair_map`) for the
-NumPy backend and runs the same passes over the full padded rows. Padding
+a GPU is); so does the padded neighbour map the GPU callback carries
+(`padded.neighbour_map` over `layout.map_arrays`), here also on the host, where
+the core turns it into pairs. Its CPU path joins the true pairs
+(`padded.true_pair_map`) for the NumPy backend and runs the same passes over
+the full padded rows. Padding
 rows of the inputs are filled with large values, to show they are masked out;
 the oracle is the core on the true rows with the NumPy backend (itself tested
 against dense torch convolutions), and padding rows of every result must be 0.
@@ -16,11 +19,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("jax")
+jax = pytest.importorskip("jax")
 
 import sparsecore as sc  # noqa: E402
 from sparsecore.backends import NUMPY_BACKEND  # noqa: E402
 from sparsecore.jax import padded  # noqa: E402
+from sparsecore.jax.layout import map_arrays  # noqa: E402
 from sparsecore.jax.plan import PaddedRulebook, SitesInfo  # noqa: E402
 
 try:
@@ -58,7 +62,18 @@ def _padded_rows(rng: np.random.Generator, true_rows: np.ndarray, capacity: int)
     return rows
 
 
-def _pairs(target, layout) -> sc.PairMap:
+def _map(put, layout):
+    """The padded neighbour map of the GPU callback path (`layout.map_arrays`, computed by XLA on the host)."""
+    rulebook, padded_rb, capacity_in, capacity_out = layout
+    tables = jax.jit(map_arrays, static_argnums=(2, 3, 4))(padded_rb.pair_input, padded_rb.pair_output,
+                                                            capacity_in, capacity_out, rulebook.identity_offset >= 0)
+    return padded.neighbour_map(tuple(put(np.asarray(table)) for table in tables), capacity_in, capacity_out,
+                                rulebook.kernel_size)
+
+
+def _pairs(target, layout, form="pairs"):
+    if form == "map":
+        return _map(target.put, layout)
     rulebook, padded_rb, capacity_in, capacity_out = layout
     if target is HOST:
         return padded.true_pair_map(padded_rb.pair_input, padded_rb.pair_output, padded_rb.counts, capacity_in,
@@ -90,6 +105,12 @@ def where(request, target):
     return HOST if request.param == "host" else target
 
 
+@pytest.fixture(params=["pairs", "map"])
+def form(request):
+    """The rulebook form a pass carries: padded pairs, or the padded neighbour map (the GPU callback's)."""
+    return request.param
+
+
 def _check_rows(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     rows = expected.shape[0]
     np.testing.assert_allclose(actual[:rows], expected, rtol=1e-5, atol=1e-5, err_msg=what)
@@ -98,7 +119,7 @@ def _check_rows(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
 
 @pytest.mark.parametrize("count", [0, 120])
 @pytest.mark.parametrize("kind", ["subm", "regular", "transposed"])
-def test_padded_conv_equals_the_core_on_true_rows(where, kind, count):
+def test_padded_conv_equals_the_core_on_true_rows(where, form, kind, count):
     target = where
     layout = _layout(kind, count, len(kind))
     rulebook, _, capacity_in, capacity_out = layout
@@ -109,7 +130,7 @@ def test_padded_conv_equals_the_core_on_true_rows(where, kind, count):
     expected = sc.conv_forward(features, weight, rulebook, backend=NUMPY_BACKEND)
     expected_grads = sc.conv_backward(grad_output, features, weight, rulebook, backend=NUMPY_BACKEND)
 
-    pairs = _pairs(target, layout)
+    pairs = _pairs(target, layout, form)
     n_in, n_out = (target.put(np.asarray(value, np.int32)) for value in (rulebook.num_input, rulebook.num_output))
     x = target.put(_padded_rows(rng, features, capacity_in))
     out = padded.conv_forward(target.backend, x, target.put(weight), pairs, n_in, n_out, groups=1)
@@ -121,14 +142,14 @@ def test_padded_conv_equals_the_core_on_true_rows(where, kind, count):
 
 
 @pytest.mark.parametrize("kind", ["pool", "subm"])
-def test_padded_pools_equal_the_core_on_true_rows(where, kind):
+def test_padded_pools_equal_the_core_on_true_rows(where, form, kind):
     target = where
     layout = _layout(kind, 150, 7)
     rulebook, _, capacity_in, capacity_out = layout
     rng = rng_for(42, len(kind))
     features = rng.standard_normal((rulebook.num_input, 3)).astype(np.float32)
     grad_output = rng.standard_normal((rulebook.num_output, 3)).astype(np.float32)
-    pairs = _pairs(target, layout)
+    pairs = _pairs(target, layout, form)
     x = target.put(_padded_rows(rng, features, capacity_in))
     grad = target.put(_padded_rows(rng, grad_output, capacity_out))
 
@@ -159,9 +180,10 @@ def test_padded_pair_maps_are_refused_by_the_numpy_backend():
         sc.max_pool_forward(features, pairs)
 
 
-def _device_passes(kind: str, seed: int):
+def _device_passes(kind: str, seed: int, form: str = "pairs"):
     """Runs every padded pass of one layer on emulated device arrays; returns the results on the host."""
     layout = _layout(kind, 90, seed)
+    tables = _map(device_arrays.to_device, layout) if form == "map" else None
     rulebook, padded_rb, capacity_in, capacity_out = layout
     rng = rng_for(43, len(kind), seed)
     backend = device_arrays.device_backend(emulated_backend())
@@ -173,8 +195,9 @@ def _device_passes(kind: str, seed: int):
                                  capacity_out))
     n_in, n_out = (put(np.asarray(value, np.int32)) for value in (rulebook.num_input, rulebook.num_output))
     with device_arrays.forbid_host_reads():
-        pairs = padded.pair_map(put(padded_rb.pair_input), put(padded_rb.pair_output), capacity_in,
-                                capacity_out, rulebook.kernel_size, rulebook.identity_offset)
+        pairs = tables if form == "map" else padded.pair_map(
+            put(padded_rb.pair_input), put(padded_rb.pair_output), capacity_in, capacity_out, rulebook.kernel_size,
+            rulebook.identity_offset)
         results = {"conv": padded.conv_forward(backend, x, weight, pairs, n_in, n_out, groups=1)}
         results["conv grads"] = padded.conv_backward(backend, grad_conv, x, weight, pairs, n_in, n_out, groups=1)
         results["max"], argmax = padded.max_pool_forward(backend, x, pairs)
@@ -184,8 +207,9 @@ def _device_passes(kind: str, seed: int):
     return results
 
 
+@pytest.mark.parametrize("form", ["pairs", "map"])
 @pytest.mark.parametrize("kind", ["pool", "subm", "regular"])
-def test_padded_passes_never_read_the_device(monkeypatch, kind):
+def test_padded_passes_never_read_the_device(monkeypatch, kind, form):
     """The GPU callback's contract: no device-to-host read anywhere in a feature pass.
 
     The arrays are `device_arrays.DeviceArray`: any int()/float()/bool()/item()/
@@ -193,7 +217,7 @@ def test_padded_passes_never_read_the_device(monkeypatch, kind):
     nonzero, unique...) on them raises, whoever calls it.
     """
     device_arrays.use_device_arrays(monkeypatch)
-    results = _device_passes(kind, 8)
+    results = _device_passes(kind, 8, form)
     for name, value in results.items():  # all computed, and still "on the device"
         for array in (value if isinstance(value, tuple) else (value,)):
             assert isinstance(array, device_arrays.DeviceArray), name

@@ -132,38 +132,6 @@ def test_unique_inverse(target, count):
         assert_equal(target.get(actual), expected, what)
 
 
-@pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
-@pytest.mark.parametrize("count,channels", [(0, 4), (5, 0), (1, 1), (70, 3), (33, 16)])
-def test_gather_rows(target, dtype_name, count, channels):
-    rng = rng_for(4, count, channels)
-    source = random_floats(rng, (25, channels), target.dtype(dtype_name))
-    rows = rng.integers(0, 25, size=count).astype(np.int32)
-    assert_equal(target.get(target.backend.gather_rows(target.put(source), target.put(rows))),
-                  NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
-    few = rows[rows < 13].astype(np.int64)
-    strided = target.put(source)[::2]  # a non-contiguous source on the device
-    assert_equal(target.get(target.backend.gather_rows(strided, target.put(few))),
-                  NUMPY_BACKEND.gather_rows(source[::2], few), "gather_rows, strided source, int64 rows")
-
-
-@pytest.mark.parametrize("dtype_name", FLOAT_DTYPES)
-@pytest.mark.parametrize("count", [0, 1, 45])
-def test_scatter_add_rows(target, dtype_name, count):
-    rng = rng_for(5, count)
-    dtype = target.dtype(dtype_name)
-    start = random_floats(rng, (60, 5), dtype)
-    rows = rng.permutation(60)[:count].astype(np.int32)
-    values = random_floats(rng, (count, 5), dtype)
-    expected = start.copy()
-    NUMPY_BACKEND.scatter_add_rows(expected, rows, values)
-    device_target = target.put(start.copy())
-    target.backend.scatter_add_rows(device_target, target.put(rows), target.put(values))
-    assert_equal(target.get(device_target), expected, "scatter_add_rows")
-    fortran = target.xp.asfortranarray(target.put(start.copy()))  # non-contiguous: written back
-    target.backend.scatter_add_rows(fortran, target.put(rows), target.put(values))
-    assert_equal(target.get(target.xp.ascontiguousarray(fortran)), expected, "scatter_add_rows, Fortran target")
-
-
 @pytest.mark.parametrize("size,count", [(0, 0), (7, 0), (1, 5), (40, 300), (500, 120)])
 def test_index_add_is_bincount_bit_for_bit(target, size, count):
     rng = rng_for(6, size, count)
@@ -186,7 +154,7 @@ def test_matmul_against_a_sum_of_products(target):
 
 
 def test_production_launch_configuration_spans_several_blocks(target):
-    """Default 256-thread blocks: hashing 1,500 keys and gathering 3,000 x 3 values need several blocks."""
+    """Default 256-thread blocks: hashing 1,500 keys and summing 3,000 values into 2,000 bins need several blocks."""
     backend, launcher = target.recording(block_threads=256, max_blocks=4096)
     rng = rng_for(8)
     keys = rng.choice(10**6, size=1500, replace=False).astype(np.int64)
@@ -198,12 +166,12 @@ def test_production_launch_configuration_spans_several_blocks(target):
     expected_table, _ = NUMPY_BACKEND.hash_build(keys, values)
     assert_equal(target.get(backend.hash_lookup(table, target.put(queries))),
                   NUMPY_BACKEND.hash_lookup(expected_table, queries), "hash_lookup")
-    source = rng.standard_normal((1500, 3)).astype(np.float32)
-    rows = rng.integers(0, 1500, size=3000).astype(np.int32)
-    assert_equal(target.get(backend.gather_rows(target.put(source), target.put(rows))),
-                  NUMPY_BACKEND.gather_rows(source, rows), "gather_rows")
+    index = rng.integers(0, 2000, size=3000).astype(np.int64)
+    values = rng.standard_normal(3000)
+    assert_equal(target.get(backend.index_add(2000, target.put(index), target.put(values))),
+                  NUMPY_BACKEND.index_add(2000, index, values), "index_add")
     launched = {record.expression.split("<")[0] for record in launcher.records}
-    assert launched == {"sc_hash_insert", "sc_hash_lookup", "sc_gather_rows"}, launched
+    assert launched == {"sc_hash_insert", "sc_hash_lookup", "sc_segment_sum_rows"}, launched
     assert all(record.block == 256 and record.grid > 1 for record in launcher.records), launcher.records
 
 
@@ -215,26 +183,21 @@ def test_empty_inputs_launch_nothing(target):
     assert target.get(backend.hash_lookup(table, empty_keys)).shape == (0,)
     assert target.get(backend.hash_lookup_offsets(table, empty_keys, (0, 1, 2))).shape == (3, 0)
     assert [target.get(part).shape for part in backend.hash_items(table)] == [(0,), (0,)]
-    source = target.put(np.zeros((4, 3), np.float32))
-    no_rows = target.put(np.zeros(0, np.int32))
-    assert target.get(backend.gather_rows(source, no_rows)).shape == (0, 3)
-    backend.scatter_add_rows(source, no_rows, target.put(np.zeros((0, 3), np.float32)))
     assert_equal(target.get(backend.index_add(5, empty_keys, target.put(np.zeros(0)))), np.zeros(5), "index_add")
     assert launcher.records == []
 
 
 def test_bad_arguments_raise_naming_them(target):
     backend = target.backend
-    source = target.put(np.zeros((4, 3), np.float32))
-    rows = target.put(np.zeros(2, np.int32))
-    with pytest.raises(TypeError, match="source must have dtype float32"):
-        backend.gather_rows(target.put(np.zeros((4, 3), np.int32)), rows)
-    with pytest.raises(ValueError, match="source must have 2 axes"):
-        backend.gather_rows(target.put(np.zeros(4, np.float32)), rows)
-    with pytest.raises(TypeError, match="rows must be an integer array"):
-        backend.gather_rows(source, target.put(np.zeros(2, np.float32)))
-    with pytest.raises(ValueError, match=r"values must have shape \[2, 3\]"):
-        backend.scatter_add_rows(source, rows, target.put(np.zeros((2, 4), np.float32)))
+    passes = backend.fused_passes
+    rulebook = sc.build_pool_rulebook(target.put(random_sites(rng_for(9), 20, (4, 5, 6), 1)), (4, 5, 6), 1, 2,
+                                      backend=backend)
+    with pytest.raises(TypeError, match="max_pool_forward: features must have dtype float32"):
+        passes.max_pool_forward(target.put(np.zeros((20, 3), np.int32)), rulebook.neighbour_map)
+    with pytest.raises(ValueError, match="avg_pool_forward: features must have 2 axes"):
+        passes.avg_pool_forward(target.put(np.zeros(20, np.float32)), rulebook.neighbour_map)
+    with pytest.raises(TypeError, match="index must be an integer array"):
+        backend.index_add(5, target.put(np.zeros(2, np.float32)), target.put(np.ones(2)))
     with pytest.raises(ValueError, match="values has 1 entries, expected 2"):
         backend.hash_build(target.put(np.zeros(2, np.int64)), target.put(np.zeros(1, np.int64)))
     with pytest.raises(ValueError, match=r"index holds values from 0 to 9, outside \[0, 5\)"):
@@ -273,11 +236,23 @@ def _geometry(case: tuple) -> sc.ConvGeometry:
 
 
 def _assert_same_rulebook(actual: sc.Rulebook, expected: sc.Rulebook, target: Target) -> None:
+    """The same sites and, per kernel offset, the same set of (input row, output row) pairs.
+
+    The kernel backend stores a neighbour map and derives its pair lists ordered by output
+    row within an offset; the NumPy backend's builders order them by key or input row, so
+    pairs are compared per offset as sets (tests/test_rulebook_maps.py compares the maps).
+    """
     assert actual.offset_starts == expected.offset_starts
     assert actual.identity_offset == expected.identity_offset
     assert actual.output_spatial_shape == expected.output_spatial_shape
-    for field_name in ("input_indices", "output_indices", "pair_input", "pair_output"):
+    for field_name in ("input_indices", "output_indices"):
         assert_equal(target.get(getattr(actual, field_name)), getattr(expected, field_name), field_name)
+    for offset in range(expected.kernel_volume):
+        got = np.stack([target.get(rows) for rows in actual.pairs(offset)], axis=1)
+        want = np.stack(expected.pairs(offset), axis=1)
+        assert got.dtype == want.dtype == np.int32, offset
+        np.testing.assert_array_equal(got[np.lexsort(got.T[::-1])], want[np.lexsort(want.T[::-1])],
+                                      err_msg=f"offset {offset}")
 
 
 @pytest.mark.parametrize("count", [0, 180])
@@ -315,21 +290,25 @@ def test_duplicate_sites_raise_the_same_error(target, kind):
 
 
 @pytest.mark.parametrize("case, kernels", [
-    (RULEBOOK_CASES[2], {"sc_pack_keys", "sc_hash_insert", "sc_hash_lookup_offsets", "sc_compact_count",
-                         "sc_compact_write", "sc_mirror_pairs"}),
-    (RULEBOOK_CASES[6], {"sc_pack_keys", "sc_hash_insert", "sc_regular_conv_candidates", "sc_compact_count",
-                         "sc_compact_write", "sc_unpack_keys"}),
-    (RULEBOOK_CASES[10], {"sc_pack_keys", "sc_hash_insert", "sc_transposed_conv_candidates", "sc_compact_count",
-                          "sc_compact_write", "sc_unpack_keys"}),
+    (RULEBOOK_CASES[2], ["sc_map_insert_sites", "sc_map_check_sites", "sc_map_submanifold"]),
+    (RULEBOOK_CASES[6], ["sc_map_insert_sites", "sc_map_candidates", "sc_map_mark_outputs", "sc_map_check_sites",
+                         "sc_map_strided"]),
+    (RULEBOOK_CASES[10], ["sc_map_insert_sites", "sc_map_candidates", "sc_map_mark_outputs", "sc_map_check_sites",
+                          "sc_map_strided"]),
 ], ids=["subm", "regular", "transposed"])
-def test_rulebook_builders_run_the_kernels(target, case, kernels):
+@pytest.mark.parametrize("assume_unique", [False, True])
+def test_rulebook_builders_run_the_kernels(target, case, kernels, assume_unique):
+    # the rulebook as a neighbour map, one launch per kernel and none per kernel offset: subm
+    # inserts the sites and writes every site's row in one launch; strided writes candidates,
+    # marks the first of each output key after an argsort, and writes both sides in one launch.
+    # Unchecked sites (assume_unique) skip the check kernel and the strided build's site table.
     backend, launcher = target.recording()
     indices = target.put(random_sites(rng_for(12), 100, case[1], 1))
-    sc.build_rulebook(indices, case[1], 1, _geometry(case), backend=backend)
-    assert launcher.kernel_names() == kernels
-    # one launch per kernel, none per kernel offset (subm: the sites packed, one insert, one lookup of
-    # every offset below the centre, the two compaction passes, one mirror)
-    assert len(launcher.records) == len(kernels), [record.expression for record in launcher.records]
+    sc.build_rulebook(indices, case[1], 1, _geometry(case), backend=backend, assume_unique=assume_unique)
+    if assume_unique:
+        kernels = [name for name in kernels if name != "sc_map_check_sites"]
+        kernels = kernels if case[0] == "subm" else kernels[1:]
+    assert [record.expression for record in launcher.records] == kernels
 
 
 # ============================================================== feature passes
@@ -389,36 +368,33 @@ def test_conv_forward_and_backward_match_numpy(target, case):
         _assert_close(target.get(actual_grad), expected_grad, dtype_name, what)
 
 
-@pytest.mark.parametrize("chunk_elements", [1 << 26, 0, 200])
-def test_conv_runs_the_kernels_and_is_deterministic(target, chunk_elements):
-    backend, launcher = target.recording(chunk_elements=chunk_elements)
-    expected_rb, actual_rb, features, weight, bias, grad_output, groups = _conv_setup(target, CONV_CASES[0], count=120)
-    args = (target.put(grad_output), target.put(features), target.put(weight), actual_rb, groups)
-    first = [target.get(grad) for grad in conv.conv_backward(*args, backend=backend)]
-    first_launches = len(launcher.records)  # the first run also lays its chunks out (kept on the rulebook)
-    second = [target.get(grad) for grad in conv.conv_backward(*args, backend=backend)]
-    second_records = launcher.records[first_launches:]
-    for one, two in zip(first, second):
+@pytest.mark.parametrize("case", [CONV_CASES[0], CONV_CASES[2]], ids=lambda case: case[0])
+def test_conv_runs_the_fused_kernels_and_is_deterministic(target, case):
+    """A forward is one sc_implicit_gemm launch, a backward one more plus one sc_weight_gradient; no matrix
+    product goes through the backend's GEMM; two runs are bitwise equal."""
+    backend, launcher = target.recording()
+    expected_rb, actual_rb, features, weight, bias, grad_output, groups = _conv_setup(target, case, count=120)
+    counting = _CountingMatmul(backend)
+    forward_args = (target.put(features), target.put(weight), actual_rb, None if bias is None else target.put(bias),
+                    groups)
+    backward_args = (target.put(grad_output), target.put(features), target.put(weight), actual_rb, groups)
+    runs = []
+    for _ in range(2):
+        first = len(launcher.records)
+        out = conv.conv_forward(*forward_args, backend=counting)
+        forward_records = launcher.records[first:]
+        grads = conv.conv_backward(*backward_args, backend=counting)
+        backward_records = launcher.records[first + len(forward_records):]
+        runs.append([target.get(value) for value in (out, *grads)])
+        assert [record.expression.split("<")[0] for record in forward_records] == ["sc_implicit_gemm"]
+        assert [record.expression.split("<")[0] for record in backward_records] == ["sc_implicit_gemm",
+                                                                                     "sc_weight_gradient"]
+    assert counting.calls == 0
+    for one, two in zip(*runs):
         assert_equal(two, one, "second run")
     expected = conv.conv_backward(grad_output, features, weight, expected_rb, groups, backend=NUMPY_BACKEND)
-    for actual_grad, expected_grad, what in zip(first, expected, ("grad_features", "grad_weight")):
+    for actual_grad, expected_grad, what in zip(runs[0][1:], expected, ("grad_features", "grad_weight")):
         _assert_close(actual_grad, expected_grad, "float32", what)
-    launches_per_run = len(second_records)
-    second_names = {record.expression.split("<")[0] for record in second_records}
-    counting = _CountingMatmul(backend)
-    conv.conv_backward(*args, backend=counting)
-    if chunk_elements == 0:  # one offset per chunk: a unique-row scatter per offset
-        assert launcher.kernel_names() == {"sc_gather_rows", "sc_scatter_add_rows_unique"}
-    elif chunk_elements == 1 << 26:
-        # one chunk (the offsets on both sides of the centre): 2 gathers and 1 run sum, and
-        # 2 batched GEMMs, plus the centre's 2 plain GEMMs; the first run also laid the chunk
-        # out (one sc_chunk_layout), the second reused the layout
-        assert launcher.kernel_names() == {"sc_gather_rows", "sc_sum_run_rows", "sc_chunk_layout"}
-        assert second_names == {"sc_gather_rows", "sc_sum_run_rows"}
-        assert first_launches == 4 and launches_per_run == 3, [record.expression for record in launcher.records]
-        assert counting.calls == 4
-    else:
-        assert 6 < launches_per_run < 3 * 26 and 6 < counting.calls < 2 * 26
 
 
 class _CountingMatmul:
@@ -520,10 +496,9 @@ def test_cupy_launcher_with_a_stand_in_cupy(monkeypatch):
         cupy_backend = importlib.import_module(module_name)
         assert cupy_backend.CUPY_BACKEND.xp is stand_in and cupy_backend.CUPY_BACKEND.name == "cupy"
         backend = KernelBackend(np, cupy_backend.CupyLauncher(), block_threads=32, max_blocks=2)
-        source = np.arange(12, dtype=np.float32).reshape(4, 3)
-        rows = np.array([3, 0, 3], dtype=np.int32)
-        assert_equal(backend.gather_rows(source, rows), source[rows], "gather_rows")
-        assert requested == [("sc_gather_rows<float>", 3)]
+        index, values = np.array([3, 0, 3], dtype=np.int64), np.array([1.0, 2.0, 4.0])
+        assert_equal(backend.index_add(5, index, values), np.array([2.0, 0, 0, 5.0, 0]), "index_add")
+        assert requested == [("sc_segment_sum_rows<double, double>", 3)]
     finally:
         sys.modules.pop(module_name, None)
         if saved_module is not None:
@@ -540,10 +515,10 @@ def test_cupy_launcher_with_a_stand_in_cupy(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels, groups", [(16, 1), (8, 2)])
 def test_feature_passes_do_not_synchronise_with_the_host(target, channels, groups):
-    """Once a rulebook's layouts are built, conv forward and backward on CuPy never wait for the device.
+    """Once a rulebook exists, conv forward and backward on CuPy never wait for the device.
 
     ``cupyx.allow_synchronize(False)`` makes every CuPy operation that would synchronise
-    (a device read, a size from the device) raise; the first pass builds the layouts it keeps.
+    (a device read, a size from the device) raise; the first pass sorts the map's row orders it keeps.
     """
     if target.name != "cupy":
         pytest.skip("CuPy only")
@@ -561,16 +536,16 @@ def test_feature_passes_do_not_synchronise_with_the_host(target, channels, group
     with cupyx.allow_synchronize(False):
         actual = (conv.conv_forward(features, weight, rulebook, groups=groups, backend=target.backend),
                   *conv.conv_backward(grad, features, weight, rulebook, groups, backend=target.backend))
-    for got, want in zip(actual, expected):  # deterministic: the same bits with the kept layouts
+    for got, want in zip(actual, expected):  # deterministic: the same bits
         assert_equal(target.get(got), target.get(want), "second pass")
 
 
 @pytest.mark.gpu
 def test_cupy_kernels_launch_on_the_current_stream(target):
-    """Captured into a CUDA graph on a new stream, a scatter runs only when the graph is replayed.
+    """Captured into a CUDA graph on a new stream, a pool kernel runs only when the graph is replayed.
 
     Had the kernel gone to another stream, the capture (global mode) would have
-    failed, or the update would have happened at once.
+    failed, or the output would have been written at once.
     """
     if target.name != "cupy":
         pytest.skip("CuPy streams only")
@@ -579,23 +554,26 @@ def test_cupy_kernels_launch_on_the_current_stream(target):
     from sparsecore.backends.cupy_backend import CUPY_BACKEND
 
     rng = rng_for(16)
-    rows = cupy.asarray(rng.permutation(50)[:30].astype(np.int32))
-    values = cupy.asarray(rng.standard_normal((30, 4)).astype(np.float32))
-    buffer = cupy.zeros((50, 4), dtype=np.float32)
-    CUPY_BACKEND.scatter_add_rows(cupy.zeros((50, 4), np.float32), rows, values)  # compiles the kernel
+    neighbours = cupy.asarray(rng.integers(-1, 50, size=(30, 4)).astype(np.int32))
+    features = cupy.asarray(rng.standard_normal((50, 4)).astype(np.float32))
+    buffer = cupy.zeros((30, 4), dtype=np.float32)
+    args = (features, neighbours, np.int64(30), np.int32(4), np.int64(4), buffer)
+    CUPY_BACKEND.launcher.launch("sc_avg_pool_map<float>", 1, 128, args)  # compiles the kernel
+    buffer[...] = 0
     cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        CUPY_BACKEND.scatter_add_rows(buffer, rows, values)  # no allocation, no host sync inside
+        CUPY_BACKEND.launcher.launch("sc_avg_pool_map<float>", 1, 128, args)  # no allocation, no host sync
         graph = stream.end_capture()
     cupy.cuda.Device().synchronize()
     assert float(cupy.abs(buffer).sum()) == 0.0, "the kernel ran outside the captured stream"
     graph.launch(stream)
     stream.synchronize()
-    expected = np.zeros((50, 4), np.float32)
-    expected[cupy.asnumpy(rows)] = cupy.asnumpy(values)
-    assert_equal(cupy.asnumpy(buffer), expected, "replayed scatter")
+    table, values = cupy.asnumpy(neighbours), cupy.asnumpy(features)
+    expected = np.stack([values[row[row >= 0]].mean(axis=0) if (row >= 0).any() else np.zeros(4, np.float32)
+                         for row in table]).astype(np.float32)
+    np.testing.assert_allclose(cupy.asnumpy(buffer), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu

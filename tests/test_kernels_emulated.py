@@ -5,7 +5,10 @@ Every registered kernel runs through the launch wrappers of
 (no launch at all), partial last blocks, and grids capped below the work so
 grid-stride loops go round more than once. Integer results must be equal and
 float results bitwise equal (the twins use the kernels' summation order).
-The ``cupy`` variant runs the same checks where a GPU is present.
+The ``cupy`` variant runs the same checks where a GPU is present. The fused
+feature kernels (``implicit_gemm.cu``, ``pool_maps.cu``) are tested through
+their launch wrappers in test_implicit_gemm.py and test_pool_maps.py; here,
+pool_maps.cu shows what the emulation's bounds checks catch.
 """
 
 from __future__ import annotations
@@ -83,13 +86,6 @@ def _random_groups(rng, num_groups: int, num_members: int, max_size: int = 5):
     return starts, members
 
 
-def _by_input(pair_input, pair_output, num_in):
-    """The by-input grouping of pairs: ``(input_starts, output_rows)``."""
-    order = np.argsort(pair_input, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(np.bincount(pair_input, minlength=num_in))]).astype(np.int64)
-    return starts, pair_output[order].astype(np.int32)
-
-
 # ---------------------------------------------------------------- hash_table.cu
 
 
@@ -138,9 +134,6 @@ def test_hash_lookup_offsets_padded_grid(backend, n):
     np.testing.assert_array_equal(out, expected)
 
 
-# ------------------------------------------------------------ gather_scatter.cu
-
-
 @pytest.mark.parametrize("n, shape, margin", [(0, (4, 5), (0, 0)), (1, (7,), (2,)), (150, (9, 10, 11), (1, 1, 1)),
                                              (90, (300, 2, 70000), (3, 0, 1))])
 def test_pack_and_unpack_keys(backend, n, shape, margin):
@@ -160,42 +153,10 @@ def test_pack_and_unpack_keys(backend, n, shape, margin):
     np.testing.assert_array_equal(backend.get(back), indices)
 
 
-def _row_case(dtype_name: str, channels: int, vector: int, *seed: int) -> tuple[np.random.Generator, str]:
-    """``(rng, element type)`` of a row-kernel case; skips the vector widths the backend would never pick."""
-    itemsize = np.dtype(twins.STORAGE_DTYPES[dtype_name][0]).itemsize
-    if channels % vector or vector * itemsize > 16:
-        pytest.skip(f"vector {vector} does not fit {channels} channels of {dtype_name}")
-    return _rng(*seed), twins.STORAGE_DTYPES[dtype_name][2]
+# ------------------------------------------------------------- segment_sums.cu
 
 
-@pytest.mark.parametrize("vector", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("m,channels", [(0, 4), (1, 1), (70, 3), (33, 16)])
-def test_gather_rows(backend, dtype_name, m, channels, vector):
-    rng, element_type = _row_case(dtype_name, channels, vector, 3, m, channels)
-    source = twins.random_features(rng, (20, channels), dtype_name)
-    rows = rng.integers(-1, 20, size=m).astype(np.int32)
-    out = backend.get(backend.launch.gather_rows(backend.put(source), backend.put(rows), element_type, vector))
-    np.testing.assert_array_equal(out, twins.gather_rows(source, rows))
-
-
-@pytest.mark.parametrize("vector", [1, 2, 4])
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("m,channels", [(0, 4), (1, 5), (45, 5), (45, 8)])
-def test_scatter_add_rows_unique(backend, dtype_name, m, channels, vector):
-    rng, element_type = _row_case(dtype_name, channels, vector, 4, m, channels)
-    target = twins.random_features(rng, (60, channels), dtype_name)
-    rows = rng.permutation(60)[:m].astype(np.int32)
-    rows[::7] = -1
-    values = twins.random_features(rng, (m, channels), dtype_name)
-    device_target = backend.put(target.copy())
-    backend.launch.scatter_add_rows_unique(device_target, backend.put(rows), backend.put(values), element_type,
-                                           vector)
-    np.testing.assert_array_equal(backend.get(device_target),
-                                  twins.scatter_add_rows_unique(target, rows, values, dtype_name))
-
-
-@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("dtype_name", ["float64"])  # the one instantiation: index_add's
 @pytest.mark.parametrize("num_segments,channels", [(0, 3), (1, 1), (40, 3), (9, 17)])
 def test_segment_sum_rows(backend, dtype_name, num_segments, channels):
     rng = _rng(5, num_segments, channels)
@@ -211,193 +172,59 @@ def test_segment_sum_rows(backend, dtype_name, num_segments, channels):
     np.testing.assert_array_equal(backend.get(device_target), expected)
 
 
-@pytest.mark.parametrize("vector", [1, 2, 4])
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("num_runs, channels", [(0, 3), (1, 1), (4, 5), (13, 2), (5, 4)])
-def test_sum_run_rows(backend, dtype_name, num_runs, channels, vector):
-    rng, element_type = _row_case(dtype_name, channels, vector, 6, num_runs, channels)
-    source = twins.random_features(rng, (70, channels), dtype_name)
-    slots = np.full((num_runs, 45), -1, np.int32)  # 45 >= 40 target rows: a padded stride
-    for run in range(num_runs):
-        rows = rng.choice(40, size=int(rng.integers(0, 30)), replace=False)
-        slots[run, rows] = rng.choice(70, size=rows.shape[0], replace=False)
-    target = twins.random_features(rng, (40, channels), dtype_name)
-    device_target = backend.put(target.copy())
-    backend.launch.sum_run_rows(device_target, backend.put(source), backend.put(slots), element_type, vector)
-    expected = twins.sum_run_rows(target, source, slots, dtype_name)
-    np.testing.assert_array_equal(backend.get(device_target), expected)
+# ---------------------------------------------------------------- pool_maps.cu
 
 
-EDGE_VALUES = {
-    # Largest finite values (sums overflow to inf), ties at the rounding boundary, subnormals, signed zeros.
-    "float16": [0.0, -0.0, 2.0**-24, 3 * 2.0**-24, 2.0**-14, 65504.0, -65504.0, 32768.0, 16.0, 2048.0, 1.0, 3.0,
-                -2.0**-24, 1e-3, 0.1],
-    # Kept clear of float32 subnormals, which the GPU flushes to zero (CuPy compiles with -ftz=true).
-    "bfloat16": [0.0, -0.0, 3.3895e38, -3.3895e38, 1.7e38, 2.0**-120, 2.0**-124, 256.0, 1.0, 3.0, 1e-3, 0.1],
-}
+# The row -1 guard of the forward pools' window walk.
+_ROW_GUARD = "      if (row < 0) continue;\n"
 
 
-@pytest.mark.parametrize("dtype_name", sorted(EDGE_VALUES))
-def test_16_bit_rounding_edge_cases(backend, dtype_name):
-    """Sums of all pairs (overflow, ties) and means of triples (rounding into subnormals), bit for bit."""
-    element_type = twins.STORAGE_DTYPES[dtype_name][2]
-    values = twins.narrow(np.array(EDGE_VALUES[dtype_name], dtype=np.float32)[:, None], dtype_name)
-    count = values.shape[0]
-    pairs = np.array([(a, b) for a in range(count) for b in range(count)], dtype=np.int32).reshape(-1)
-    starts = np.arange(0, pairs.shape[0] + 1, 2, dtype=np.int64)
-    target = twins.narrow(np.zeros((starts.shape[0] - 1, 1), np.float32), dtype_name)
-    device_target = backend.put(target.copy())
-    segment_rows = np.arange(target.shape[0], dtype=np.int32)
-    backend.launch.segment_sum_rows(device_target, backend.put(values), backend.put(pairs), backend.put(starts),
-                                    backend.put(segment_rows), element_type)
-    expected = twins.segment_sum_rows(target, values, pairs, starts, segment_rows, dtype_name)
-    np.testing.assert_array_equal(backend.get(device_target).view(np.uint16), expected.view(np.uint16))
-    triples = np.array(list(itertools.permutations(range(count), 3)), dtype=np.int32).reshape(-1)
-    triple_starts = np.arange(0, triples.shape[0] + 1, 3, dtype=np.int64)
-    out = backend.launch.avg_pool_forward(backend.put(values), backend.put(triples), backend.put(triple_starts),
-                                          element_type)
-    expected = twins.avg_pool_forward(values, triples, triple_starts, dtype_name)
-    np.testing.assert_array_equal(backend.get(out).view(np.uint16), expected.view(np.uint16))
-
-
-# ------------------------------------------------------------------ pooling.cu
-
-
-def _pooling_case(rng, dtype_name, num_in, num_out, channels):
-    """Groups of up to 6 inputs per output (CSR), their outputs per pair, and features with ties."""
-    starts, input_rows = _random_groups(rng, num_out, num_in, max_size=6)
-    pair_output = np.repeat(np.arange(num_out), np.diff(starts)).astype(np.int32)
-    features = twins.random_features(rng, (num_in, channels), dtype_name)
-    features[: num_in // 3] = features[num_in // 3 : 2 * (num_in // 3)]  # repeated values: ties
-    return starts, input_rows, pair_output, features
-
-
-POOLING_SIZES = [(0, 0, 3), (0, 4, 2), (30, 41, 3), (12, 5, 9)]
-
-
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("num_in,num_out,channels", POOLING_SIZES)
-def test_max_pool_forward_and_backward(backend, dtype_name, num_in, num_out, channels):
-    rng, element_type = _rng(6, num_in, num_out, channels), twins.STORAGE_DTYPES[dtype_name][2]
-    starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, num_in, num_out, channels)
-    out, argmax = backend.launch.max_pool_forward(backend.put(features), backend.put(input_rows),
-                                                  backend.put(starts), element_type)
-    expected_out, expected_argmax = twins.max_pool_forward(features, input_rows, starts, dtype_name)
-    np.testing.assert_array_equal(backend.get(argmax), expected_argmax)
-    np.testing.assert_array_equal(backend.get(out), expected_out)
-    grad_out = twins.random_features(rng, (num_out, channels), dtype_name)
-    input_starts, output_rows = _by_input(input_rows, pair_output, num_in)
-    grad_in = backend.launch.max_pool_backward(backend.put(grad_out), argmax, backend.put(output_rows),
-                                               backend.put(input_starts), element_type)
-    expected = twins.max_pool_backward(grad_out, expected_argmax, output_rows, input_starts, dtype_name)
-    np.testing.assert_array_equal(backend.get(grad_in), expected)
-
-
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("num_in,num_out,channels", POOLING_SIZES)
-def test_avg_pool_forward_and_backward(backend, dtype_name, num_in, num_out, channels):
-    rng, element_type = _rng(7, num_in, num_out, channels), twins.STORAGE_DTYPES[dtype_name][2]
-    starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, num_in, num_out, channels)
-    out = backend.launch.avg_pool_forward(backend.put(features), backend.put(input_rows), backend.put(starts),
-                                          element_type)
-    np.testing.assert_array_equal(backend.get(out), twins.avg_pool_forward(features, input_rows, starts, dtype_name))
-    grad_out = twins.random_features(rng, (num_out, channels), dtype_name)
-    input_starts, output_rows = _by_input(input_rows, pair_output, num_in)
-    grad_in = backend.launch.avg_pool_backward(backend.put(grad_out), backend.put(output_rows),
-                                               backend.put(input_starts), backend.put(starts), element_type)
-    expected = twins.avg_pool_backward(grad_out, output_rows, input_starts, starts, dtype_name)
-    np.testing.assert_array_equal(backend.get(grad_in), expected)
-
-
-def _padded(rng, rows: np.ndarray) -> np.ndarray:
-    """``rows`` with about a quarter replaced by -1 (pairs of a padded map missing one side)."""
-    rows = rows.copy()
-    rows[rng.random(rows.shape[0]) < 0.25] = -1
-    return rows
-
-
-@pytest.mark.parametrize("dtype_name", DTYPES)
-def test_pooling_kernels_skip_padding_rows(backend, dtype_name):
-    """A pair padded on one side (input or output row -1) is skipped, never read through."""
-    rng = _rng(8, len(dtype_name))
-    element_type = twins.STORAGE_DTYPES[dtype_name][2]
-    starts, input_rows, pair_output, features = _pooling_case(rng, dtype_name, 30, 41, 3)
-    input_rows = _padded(rng, input_rows)
-    assert (input_rows < 0).any()
-    out, argmax = backend.launch.max_pool_forward(backend.put(features), backend.put(input_rows),
-                                                  backend.put(starts), element_type)
-    expected_out, expected_argmax = twins.max_pool_forward(features, input_rows, starts, dtype_name)
-    np.testing.assert_array_equal(backend.get(argmax), expected_argmax)
-    np.testing.assert_array_equal(backend.get(out), expected_out)
-    out = backend.launch.avg_pool_forward(backend.put(features), backend.put(input_rows), backend.put(starts),
-                                          element_type)
-    np.testing.assert_array_equal(backend.get(out), twins.avg_pool_forward(features, input_rows, starts, dtype_name))
-    grad_out = twins.random_features(rng, (41, 3), dtype_name)
-    valid = input_rows >= 0
-    input_starts, output_rows = _by_input(input_rows[valid], pair_output[valid], 30)
-    output_rows = _padded(rng, output_rows)
-    grad_in = backend.launch.max_pool_backward(backend.put(grad_out), argmax, backend.put(output_rows),
-                                               backend.put(input_starts), element_type)
-    expected = twins.max_pool_backward(grad_out, expected_argmax, output_rows, input_starts, dtype_name)
-    np.testing.assert_array_equal(backend.get(grad_in), expected)
-    grad_in = backend.launch.avg_pool_backward(backend.put(grad_out), backend.put(output_rows),
-                                               backend.put(input_starts), backend.put(starts), element_type)
-    expected = twins.avg_pool_backward(grad_out, output_rows, input_starts, starts, dtype_name)
-    np.testing.assert_array_equal(backend.get(grad_in), expected)
-
-
-# The row -1 guard of every group walk (sc::for_each_group_entry, inlined from sc_common.cuh).
-_ROW_GUARDS = {"    if (entry >= 0) {\n      body(p, entry);\n    }\n": "    body(p, entry);\n"}
-
-
-def _unguarded_pooling_launcher() -> launchers.Launcher:
-    """pooling.cu with its row -1 guards taken out (the code before they were added), emulated."""
+def _unguarded_pool_module():
+    """pool_maps.cu with the forward's row -1 guards taken out, emulated."""
     if harness.compiler_path() is None:
         pytest.skip("g++ is not installed")
-    source = kernel_registry.kernel_source("pooling.cu")
-    for guard, unguarded in _ROW_GUARDS.items():
-        assert guard in source
-        source = source.replace(guard, unguarded)
-    module = harness.load_module_from_source("pooling.cu", source)
-    return launchers.Launcher(np, lambda file, expression: module.get_function(expression), block=32, max_blocks=3)
+    source = kernel_registry.kernel_source("pool_maps.cu")
+    assert source.count(_ROW_GUARD) == 2
+    return harness.load_module_from_source("pool_maps.cu", source.replace(_ROW_GUARD, ""))
+
+
+def _max_pool(module, features, neighbours, num_out=None, out=None):
+    num_out = neighbours.shape[0] if num_out is None else num_out
+    channels = features.shape[1]
+    out = np.zeros((num_out, channels), features.dtype) if out is None else out
+    argmax = np.zeros((num_out, channels), np.int32)
+    module.get_function("sc_max_pool_map<float>")((1,), (32,), (features, neighbours, np.int64(num_out),
+                                                                np.int32(neighbours.shape[1]), np.int64(channels),
+                                                                out, argmax))
+    return out, argmax
 
 
 def test_the_emulation_fails_loudly_on_a_row_minus_one_read():
-    """Without the guards a one-sided padded pair reads row -1: the emulation raises, naming the access."""
-    rng = _rng(9)
-    launch = _unguarded_pooling_launcher()
-    features = rng.standard_normal((5, 4)).astype(np.float32)
-    input_rows = np.array([0, 3, -1, 2, 4], np.int32)  # output 1's second pair has no input
-    starts = np.array([0, 2, 4, 5], np.int64)
+    """Without the guard a window with a missing input reads row -1: the emulation raises, naming the access."""
+    module = _unguarded_pool_module()
+    features = _rng(9).standard_normal((5, 4)).astype(np.float32)
+    neighbours = np.array([[0, 3], [-1, 2], [4, 1]], np.int32)  # output 1's first offset has no input
     with pytest.raises(harness.OutOfBoundsAccess,
-                       match=r"sc_max_pool_forward<float>: argument 0 \(p:f4, float32 \(5, 4\), 20 elements\) "
+                       match=r"sc_max_pool_map<float>: argument 0 \(p:f4, float32 \(5, 4\), 20 elements\) "
                              r"accessed element -[1-4] "):
-        launch.max_pool_forward(features, input_rows, starts)
-    argmax = np.zeros((3, 4), np.int32)
-    with pytest.raises(harness.OutOfBoundsAccess, match=r"sc_max_pool_backward<float>: argument 1 .* element -"):
-        launch.max_pool_backward(features[:3], argmax, np.array([0, -1, 2], np.int32),
-                                 np.array([0, 1, 2, 3, 3, 3], np.int64))
+        _max_pool(module, features, neighbours)
 
 
 def test_the_emulation_catches_reads_far_past_the_end_and_any_write_past_it():
-    if harness.compiler_path() is None:
-        pytest.skip("g++ is not installed")
-    launch = _unguarded_pooling_launcher()
+    module = _unguarded_pool_module()
     features = np.ones((6, 2), np.float32)
     with pytest.raises(harness.OutOfBoundsAccess, match=r"argument 0 .* accessed element 2000[0-9]"):
-        launch.max_pool_forward(features, np.array([1, 10000], np.int32), np.array([0, 2], np.int64))
-    # a read just past the end of input_rows finds the canary (0x7f7f7f7f as a row): a wild access
-    with pytest.raises(harness.OutOfBoundsAccess, match=r"sc_max_pool_forward<float>: accessed address .* outside "
+        _max_pool(module, features, np.array([[1, 10000]], np.int32))
+    # a read just past the end of the table finds the canary (0x7f7f7f7f as a row): a wild access
+    with pytest.raises(harness.OutOfBoundsAccess, match=r"sc_max_pool_map<float>: accessed address .* outside "
                                                         r"every array argument"):
-        launch.max_pool_forward(features, np.array([1, 2], np.int32), np.array([0, 3], np.int64))
-    gather = harness.load_module("gather_scatter.cu").get_function(kernel_registry.name_expression(
-        "sc_gather_rows", "float32"))
-    source = np.arange(12, dtype=np.float32).reshape(6, 2)
-    too_small = np.zeros((2, 2), np.float32)  # three rows are gathered into room for two
-    with pytest.raises(harness.OutOfBoundsAccess, match=r"argument 5 .* wrote past its end at element 4 "):
-        gather((1,), (32,), (source, np.array([5, 0, 3], np.int32), np.int64(3), np.int64(2), np.int32(1),
-                             too_small))
-    np.testing.assert_array_equal(too_small, source[[5, 0]])  # what fits was written
+        _max_pool(module, features, np.array([[1, 2]], np.int32), num_out=2, out=np.zeros((2, 2), np.float32))
+    guarded = harness.load_module("pool_maps.cu")
+    too_small = np.zeros((1, 2), np.float32)  # two outputs written into room for one
+    with pytest.raises(harness.OutOfBoundsAccess, match=r"argument 5 .* wrote past its end at element 2 "):
+        _max_pool(guarded, np.arange(12, dtype=np.float32).reshape(6, 2), np.array([[5, 0], [3, -1]], np.int32),
+                  out=too_small)
+    np.testing.assert_array_equal(too_small, [[10, 11]])  # what fits was written
 
 
 # ----------------------------------------------------------------- rulebook.cu
@@ -447,39 +274,35 @@ def test_conv_candidates(backend, n, geometry, transposed):
     np.testing.assert_array_equal(backend.get(keys), expected)
 
 
-@pytest.mark.parametrize("counts, width", [([5, 0, 9, 3], 9), ([4], 7), ([0, 0], 3), ([6, 6], 6)])
-@pytest.mark.parametrize("write_output", [True, False])
-def test_chunk_layout(backend, counts, width, write_output):
-    rng = _rng(12, len(counts), width, int(write_output))
-    num_rows, gap = 11, 2
-    starts = [gap + sum(counts[:r]) + r * gap for r in range(len(counts))]  # offsets need not touch
-    total = starts[-1] + counts[-1] + gap
-    pair_input = rng.integers(-1, num_rows, size=total).astype(np.int32)  # -1: padded pair maps
-    pair_output = np.empty(total, np.int32)
-    for start, count in zip(starts, counts):  # rows unique within each offset, as in a rulebook
-        pair_output[start:start + count] = rng.choice(num_rows, size=count, replace=False)
-        pair_input[start:start + count] = rng.choice(num_rows, size=count, replace=False)
-    pair_input[starts[0]] = -1 if counts[0] else pair_input[starts[0]]
-    got = backend.launch.chunk_layout(backend.put(pair_input), backend.put(pair_output), starts, counts, width,
-                                      write_output, num_rows)
-    expected = twins.chunk_layout(pair_input, pair_output, starts, counts, width, write_output, num_rows)
-    for actual, wanted in zip(got, expected):
-        np.testing.assert_array_equal(backend.get(actual), wanted)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("geometry", CANDIDATE_GEOMETRIES)
+@pytest.mark.parametrize("n", [0, 50])
+def test_map_candidates(backend, n, geometry, transposed):
+    """neighbour_map.cu's candidates: the same keys as the pair builder's twin, laid out [n, K], the offset
+    positions computed in the kernel, sites of a batch element >= batch_size refused."""
+    kernel_size, stride, padding, dilation = (np.array(value) for value in geometry)
+    rng = _rng(14, n, len(kernel_size), int(transposed))
+    shape = np.array([7, 6, 9][: len(kernel_size)])
+    if transposed:
+        out_shape = (shape - 1) * stride - 2 * padding + dilation * (kernel_size - 1) + 1
+    else:
+        out_shape = (shape + 2 * padding - dilation * (kernel_size - 1) - 1) // stride + 1
+    columns = [rng.integers(0, 3, size=n)] + [rng.integers(0, size, size=n) for size in shape]
+    indices = np.column_stack(columns).astype(np.int32).reshape(n, 1 + len(shape))
+    positions = np.array(list(itertools.product(*[range(size) for size in kernel_size])), dtype=np.int32)
+    volume = positions.shape[0]
 
+    def axes(values):
+        return [np.int64(value) for value in list(values) + [0] * (4 - len(values))]
 
-@pytest.mark.parametrize("lengths, num_sites", [([3, 0, 5, 2], 9), ([], 4), ([0, 0], 0), ([6], 6)])
-def test_mirror_pairs(backend, lengths, num_sites):
-    rng = _rng(13, len(lengths), num_sites)
-    half = sum(lengths)
-    half_starts = [0, *np.cumsum(lengths).tolist()] if lengths else [0]
-    found_rows = rng.integers(0, max(num_sites, 1), size=half).astype(np.int32)
-    columns = rng.integers(0, max(num_sites, 1), size=half).astype(np.int32)
-    sorted_rows = rng.permutation(max(num_sites, 1)).astype(np.int64)[:num_sites]
-    got = backend.launch.mirror_pairs(backend.put(found_rows), backend.put(columns), backend.put(sorted_rows),
-                                      half_starts, num_sites)
-    expected = twins.mirror_pairs(found_rows, columns, sorted_rows, half_starts, num_sites)
-    for actual, wanted in zip(got, expected):
-        np.testing.assert_array_equal(backend.get(actual), wanted)
+    keys = backend.xp.empty(n * volume, dtype=np.int64)
+    backend.launch._launch("sc_map_candidates", [], n * volume,
+                           [backend.put(indices), np.int64(n), np.int32(len(shape)), np.int64(2),
+                            *axes(kernel_size), *axes(stride), *axes(padding), *axes(dilation), *axes(out_shape),
+                            np.int32(transposed), np.int32(volume), keys])
+    expected = twins.conv_candidates(indices, positions, stride, padding, dilation, out_shape, transposed)
+    expected[:, indices[:, 0] >= 2] = -1  # batch_size 2: the third batch element is outside
+    np.testing.assert_array_equal(backend.get(keys).reshape(n, volume), expected.T)
 
 
 def test_submanifold_rulebook_composes(backend):
@@ -517,11 +340,11 @@ def test_emulation_builds_without_warnings(backend):
 def test_launches_are_checked_against_kernel_signatures(backend):
     if backend.name != "emulated":
         pytest.skip("checks the emulation harness itself")
-    kernel = harness.load_module("gather_scatter.cu").get_function("sc_gather_rows<float>")
-    source, rows, out = np.zeros((2, 2), np.float32), np.zeros(1, np.int32), np.zeros((1, 2), np.float32)
+    kernel = harness.load_module("pool_maps.cu").get_function("sc_avg_pool_map<float>")
+    features, neighbours, out = np.zeros((2, 2), np.float32), np.zeros((1, 1), np.int32), np.zeros((1, 2), np.float32)
     with pytest.raises(TypeError, match="NumPy scalar"):
-        kernel((1,), (32,), (source, rows, 1, np.int64(2), np.int32(1), out))  # a Python int
+        kernel((1,), (32,), (features, neighbours, 1, np.int32(1), np.int64(2), out))  # a Python int
     with pytest.raises(TypeError, match="dtype float64"):
-        kernel((1,), (32,), (source.astype(np.float64), rows, np.int64(1), np.int64(2), np.int32(1), out))
+        kernel((1,), (32,), (features.astype(np.float64), neighbours, np.int64(1), np.int32(1), np.int64(2), out))
     with pytest.raises(ValueError, match="at least one block"):
-        kernel((0,), (32,), (source, rows, np.int64(1), np.int64(2), np.int32(1), out))
+        kernel((0,), (32,), (features, neighbours, np.int64(1), np.int32(1), np.int64(2), out))

@@ -52,7 +52,11 @@ def _compile(file: str, options: list[str]) -> tuple[int, str]:
 def test_kernel_file_compiles(file: str, architecture: str) -> None:
     if kernel_registry.cuda_include_dir() is None:
         pytest.skip("no CUDA headers (install cupy-cuda13x[ctk] / nvidia-cuda-runtime)")
-    options = list(kernel_registry.nvrtc_options((f"-arch={architecture}",)))
+    tensor_cores = kernel_registry.kernel_file(file).tensor_cores
+    if tensor_cores and kernel_registry.tensor_core_include_dir() is None:
+        pytest.fail(f"{file} includes <mma.h>, but {kernel_registry.TENSOR_CORE_HEADER} was not found: install the "
+                    "dev extra (nvidia-cuda-crt), as the README says")
+    options = list(kernel_registry.nvrtc_options((f"-arch={architecture}",), tensor_cores=tensor_cores))
     program, log = _compile(file, options)
     try:
         assert "warning" not in log.lower(), f"NVRTC warnings for {file}:\n{log}"
@@ -99,15 +103,18 @@ def test_sources_inline_local_headers_only() -> None:
 def test_name_expression_lookup() -> None:
     import numpy as np
 
-    assert kernel_registry.name_expression("sc_gather_rows", np.float16) == "sc_gather_rows<__half>"
-    assert kernel_registry.name_expression("sc_segment_sum_rows", "float32") == "sc_segment_sum_rows<float, float>"
+    assert kernel_registry.name_expression("sc_max_pool_map", np.float16) == "sc_max_pool_map<__half>"
+    assert kernel_registry.name_expression("sc_implicit_gemm", "float32") == "sc_implicit_gemm<float, sc::Simt>"
+    assert kernel_registry.name_expression("sc_implicit_gemm", "float32", "sc::Wmma") == (
+        "sc_implicit_gemm<float, sc::Wmma>")
     assert kernel_registry.name_expression("sc_segment_sum_rows", np.dtype("float64")) == (
-        "sc_segment_sum_rows<double, double>"
-    )
+        "sc_segment_sum_rows<double, double>")
     assert kernel_registry.name_expression("sc_hash_insert", np.int32) == "sc_hash_insert<int>"
     assert kernel_registry.name_expression("sc_compact_count") == "sc_compact_count"
     assert kernel_registry.file_of_kernel("sc_int8_max_pool") == "int8.cu"
     with pytest.raises(KeyError):
-        kernel_registry.name_expression("sc_gather_rows", np.int32)
+        kernel_registry.name_expression("sc_max_pool_map", np.int32)
+    with pytest.raises(KeyError):
+        kernel_registry.name_expression("sc_implicit_gemm", "float64", "sc::Wmma")  # float64 has no tensor cores
     with pytest.raises(TypeError):
         kernel_registry.cuda_type_name(np.complex64)

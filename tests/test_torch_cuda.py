@@ -4,7 +4,11 @@ The CPU results (tested against dense torch and spconv elsewhere) are the
 oracle: every layer kind on CUDA must give them, forward and backward, also
 on a non-default stream; tensors reach the core as zero-copy CuPy views;
 CuPy's allocations inside an op come from torch's caching allocator; autocast
-float16 / bfloat16 runs with float32 accumulation.
+float16 / bfloat16 runs with float32 accumulation. The ops run on the
+rulebooks' kernel-built neighbour maps as they are: each op recognises the
+library's tensors (nothing rebuilt), no op synchronises the device (CuPy's
+``cupyx.allow_synchronize(False)`` guard), no pair list is derived, and memory
+stays steady over 100 training steps.
 """
 
 from __future__ import annotations
@@ -170,3 +174,42 @@ def test_cuda_point_to_voxel_and_hash_table():
                  torch.tensor([1, 2, 3], device="cuda"))
     values, empty = table.query(torch.tensor([7, 4], dtype=torch.int32, device="cuda"))
     assert values[0].item() == 3 and empty.tolist() == [False, True]
+
+
+def test_the_ops_run_on_the_kernel_built_maps_without_a_synchronisation(monkeypatch):
+    """A layer reusing a saved rulebook runs its ops on the rulebook's own map: no op rebuilds or checks
+    it, none reads the device back (the guard raises on any synchronising CuPy call), no pair list is
+    derived, and the results are the CPU's."""
+    import cupyx
+
+    from sparsecore.torch import ops
+
+    checked = []
+    rebuild = ops.checked_rulebook
+    monkeypatch.setattr(ops, "checked_rulebook", lambda *args: checked.append(args) or rebuild(*args))
+    torch.manual_seed(0)
+    first, second = spconv.SubMConv3d(4, 8, 3, indice_key="s"), spconv.SubMConv3d(8, 8, 3, indice_key="s")
+    down = spconv.SparseConv3d(8, 8, 3, 2, 1, indice_key="d")
+    up = spconv.SparseInverseConv3d(8, 4, 3, indice_key="d")
+    layers = nn.ModuleList([first, second, down, up])
+    cpu_x, cuda_x = _input("cpu", 4), _input("cuda", 4)
+    results = []
+    for model, x in ((layers, cpu_x), (copy.deepcopy(layers).cuda(), cuda_x)):
+        y = model[0](x)  # builds the submanifold map (the first layer's site checks read back once)
+        low = model[2](y)  # builds the strided map (one read: the output count)
+        torch.cuda.synchronize()
+        with cupyx.allow_synchronize(False):
+            z = model[1](y)  # reuses "s": the ops alone
+            restored = model[3](low)  # reverses "d": the swapped map, nothing built
+            loss = z.features.square().sum() + restored.features.square().sum()
+            if x.features.is_cuda:  # the backward ops, called directly under the guard
+                data = z.indice_dict["s"]
+                grads = ops.DECLARED["conv_backward"](torch.ones_like(z.features), y.features.detach(),
+                                                      model[1].weight.detach(), *data.op_arguments(), 1)
+                assert data.rulebook.stored_map is not None and "pair_map" not in data.rulebook.stored_map.derived
+        loss.backward()
+        results.append((z.features.detach().cpu(), restored.features.detach().cpu(), x.features.grad.cpu()))
+    assert not checked
+    assert torch.isfinite(grads[0]).all() and grads[1].shape == second.weight.shape
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

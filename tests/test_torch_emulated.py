@@ -7,6 +7,8 @@ every rulebook build and feature pass routed to ``KernelBackend`` over the CPU
 emulation of the ``kernels_cu`` sources (what CUDA tensors get, minus the
 stream and allocator plumbing, which needs a GPU). Outputs and every gradient
 must agree; the NumPy path is itself checked against dense torch elsewhere.
+Every op must recognise its neighbour tensors as the library's (the
+kernel-built map goes to the core as it is, never rebuilt from the tensors).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ spconv = pytest.importorskip("sparsecore.torch")
 from torch import nn  # noqa: E402
 
 from sparsecore import conv, pool, rulebook  # noqa: E402
+from sparsecore.torch import ops  # noqa: E402
 
 try:
     from . import dense_oracle as do
@@ -78,12 +81,16 @@ def test_torch_model_on_the_emulated_kernels_equals_numpy(monkeypatch, dtype):
     backend = dataclasses.replace(base, launcher=launcher)
     for module in (conv, pool, rulebook):
         monkeypatch.setattr(module, "backend_for", lambda array: backend)
+    checked = []
+    rebuild = ops.checked_rulebook
+    monkeypatch.setattr(ops, "checked_rulebook", lambda *args: checked.append(args) or rebuild(*args))
     loss, grads = _run(model, dtype)
+    assert not checked  # every op was handed the library's rulebook (its kernel-built map), none rebuilt one
     tolerance = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(loss, expected_loss, **tolerance)
     assert len(grads) == len(expected_grads)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, **tolerance)
-    assert {"sc_hash_insert", "sc_compact_write", "sc_regular_conv_candidates", "sc_transposed_conv_candidates",
-            "sc_gather_rows", "sc_sum_run_rows", "sc_max_pool_forward", "sc_max_pool_backward"} <= \
-        launcher.kernel_names(), launcher.kernel_names()
+    builds = {"sc_map_insert_sites", "sc_map_submanifold", "sc_map_candidates", "sc_map_strided"}
+    assert builds <= launcher.kernel_names(), launcher.kernel_names()  # the rulebooks: neighbour maps, built
+    assert launcher.kernel_names() - builds - {"sc_map_mark_outputs"}, "and the feature passes ran on kernels"

@@ -1,4 +1,4 @@
-"""sparsecore.torch's geometry adapter (`_geometry.layer_indice_data`) over the core's one geometry path.
+"""sparsecore.torch's geometry step (`layer.layer_indice_data`) over the core's one geometry path.
 
 The sharing rule is compared with spconv 2.3.8 on the same network (which
 tensors see which ``indice_key``); rulebooks reused without a key (same sites,

@@ -118,3 +118,28 @@ def test_indice_dict_is_a_dict_of_its_keys():
     with torch.no_grad():
         again = sctorch.SubMConv3d(2, 3, 3, indice_key="k")(z)
     assert again.find_indice_pair("k") is data and again.indices is y.indices
+
+
+def test_neighbour_tensors_are_the_rulebooks_map():
+    """The tensors the ops carry hold the rulebook's pairs per row (checked against the pair view itself); an
+    inverse conv's are its paired layer's read backwards."""
+    features, indices = _inputs(7)
+    x = sctorch.SparseConvTensor(features, indices, SHAPE, BATCH)
+    with torch.no_grad():
+        y = sctorch.SparseConv3d(2, 3, 3, 2, 1, indice_key="d")(x)
+        z = sctorch.SparseInverseConv3d(3, 2, 3, indice_key="d")(y)
+    down = y.indice_dict["d"]
+    up = sctorch.layer.layer_indice_data("up", y, sctorch.SparseInverseConv3d(3, 2, 3, indice_key="d")._geometry,
+                                         "d")[0]
+    assert z.indices is x.indices
+    for data in (down, up):
+        table = np.full((data.num_output, 27), -1)
+        inverse = np.full((data.num_input, 27), -1)
+        for k in range(27):
+            rows_in, rows_out = (np.asarray(rows) for rows in data.rulebook.pairs(k))
+            table[rows_out, k], inverse[rows_in, k] = rows_in, rows_out
+        np.testing.assert_array_equal(data.output_neighbours.numpy(), table)
+        np.testing.assert_array_equal(data.input_neighbours.numpy(), inverse)
+    assert up.output_neighbours.data_ptr() == down.input_neighbours.data_ptr()  # the same table, swapped
+    (_, _), (subm, _) = _both("SubMConv3d", 2, 2, 3)
+    assert subm.input_neighbours is None and subm.output_neighbours.shape == (subm.num_output, 27)

@@ -4,7 +4,10 @@ A test op declared from one `OpSpec` (in its own namespace) must compute what
 a NumPy loop computes, pass ``torch.library.opcheck`` (schema, fake kernel,
 autograd registration) and ``gradcheck`` (its backward against finite
 differences). The library's thirteen ops keep the schemas they were published
-with (written out here, not read from the tables).
+with (written out here, not read from the tables): the feature passes carry a
+rulebook as its neighbour tables (issue 28), the export ops, which saved
+``.pt2`` programs hold, their pair tensors. Each op converts to core views
+only the arguments its computation reads (`_op_table.CoreArguments`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,20 @@ def test_a_declared_op_computes_what_a_loop_computes():
     assert sums.dtype == torch.float64 and counts.dtype == torch.int32
     np.testing.assert_allclose(sums.detach().numpy(), expected, rtol=1e-14, atol=1e-14)
     np.testing.assert_array_equal(counts.numpy(), expected_counts)
+
+
+def test_core_arguments_convert_a_tensor_when_first_read(monkeypatch):
+    features, groups, _ = _inputs(7)
+    viewed = []
+    view = _op_table.core_float_view
+    monkeypatch.setattr(_op_table, "core_float_view", lambda tensor, name: viewed.append(name) or view(tensor, name))
+    arguments = _op_table.CoreArguments({"features": features, "groups": groups, "num_groups": 4})
+    assert arguments.num_groups == 4 and viewed == []
+    np.testing.assert_array_equal(arguments.groups, groups.numpy())
+    assert arguments.groups is arguments.groups and viewed == ["groups"]  # made once, the other left alone
+    assert arguments.torch_arguments["features"] is features
+    with pytest.raises(AttributeError, match="no argument 'weight'"):
+        _ = arguments.weight
 
 
 def test_a_declared_op_passes_opcheck_and_gradcheck():
@@ -183,22 +200,16 @@ def test_table_errors_name_what_is_wrong():
         _op_table.declare_ops([nameless], namespace=NAMESPACE)
 
 
+_MAP = "Tensor output_neighbours, Tensor? input_neighbours, SymInt[] kernel_size, SymInt identity_offset"
 PUBLISHED_SCHEMAS = {
-    "conv_forward": "(Tensor features, Tensor weight, Tensor? bias, Tensor pair_input, Tensor pair_output, "
-                    "SymInt[] offset_starts, SymInt num_output, SymInt[] kernel_size, SymInt identity_offset, "
-                    "SymInt groups) -> Tensor",
-    "conv_backward": "(Tensor grad_output, Tensor features, Tensor weight, Tensor pair_input, Tensor pair_output, "
-                     "SymInt[] offset_starts, SymInt[] kernel_size, SymInt identity_offset, SymInt groups) "
+    "conv_forward": f"(Tensor features, Tensor weight, Tensor? bias, {_MAP}, SymInt groups) -> Tensor",
+    "conv_backward": f"(Tensor grad_output, Tensor features, Tensor weight, {_MAP}, SymInt groups) "
                      "-> (Tensor, Tensor)",
-    "max_pool_forward": "(Tensor features, Tensor pair_input, Tensor pair_output, SymInt[] offset_starts, "
-                        "SymInt num_output, SymInt[] kernel_size) -> (Tensor, Tensor)",
+    "max_pool_forward": f"(Tensor features, {_MAP}) -> (Tensor, Tensor)",
     "max_pool_backward": "(Tensor grad_output, Tensor argmax, SymInt num_input) -> Tensor",
-    "max_pool_pairs_backward": "(Tensor grad_output, Tensor argmax, Tensor pair_input, Tensor pair_output, "
-                               "SymInt[] offset_starts, SymInt num_input, SymInt[] kernel_size) -> Tensor",
-    "avg_pool_forward": "(Tensor features, Tensor pair_input, Tensor pair_output, SymInt[] offset_starts, "
-                        "SymInt num_output, SymInt[] kernel_size) -> Tensor",
-    "avg_pool_backward": "(Tensor grad_output, Tensor pair_input, Tensor pair_output, SymInt[] offset_starts, "
-                         "SymInt num_input, SymInt[] kernel_size) -> Tensor",
+    "max_pool_window_backward": f"(Tensor grad_output, Tensor argmax, {_MAP}) -> Tensor",
+    "avg_pool_forward": f"(Tensor features, {_MAP}) -> Tensor",
+    "avg_pool_backward": f"(Tensor grad_output, {_MAP}) -> Tensor",
     "global_max_pool": "(Tensor features, Tensor indices, SymInt batch_size) -> (Tensor, Tensor)",
     "global_avg_pool": "(Tensor features, Tensor indices, SymInt batch_size) -> Tensor",
     "global_avg_pool_backward": "(Tensor grad_output, Tensor indices, SymInt batch_size) -> Tensor",

@@ -71,11 +71,13 @@ class _LayerLabels:
 
 @contextmanager
 def _counting(counts: Counter, labels: _LayerLabels) -> Iterator[None]:
-    """Counts kernel launches and cuBLAS GEMMs of the CuPy backend inside the block, also per layer."""
-    from sparsecore.backends import cupy_backend
-    from sparsecore.backends._cublas_gemm import CublasGemm
+    """Counts kernel launches and GEMMs (cuBLAS on the GPU) of the kernel backend inside the block, also per layer.
 
-    launch, matmul = cupy_backend.CupyLauncher.launch, CublasGemm.matmul
+    (`tools/host_operations.py --device cuda` counts every host operation per layer and stage.)"""
+    from sparsecore.backends import cupy_backend
+    from sparsecore.backends.kernel_backend import KernelBackend
+
+    launch, matmul = cupy_backend.CupyLauncher.launch, KernelBackend.matmul
 
     def counted_launch(self: Any, expression: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
         counts["launches"] += 1
@@ -88,11 +90,11 @@ def _counting(counts: Counter, labels: _LayerLabels) -> Iterator[None]:
         counts[(labels.stack[-1], "GEMMs")] += 1
         return matmul(self, *args, **kwargs)
 
-    cupy_backend.CupyLauncher.launch, CublasGemm.matmul = counted_launch, counted_matmul
+    cupy_backend.CupyLauncher.launch, KernelBackend.matmul = counted_launch, counted_matmul
     try:
         yield
     finally:
-        cupy_backend.CupyLauncher.launch, CublasGemm.matmul = launch, matmul
+        cupy_backend.CupyLauncher.launch, KernelBackend.matmul = launch, matmul
 
 
 def main(argv: list[str] | None = None) -> int:

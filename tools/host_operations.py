@@ -1,260 +1,584 @@
-"""How many host operations the GPU path issues, counted on the CPU emulation (no GPU needed).
+"""How many host operations the GPU path issues, per layer of spconv's basic network: on the CPU emulation or a GPU.
 
 On a GPU every array operation costs host time (about 20 us of CuPy on the H200
 of 2026-12-04, docs/performance.md), so the forward of spconv's basic network is
-bound by how many it issues, not by the device. This counts them without a
-GPU: the network runs on the emulated kernel backend (the CUDA kernels compiled
-by g++, tests/cuda_emulation) with `DeviceArray` inputs, and every operation
-that would be a CuPy call is counted per stage (rulebooks, convolution, pool):
+bound by how many it issues, not by the device. This counts them per layer and
+per stage (rulebooks, convolution, pool) of the forward with its rulebook builds
+and of the backward (the engine is `host_counting`):
 
 - ``launch``: a kernel launch; ``matmul``: a backend GEMM (one cuBLAS call on the GPU);
 - ``xp``: a call of the array library (``xp.empty``, ``xp.ascontiguousarray``...);
 - ``ufunc`` / ``method``: arithmetic or an array method (``astype``, ``argsort``...);
 - ``index``: indexing that makes a view or a copy;
 - ``read``: a read of device data back to the host (``int(x)``, ``x.get()``,
-  ``xp.asnumpy``, a data-sized function such as ``xp.unique``...): on a GPU
-  each one waits for every launch queued before it, so the host stops
-  running ahead of the device. Counted where `tests.cuda_emulation`'s
-  `forbid_host_reads` would refuse it (the same hook).
+  ``xp.asnumpy``, a boolean mask, a data-sized function such as ``xp.unique``):
+  on a GPU each one waits for every launch queued before it.
 
-Cheap and dear operations count alike (an ``ascontiguousarray`` of a contiguous
-array returns it at once on CuPy; an allocation or a launch costs microseconds),
-so read the totals as an upper bound and the call sites (``--sites``) for what
-to cut. Run from the repository root (needs g++, as the emulated tests do):
+Every operation counts once (cheap and dear alike; reads are among the host
+operations), so read the totals as an upper bound and the call sites
+(``--sites``) for what to cut. Run from the repository root:
 
-    python tools/host_operations.py [--scene synthetic|basic] [--sites 30]
+    python tools/host_operations.py [--scene synthetic|basic] [--run-all] [--json PATH] [--sites 30]
+    python tools/host_operations.py --device cuda --scene basic --json gpu.json --compare emulation.json
 
-No assertion: a measurement for docs/performance.md. Compare counts of one
-scene between commits.
+``--device emulation`` (the default) runs the network on the emulated kernel
+backend (the CUDA kernels compiled by g++, tests/cuda_emulation) with
+`DeviceArray` inputs; by default the feature kernels' launches are counted but
+not run (the counts do not depend on feature values; the geometry kernels run),
+so the real scan counts in minutes; ``--run-all`` runs every kernel.
+``--device cuda`` counts the same operations on CuPy arrays on a GPU, every
+kernel run. ``--compare`` checks the per-layer counts (host operations,
+launches, cuBLAS calls, reads) against another run's ``--json`` and exits 1
+where they differ: on the device run they must equal the emulation's.
+
+The end of the report compares the counts with issue 28's targets for the
+emulation (forward with builds <= 200 host operations and <= 6 reads, backward
+<= 100 and no read; per conv layer 1 forward launch and no cuBLAS call, <= 2
+backward launches). No assertion: a measurement; compare counts of one scene
+between commits.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import subprocess
 import sys
+import time
+import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 import numpy as np  # noqa: E402
 
-from sparsecore import _dispatch, backends  # noqa: E402
+import host_counting  # noqa: E402
+from host_counting import OUTSIDE, STAGES, CountingLibrary, Tally  # noqa: E402
 from sparsecore.benchmark import network  # noqa: E402
-from tests.cuda_emulation import device_arrays  # noqa: E402
-from tests.kernel_targets import emulated_backend  # noqa: E402
 
-_INTERNAL_FILES = frozenset({__file__, device_arrays.__file__})
-_METHODS = ("astype", "take", "copy", "sum", "cumsum", "argsort", "max", "min", "fill", "ravel", "any", "all")
+__all__ = ["CountingTarget", "emulation_target", "cuda_target", "count_network", "PassScratch",
+           "feature_pass_scratch", "LayerCount", "layer_counts", "pass_counts", "TargetResult", "target_results",
+           "compare_documents", "format_report", "main"]
 
-
-class _Tally:
-    """Counts per (stage, kind) and per call site; `interval` is the network's recorder protocol."""
-
-    def __init__(self) -> None:
-        self.kinds: Counter = Counter()
-        self.sites: Counter = Counter()
-        self.stages = ["outside the layers"]
-        self.paused = 0  # inside the emulation's own GEMM: not counted
-
-    def add(self, kind: str, what: str) -> None:
-        """Counts one operation at its call site: the first frame outside this tool, the emulation and NumPy."""
-        if self.paused:
-            return
-        stage = self.stages[-1]
-        self.kinds[(stage, kind)] += 1
-        frame = sys._getframe(1)
-        while frame.f_code.co_filename in _INTERNAL_FILES or "/numpy/" in frame.f_code.co_filename:
-            frame = frame.f_back
-        where = frame.f_code.co_filename.split("sparsecore/")[-1].split("site-packages/")[-1]
-        self.sites[f"{stage}: {what} at {where}:{frame.f_lineno}"] += 1
-
-    @contextlib.contextmanager
-    def interval(self, label: str) -> Iterator[None]:
-        stage = label in ("rulebooks", "convolution", "pool")
-        if stage:
-            self.stages.append(label)
-        try:
-            yield
-        finally:
-            if stage:
-                self.stages.pop()
+FORMAT = "sparsecore host operations, format 1"
+PASSES = ("forward", "backward")
+PASS_TITLES = {"forward": "forward with rulebook builds", "backward": "backward"}
 
 
-@contextlib.contextmanager
-def _counting(tally: _Tally, backend: Any) -> Iterator[None]:
-    """Wraps the device array library, the device arrays, the launcher and the backend's GEMM."""
-    patches: list[tuple[Any, str, Any]] = []
+@dataclass(frozen=True)
+class CountingTarget:
+    """Where the network runs while it is counted.
 
-    def patch(owner: Any, name: str, replacement: Any) -> None:
-        patches.append((owner, name, owner.__dict__.get(name)))
-        setattr(owner, name, replacement)
+    Attributes:
+        name: ``"emulation"`` or ``"cuda"``.
+        library: the device array library (the emulation's device NumPy, or ``cupy``).
+        array_type: its array type (``DeviceArray`` or ``cupy.ndarray``).
+        backend: the `KernelBackend` on ``library`` (its ``xp`` gets wrapped for counting).
+        to_device: a host array on the device.
+        synchronize: waits for the device.
+        ufunc_override: see `host_counting.counting`.
+        internal_files: files that are never a call site (the emulation's, this tool's).
+    """
 
-    library_getattr = device_arrays._DeviceNumpy.__getattr__
+    name: str
+    library: Any
+    array_type: type
+    backend: Any
+    to_device: Callable[[np.ndarray], Any]
+    synchronize: Callable[[], None]
+    ufunc_override: Callable[..., Any] | None = None
+    internal_files: tuple[str, ...] = ()
 
-    def counted_getattr(self: Any, name: str) -> Any:
-        attribute = library_getattr(self, name)
-        if not callable(attribute) or isinstance(attribute, (type, np.ufunc)):
-            return attribute
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            tally.add("xp", f"xp.{name}")
-            return attribute(*args, **kwargs)
+def emulation_target(launcher: Any | None = None, prebuild: bool = False) -> CountingTarget:
+    """The emulated kernel backend on `DeviceArray` (32-thread blocks, 2 blocks per launch, as the tests run).
 
-        return call
+    Args:
+        launcher: the launcher (default: the emulation's; a ``RecordingLauncher`` in tests).
+        prebuild: build every kernel file's library first (in parallel) instead of on first use.
+    """
+    from sparsecore.backends import kernel_registry
+    from sparsecore.backends.kernel_backend import KernelBackend
+    from tests.cuda_emulation import device_arrays, harness
+    from tests.cuda_emulation.emulated_launcher import EmulatedLauncher
 
-    def counted_ufunc(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        tally.add("ufunc", f"ufunc {ufunc.__name__}")
+    if harness.compiler_path() is None:
+        raise RuntimeError("the emulation needs g++ (or $CXX): none found")
+    if prebuild:
+        harness.build_libraries([entry.file for entry in kernel_registry.KERNEL_FILES])
+    backend = KernelBackend(device_arrays.DEVICE_NUMPY, launcher or EmulatedLauncher(), name="emulated",
+                            block_threads=32, max_blocks=2)
+
+    def ufunc_override(self: Any, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         plain = tuple(np.asarray(item) if isinstance(item, device_arrays.DeviceArray) else item for item in inputs)
         if "out" in kwargs:
             kwargs["out"] = tuple(np.asarray(item) if isinstance(item, device_arrays.DeviceArray) else item
                                   for item in kwargs["out"])
         return device_arrays._to_device(getattr(ufunc, method)(*plain, **kwargs))
 
-    def counted_method(name: str) -> Callable[..., Any]:
-        original = getattr(np.ndarray, name)
+    return CountingTarget("emulation", device_arrays.DEVICE_NUMPY, device_arrays.DeviceArray, backend,
+                          device_arrays.to_device, lambda: None, ufunc_override,
+                          (__file__, device_arrays.__file__))
 
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            tally.add("method", f".{name}")
-            if name == "fill":
-                return original(self, *args, **kwargs)
-            return device_arrays._to_device(original(np.asarray(self), *args, **kwargs))
 
-        return method
+def cuda_target() -> CountingTarget:
+    """The GPU backend on CuPy arrays (needs a CUDA device)."""
+    import cupy
 
-    getitem = device_arrays.DeviceArray.__getitem__
+    from sparsecore.backends import require_cuda
+    from sparsecore.backends.cupy_backend import CUPY_BACKEND
 
-    def counted_getitem(self: Any, key: Any) -> Any:
-        tally.add("index", "[...]")
-        return getitem(self, key)
+    require_cuda("tools/host_operations.py --device cuda",
+                 "Count on the CPU emulation instead: --device emulation.")
+    return CountingTarget("cuda", cupy, cupy.ndarray, CUPY_BACKEND, cupy.asarray,
+                          lambda: cupy.cuda.Device().synchronize(), None, (__file__,))
 
-    def counted_setitem(self: Any, key: Any, value: Any) -> None:
-        tally.add("index", "[...] =")
-        np.ndarray.__setitem__(self, key, value)
 
-    launcher_type = type(backend.launcher)
-    launch = launcher_type.launch
-
-    def counted_launch(self: Any, expression: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
-        tally.add("launch", expression.split("<")[0])
-        launch(self, expression, grid, block, args)
-
-    backend_type = type(backend)
-    matmul = backend_type.matmul
-
-    def counted_matmul(self: Any, left: Any, right: Any) -> Any:
-        tally.add("matmul", "matmul")
-        with _silenced(tally):  # the emulation's GEMM is NumPy's: on the GPU it is one cuBLAS call
-            return matmul(self, left, right)
-
-    refuse = device_arrays._refuse
-
-    def counted_refuse(what: str) -> None:
-        tally.add("read", what)
-        refuse(what)
-
-    patch(device_arrays, "_refuse", counted_refuse)
-    patch(device_arrays._DeviceNumpy, "__getattr__", counted_getattr)
-    patch(device_arrays.DeviceArray, "__array_ufunc__", counted_ufunc)
-    for name in _METHODS:
-        patch(device_arrays.DeviceArray, name, counted_method(name))
-    patch(device_arrays.DeviceArray, "__getitem__", counted_getitem)
-    patch(device_arrays.DeviceArray, "__setitem__", counted_setitem)
-    patch(launcher_type, "launch", counted_launch)
-    patch(backend_type, "matmul", counted_matmul)
+def _git_commit() -> str:
     try:
-        yield
-    finally:
-        for owner, name, previous in reversed(patches):
-            if previous is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, previous)
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit}{' (modified)' if dirty else ''}" if commit else "unknown"
 
 
 @contextlib.contextmanager
-def _silenced(tally: _Tally) -> Iterator[None]:
-    tally.paused += 1
-    try:
+def _quiet_garbage() -> Iterator[None]:
+    """Feature kernels that are not run leave uninitialised values: their casts may warn."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
         yield
-    finally:
-        tally.paused -= 1
+
+
+def count_network(target: CountingTarget, scene: Any, scene_name: str,
+                  layers: tuple[network.NetworkLayer, ...] = network.REFERENCE_NETWORK,
+                  skip_feature_kernels: bool = False, tally: Tally | None = None) -> dict[str, Any]:
+    """Counts one forward (rulebooks built) and one backward of ``layers`` on ``scene``.
+
+    A first, uncounted forward and backward warms up (compiles the kernels).
+
+    Args:
+        target: where it runs.
+        scene: a `scenes.VoxelScene`.
+        scene_name: its name in the document.
+        layers: the network (a prefix of the reference network in tests).
+        skip_feature_kernels: count the feature kernels' launches without running them.
+        tally: the `Tally` to count into (a fresh one by default; tests watch its ``pass_name``).
+
+    Returns:
+        The JSON-ready document: header fields, the layers, and flat ``counts``
+        and ``sites`` records (pass, layer index or None, stage, kind/site, count).
+    """
+    tally = Tally(target.internal_files) if tally is None else tally
+    library = CountingLibrary(target.library, tally)
+    backend = _replace_xp(target.backend, library)
+    generator = np.random.default_rng(0)
+    weights = tuple(None if weight is None else target.to_device(weight)
+                    for weight in network.network_weights(layers, 0))
+    channels = layers[0].in_channels
+    features = target.to_device(generator.standard_normal((len(scene.indices), channels)).astype(np.float32))
+    indices = target.to_device(np.ascontiguousarray(scene.indices, dtype=np.int32))
+    shape = tuple(scene.spatial_shape)
+
+    def is_device(value: Any) -> bool:
+        return isinstance(value, target.array_type)
+
+    started = time.monotonic()
+    with _quiet_garbage(), host_counting.routed(is_device, library, backend), \
+            host_counting.counting(tally, backend, target.array_type, skip_feature_kernels, target.ufunc_override):
+        warm = network.core_forward(features, indices, shape, weights, layers, backend=backend)
+        grad = target.to_device(generator.standard_normal(tuple(warm.output.shape)).astype(np.float32))
+        network.core_backward(warm, grad, weights, layers, backend=backend)
+        target.synchronize()
+        tally.pass_name = "forward"
+        state = network.core_forward(features, indices, shape, weights, layers, recorder=tally, backend=backend)
+        tally.pass_name = None
+        target.synchronize()
+        tally.pass_name = "backward"
+        network.core_backward(state, grad, weights, layers, recorder=tally, backend=backend)
+        tally.pass_name = None
+        target.synchronize()
+    mode = "feature kernels counted, not run" if skip_feature_kernels else "every kernel run"
+    return {
+        "format": FORMAT,
+        "device": target.name,
+        "mode": mode,
+        "scene": scene_name,
+        "sites": int(len(scene.indices)),
+        "commit": _git_commit(),
+        "seconds": round(time.monotonic() - started, 1),
+        "layers": [{"index": layer.index, "name": layer.name, "kind": layer.kind,
+                    "builds_rulebook": layer.builds_rulebook} for layer in layers],
+        "counts": [{"pass": pass_name, "layer": _layer_index(label), "stage": stage, "kind": kind, "count": count}
+                   for (pass_name, label, stage, kind), count in sorted(tally.counts.items(), key=str)],
+        "call_sites": [{"pass": pass_name, "layer": _layer_index(label), "stage": stage, "site": site,
+                        "count": count}
+                       for (pass_name, label, stage, site), count in tally.sites.most_common()],
+    }
+
+
+@dataclass(frozen=True)
+class PassScratch:
+    """The memory one feature pass allocates beyond what it returns.
+
+    Attributes:
+        direction: ``"forward"`` or ``"backward"``.
+        reference_bytes: the output (forward) or the input gradient (backward): the target's yardstick.
+        result_bytes: everything the pass returns (the backward's weight gradient too).
+        peak_bytes: the most bytes allocated during the pass above its start, its results included.
+    """
+
+    direction: str
+    reference_bytes: int
+    result_bytes: int
+    peak_bytes: int
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Peak allocated beyond the results."""
+        return max(self.peak_bytes - self.result_bytes, 0)
+
+    @property
+    def ratio(self) -> float:
+        """Scratch over the reference size (issue 28's target: at most 0.25)."""
+        return self.scratch_bytes / max(self.reference_bytes, 1)
 
 
 @contextlib.contextmanager
-def _device_dispatch(backend: Any) -> Iterator[None]:
-    """Makes the core route `DeviceArray` inputs to ``backend`` (as it routes CuPy arrays to the GPU)."""
-    array_module, backend_for = _dispatch.array_module, backends.backend_for
+def _peak_meter(target: CountingTarget) -> Iterator[list[int]]:
+    """Yields a list that holds, after the block, the peak bytes allocated above the block's start.
 
-    def device_array_module(value: Any) -> Any:
-        return device_arrays.DEVICE_NUMPY if isinstance(value, device_arrays.DeviceArray) else array_module(value)
+    The emulation's arrays are NumPy's, which report their buffers to
+    `tracemalloc`; on the GPU, CuPy's memory pool is followed by a hook.
+    """
+    measured: list[int] = []
+    if target.name == "cuda":
+        from sparsecore.benchmark.gpu_memory import _peak_hook_class
 
-    def device_backend_for(array: Any) -> Any:
-        return backend if isinstance(array, device_arrays.DeviceArray) else backend_for(array)
+        target.synchronize()
+        hook = _peak_hook_class(target.library)()
+        with hook:
+            yield measured
+            target.synchronize()
+        measured.append(int(hook.peak))
+        return
+    import tracemalloc
 
-    replaced = []
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("sparsecore"):
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        yield measured
+        measured.append(int(tracemalloc.get_traced_memory()[1] - base))
+    finally:
+        if started:
+            tracemalloc.stop()
+
+
+def feature_pass_scratch(target: CountingTarget, scene: Any, channels: int = 64,
+                         skip_feature_kernels: bool = False) -> tuple[PassScratch, PassScratch]:
+    """Scratch memory of a SubMConv3d ``channels -> channels`` forward and backward pass on ``scene``.
+
+    The rulebook is built and one forward and backward run first (kernels
+    compile, the rulebook's memoised views are made: they belong to the
+    rulebook, not to a pass); the second forward and backward are measured.
+
+    Returns:
+        ``(forward, backward)``.
+    """
+    import sparsecore as sc
+    from sparsecore.benchmark.cases import LayerSpec
+    from sparsecore.benchmark.cpu import layer_weight
+
+    tally = Tally(target.internal_files)  # counts nothing (no pass named): only the kernels' skipping is wanted
+    generator = np.random.default_rng(5)
+    count = len(scene.indices)
+    features = target.to_device(generator.standard_normal((count, channels)).astype(np.float32))
+    grad = target.to_device(generator.standard_normal((count, channels)).astype(np.float32))
+    weight = target.to_device(layer_weight(LayerSpec("scratch", "subm", channels, channels), 5))
+    indices = target.to_device(np.ascontiguousarray(scene.indices, dtype=np.int32))
+    geometry = sc.ConvGeometry.create(3, 3, kind="subm")
+    backend = target.backend
+
+    def is_device(value: Any) -> bool:
+        return isinstance(value, target.array_type)
+
+    with _quiet_garbage(), host_counting.routed(is_device, target.library, backend), \
+            host_counting.counting(tally, backend, target.array_type, skip_feature_kernels, target.ufunc_override):
+        rulebook = sc.build_rulebook(indices, tuple(scene.spatial_shape), 1, geometry)
+        sc.conv_backward(grad, features, weight, rulebook, backend=backend)
+        sc.conv_forward(features, weight, rulebook, backend=backend)
+        target.synchronize()
+        with _peak_meter(target) as forward_peak:
+            output = sc.conv_forward(features, weight, rulebook, backend=backend)
+        with _peak_meter(target) as backward_peak:
+            grad_input, grad_weight = sc.conv_backward(grad, features, weight, rulebook, backend=backend)
+    forward = PassScratch("forward", int(output.nbytes), int(output.nbytes), forward_peak[0])
+    backward = PassScratch("backward", int(grad_input.nbytes), int(grad_input.nbytes + grad_weight.nbytes),
+                           backward_peak[0])
+    return forward, backward
+
+
+def _replace_xp(backend: Any, library: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(backend, xp=library)
+
+
+def _layer_index(label: str) -> int | None:
+    return None if label == OUTSIDE else int(label.split()[1])
+
+
+@dataclass(frozen=True)
+class LayerCount:
+    """One layer's operations in one pass (or the operations outside every layer: ``index`` None).
+
+    Attributes:
+        index: the layer's index, None for operations outside the layers.
+        name: its label (``"L03 SubMConv3d 64->96 [c1]"``).
+        kind: ``"subm"``, ``"maxpool"`` or ``""``.
+        operations: host operations, reads included.
+        launches: kernel launches.
+        matmuls: backend GEMMs (cuBLAS calls on the GPU).
+        reads: reads back to the host.
+        per_stage: ``stage -> (operations, launches, matmuls, reads)``.
+        kinds: ``kind -> operations``.
+    """
+
+    index: int | None
+    name: str
+    kind: str
+    operations: int
+    launches: int
+    matmuls: int
+    reads: int
+    per_stage: dict[str, tuple[int, int, int, int]]
+    kinds: dict[str, int]
+
+
+def _summary(records: list[dict[str, Any]]) -> tuple[int, int, int, int]:
+    by_kind = Counter()
+    for record in records:
+        by_kind[record["kind"]] += record["count"]
+    return sum(by_kind.values()), by_kind["launch"], by_kind["matmul"], by_kind["read"]
+
+
+def layer_counts(document: dict[str, Any], pass_name: str) -> list[LayerCount]:
+    """Per layer of the network (in order), then the operations outside the layers, for one pass."""
+    records = [record for record in document["counts"] if record["pass"] == pass_name]
+    rows = []
+    entries = [(layer["index"], layer["name"], layer["kind"]) for layer in document["layers"]]
+    for index, name, kind in entries + [(None, OUTSIDE, "")]:
+        mine = [record for record in records if record["layer"] == index]
+        per_stage = {stage: _summary([record for record in mine if record["stage"] == stage])
+                     for stage in sorted({record["stage"] for record in mine})}
+        kinds = Counter()
+        for record in mine:
+            kinds[record["kind"]] += record["count"]
+        operations, launches, matmuls, reads = _summary(mine)
+        rows.append(LayerCount(index, name, kind, operations, launches, matmuls, reads, per_stage, dict(kinds)))
+    return rows
+
+
+def pass_counts(document: dict[str, Any], pass_name: str) -> tuple[int, int, int, int]:
+    """``(host operations, launches, matmuls, reads)`` of a whole pass."""
+    return _summary([record for record in document["counts"] if record["pass"] == pass_name])
+
+
+def stage_counts(document: dict[str, Any], pass_name: str) -> dict[str, dict[str, int]]:
+    """``stage -> kind -> operations`` of a whole pass."""
+    stages: dict[str, Counter] = {}
+    for record in document["counts"]:
+        if record["pass"] == pass_name:
+            stages.setdefault(record["stage"], Counter())[record["kind"]] += record["count"]
+    return {stage: dict(kinds) for stage, kinds in sorted(stages.items())}
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    """One of issue 28's targets for the emulation, against the counts.
+
+    Attributes:
+        name: what is counted.
+        value: the count (for a per-layer target: the worst layer's).
+        limit: the target, e.g. ``"<= 200"``.
+        met: whether the count meets it.
+        detail: which layer, where it applies.
+    """
+
+    name: str
+    value: int
+    limit: str
+    met: bool
+    detail: str = ""
+
+
+def target_results(document: dict[str, Any]) -> list[TargetResult]:
+    """Issue 28's CPU-emulation targets evaluated on a document (no target is asserted here)."""
+    results = []
+    for pass_name, operations_limit, reads_limit in (("forward", 200, 6), ("backward", 100, 0)):
+        operations, _, _, reads = pass_counts(document, pass_name)
+        title = PASS_TITLES[pass_name]
+        results.append(TargetResult(f"{title}: host operations", operations, f"<= {operations_limit}",
+                                    operations <= operations_limit))
+        results.append(TargetResult(f"{title}: reads back", reads, f"<= {reads_limit}", reads <= reads_limit))
+    for entry in document.get("scratch", []):
+        ratio = entry["scratch_bytes"] / max(entry["reference_bytes"], 1)
+        what = "output" if entry["direction"] == "forward" else "input gradient"
+        results.append(TargetResult(f"SubMConv3d {entry['channels']}->{entry['channels']} {entry['direction']}: "
+                                    f"scratch beyond the results, % of the {what}", round(100 * ratio),
+                                    "<= 25", ratio <= 0.25,
+                                    f"{entry['scratch_bytes'] / 2**20:.1f} MiB beyond "
+                                    f"{entry['result_bytes'] / 2**20:.1f} MiB of results"))
+    for pass_name, field, limit, label in (("forward", 1, 1, "kernel launches"), ("forward", 2, 0, "cuBLAS calls"),
+                                           ("backward", 1, 2, "kernel launches")):
+        convs = [row for row in layer_counts(document, pass_name) if row.kind == "subm"]
+        if not convs:
             continue
-        for attribute, original, replacement in (("array_module", array_module, device_array_module),
-                                                 ("backend_for", backend_for, device_backend_for)):
-            if getattr(module, attribute, None) is original:
-                setattr(module, attribute, replacement)
-                replaced.append((module, attribute, original))
-    try:
-        yield
-    finally:
-        for module, attribute, original in replaced:
-            setattr(module, attribute, original)
+        values = [(row.per_stage.get("convolution", (0, 0, 0, 0))[field], row.name) for row in convs]
+        worst, where = max(values)
+        least = min(value for value, _ in values)
+        if pass_name == "forward" and field == 1:
+            met, limit_text = all(value == limit for value, _ in values), f"== {limit}"
+        else:
+            met, limit_text = worst <= limit, f"<= {limit}"
+        results.append(TargetResult(f"per conv layer, {PASS_TITLES[pass_name].split(' with')[0]} convolution: "
+                                    f"{label}", worst, limit_text, met,
+                                    f"most {worst} ({where}), fewest {least}, over {len(convs)} layers"))
+    return results
 
 
-def _report(title: str, tally: _Tally, sites: int) -> list[str]:
-    lines = [f"{title}:"]
-    stages = sorted({stage for stage, _ in tally.kinds})
-    for stage in stages:
-        kinds = {kind: count for (where, kind), count in sorted(tally.kinds.items()) if where == stage}
-        described = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
-        lines.append(f"  {stage}: {sum(kinds.values())} ({described})")
-    lines.append(f"  total: {sum(tally.kinds.values())}")
-    if sites:
-        lines.append("  top call sites:")
-        lines += [f"    {count:5d}  {site}" for site, count in tally.sites.most_common(sites)]
-    return lines
+def compare_documents(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Where two documents' per-layer counts differ (host operations, launches, matmuls, reads per stage).
+
+    Returns:
+        One line per difference (empty when they agree), with the call sites
+        whose counts differ in that layer and stage.
+    """
+    differences = []
+    if [layer["name"] for layer in ours["layers"]] != [layer["name"] for layer in theirs["layers"]]:
+        return [f"the networks differ: {len(ours['layers'])} layers vs {len(theirs['layers'])}"]
+    names = ("host operations", "launches", "matmuls", "reads")
+    for pass_name in PASSES:
+        for mine, other in zip(layer_counts(ours, pass_name), layer_counts(theirs, pass_name)):
+            for stage in sorted(set(mine.per_stage) | set(other.per_stage)):
+                left = mine.per_stage.get(stage, (0, 0, 0, 0))
+                right = other.per_stage.get(stage, (0, 0, 0, 0))
+                if left == right:
+                    continue
+                changed = ", ".join(f"{name} {a} vs {b}" for name, a, b in zip(names, left, right) if a != b)
+                differences.append(f"{pass_name} {mine.name} {stage}: {changed}")
+                differences += [f"    {line}" for line in _site_differences(ours, theirs, pass_name, mine.index,
+                                                                             stage)]
+    return differences
+
+
+def _site_differences(ours: dict[str, Any], theirs: dict[str, Any], pass_name: str, index: int | None,
+                      stage: str) -> list[str]:
+    def sites(document: dict[str, Any]) -> Counter:
+        return Counter({record["site"]: record["count"] for record in document.get("call_sites", [])
+                        if (record["pass"], record["layer"], record["stage"]) == (pass_name, index, stage)})
+
+    mine, other = sites(ours), sites(theirs)
+    return [f"{site}: {mine[site]} vs {other[site]}" for site in sorted(set(mine) | set(other))
+            if mine[site] != other[site]][:12]
+
+
+def format_report(document: dict[str, Any], sites: int = 0) -> str:
+    """The per-layer table of both passes, the per-stage totals, the top call sites and the targets."""
+    lines = [f"scene {document['scene']}: {document['sites']} sites; spconv's basic network "
+             f"({sum(layer['kind'] == 'subm' for layer in document['layers'])} convolutions, "
+             f"{sum(layer['kind'] == 'maxpool' for layer in document['layers'])} pools) on the "
+             f"{'emulated kernel backend' if document['device'] == 'emulation' else 'GPU (CuPy)'}, "
+             f"{document['mode']}; commit {document['commit']}; counted in {document['seconds']} s"]
+    for pass_name in PASSES:
+        operations, launches, matmuls, reads = pass_counts(document, pass_name)
+        lines.append(f"{PASS_TITLES[pass_name]}: {operations} host operations ({launches} kernel launches, "
+                     f"{matmuls} cuBLAS calls, {reads} reads back)")
+        lines.append(f"  {'layer':<36} {'ops':>5} {'launch':>6} {'cuBLAS':>6} {'read':>4}   per stage "
+                     "(ops/launches/cuBLAS/reads)")
+        for row in layer_counts(document, pass_name):
+            if row.index is None and row.operations == 0:
+                continue
+            stages = "  ".join(f"{stage} {'/'.join(str(value) for value in counts)}"
+                               for stage, counts in row.per_stage.items())
+            lines.append(f"  {row.name:<36} {row.operations:>5} {row.launches:>6} {row.matmuls:>6} "
+                         f"{row.reads:>4}   {stages}")
+        lines.append("  per stage:")
+        for stage, kinds in stage_counts(document, pass_name).items():
+            described = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+            lines.append(f"    {stage}: {sum(kinds.values())} ({described})")
+        if sites:
+            lines.append("  top call sites:")
+            totals = Counter()
+            for record in document.get("call_sites", []):
+                if record["pass"] == pass_name:
+                    totals[f"{record['stage']}: {record['site']}"] += record["count"]
+            lines += [f"    {count:5d}  {site}" for site, count in totals.most_common(sites)]
+    lines.append("issue 28's targets for the CPU emulation (a measurement here, not a test):")
+    for result in target_results(document):
+        detail = f"  [{result.detail}]" if result.detail else ""
+        lines.append(f"  {'met    ' if result.met else 'NOT MET'}  {result.name}: {result.value} "
+                     f"(target {result.limit}){detail}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scene", default="synthetic", choices=("synthetic", "basic"),
                         help="synthetic: the small synthetic scene (seconds); basic: the real 125k-voxel scan")
+    parser.add_argument("--device", default="emulation", choices=("emulation", "cuda"),
+                        help="emulation: the kernels compiled by g++ on the CPU (default); cuda: CuPy on a GPU")
+    parser.add_argument("--run-all", action="store_true",
+                        help="emulation: run the feature kernels too (by default they are counted, not run)")
+    parser.add_argument("--layers", type=int, default=len(network.REFERENCE_NETWORK),
+                        help="count the first LAYERS layers of the network only (default: all 20)")
     parser.add_argument("--sites", type=int, default=25, help="call sites to list per pass (0: none)")
+    parser.add_argument("--memory", action="store_true",
+                        help="also measure the scratch memory of a SubMConv3d 64->64 forward and backward on the "
+                        "scene (peak allocated beyond the results: tracemalloc on the emulation, CuPy's pool on a GPU)")
+    parser.add_argument("--json", metavar="PATH", help="also write the counts as JSON (for --compare)")
+    parser.add_argument("--compare", metavar="PATH",
+                        help="compare the per-layer counts with another run's --json; exit 1 where they differ")
     args = parser.parse_args(argv)
 
-    backend = device_arrays.device_backend(emulated_backend())
+    target = emulation_target(prebuild=args.run_all) if args.device == "emulation" else cuda_target()
     scene = network.network_scene(args.scene, "small")
-    layers = network.REFERENCE_NETWORK
-    generator = np.random.default_rng(0)
-    weights = tuple(None if weight is None else device_arrays.to_device(weight)
-                    for weight in network.network_weights(layers, 0))
-    features = device_arrays.to_device(generator.standard_normal((len(scene.indices), 3)).astype(np.float32))
-    indices = device_arrays.to_device(scene.indices.astype(np.int32))
-    lines = [f"scene {args.scene}: {len(scene.indices)} sites; spconv's basic network "
-             f"({sum(layer.kind == 'subm' for layer in layers)} convolutions, "
-             f"{sum(layer.kind != 'subm' for layer in layers)} pools) on the emulated kernel backend"]
-    with _device_dispatch(backend):
-        network.core_forward(features, indices, scene.spatial_shape, weights, layers, backend=backend)  # compiles
-        forward, backward = _Tally(), _Tally()
-        with _counting(forward, backend):
-            state = network.core_forward(features, indices, scene.spatial_shape, weights, layers, recorder=forward,
-                                         backend=backend)
-        grad = device_arrays.to_device(generator.standard_normal(np.asarray(state.output).shape).astype(np.float32))
-        with _counting(backward, backend):
-            network.core_backward(state, grad, weights, layers, recorder=backward, backend=backend)
-    lines += _report("forward (rulebooks built)", forward, args.sites)
-    lines += _report("backward", backward, args.sites)
-    print("\n".join(lines))
+    if not 1 <= args.layers <= len(network.REFERENCE_NETWORK):
+        parser.error(f"--layers must be between 1 and {len(network.REFERENCE_NETWORK)}, got {args.layers}")
+    document = count_network(target, scene, args.scene, network.REFERENCE_NETWORK[:args.layers],
+                             skip_feature_kernels=args.device == "emulation" and not args.run_all)
+    if args.memory:
+        passes = feature_pass_scratch(target, scene, 64,
+                                      skip_feature_kernels=args.device == "emulation" and not args.run_all)
+        document["scratch"] = [{"direction": item.direction, "channels": 64, "reference_bytes": item.reference_bytes,
+                                "result_bytes": item.result_bytes, "peak_bytes": item.peak_bytes,
+                                "scratch_bytes": item.scratch_bytes} for item in passes]
+    if args.json:
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    print(format_report(document, args.sites))
+    if not args.compare:
+        return 0
+    other = json.loads(Path(args.compare).read_text(encoding="utf-8"))
+    differences = compare_documents(document, other)
+    where = f"{other['device']} ({other['mode']}, scene {other['scene']}, commit {other['commit']})"
+    if other["scene"] != document["scene"]:
+        differences.insert(0, f"the scenes differ: {document['scene']} vs {other['scene']}")
+    if differences:
+        print(f"compared with {args.compare}, {where}: {len(differences)} lines differ (this run vs that one)")
+        print("\n".join(differences))
+        return 1
+    print(f"compared with {args.compare}, {where}: every layer's counts are equal")
     return 0
 
 

@@ -8,19 +8,27 @@ NumPy through ``np.from_dlpack`` on the CPU, CuPy on CUDA) and one function of
 as zero, padding rows of the results are zero); the result is copied into the
 output buffer (outputs arrive uninitialised).
 
-The rulebook reaches the core as a `sparsecore.PairMap` over the plan's
-arrays as they are stored (``[K, Q]`` rows, -1 = no pair; see `plan`):
+The rulebook reaches the core in the form its backend reads, both made from the
+plan's ``[K, Q]`` rows (-1 = no pair; see `layout`) without a host read:
 
-- GPU: the buffers are CuPy views on XLA's stream (``ctx.stream``, made
-  CuPy's current stream around the call); the pair arrays become a padded
-  map without a single array operation (`padded.pair_map`), and no count is
-  read back to the host, so nothing in the callback synchronises the stream.
-  This path has not yet run on a GPU (its logic runs in CI through the CPU
-  emulation of the kernels), so ``impl="jnp"`` stays the default on GPUs. The
-  core allocates its scratch from CuPy's memory pool, not from buffers XLA
-  declares: leave GPU memory to CuPy (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
-- CPU: the NumPy backend cannot skip -1 rows, so the true pairs of each
-  offset (a view each) are joined once per call (`padded.true_pair_map`).
+- GPU: a padded `sparsecore.neighbour_map.NeighbourMap` (`padded.neighbour_map`)
+  over tables XLA computes inside the compiled program (`layout.map_arrays`:
+  per-row neighbours, masks and mask-sorted orders, rows past the true counts -1),
+  so the core runs its fused map kernels with no host operation to convert the
+  rulebook. The buffers are CuPy views on XLA's stream (``ctx.stream``, made
+  CuPy's current stream around the call), and no count is read back to the
+  host, so nothing in the callback synchronises the stream. This path has not
+  yet run on a GPU (its logic runs in CI through the CPU emulation of the
+  kernels), so ``impl="jnp"`` stays the default on GPUs. The core allocates its
+  scratch from CuPy's memory pool, not from buffers XLA declares: leave GPU
+  memory to CuPy (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+- CPU: the NumPy backend reads pairs and cannot skip -1 rows, so the true pairs
+  of each offset (a view each) are joined once per call (`padded.true_pair_map`).
+
+Which form a pass carries (`Static.form`) is chosen when it is traced, from JAX's
+default backend (`rulebook_form`); each form also runs on the other device (a map
+on the CPU is turned into pairs by the core, pairs on a GPU are read as a padded
+`sparsecore.PairMap`), only slower.
 
 A pass is one `CallbackOp` entry of `OPS` (name, inputs, shape rules,
 forward, saved residuals, backward); `_declare` makes its ``custom_vjp``.
@@ -38,15 +46,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-import sparsecore as sc
 from sparsecore.interop import FLOAT_DTYPES, is_cupy_array, to_core_array
 
-from . import padded
+from . import layout, padded
 from .primitives import varying_like
 
-__all__ = ["CallbackOp", "OPS", "Static", "Pass", "conv", "max_pool", "avg_pool"]
+__all__ = ["CallbackOp", "OPS", "Static", "Pass", "rulebook_form", "conv", "max_pool", "avg_pool"]
 
-_RULEBOOK = ("pair_input", "pair_output", "counts", "n_in", "n_out")
+_PAIR_ARRAYS = ("pair_input", "pair_output", "counts")
+_SIDE = ("neighbours", "masks", "order")
+_COUNTS = ("n_in", "n_out")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class Static:
         identity: the subm centre offset, or -1.
         groups: channel groups (convs; 1 for pools).
         dtype: the features' dtype name (the dtype of the results and gradients).
+        form: ``"map"`` (the rulebook operands are `layout.map_arrays`' tables) or ``"pairs"``
+            (the plan's ``[K, Q]`` rows and counts).
     """
 
     capacity_in: int
@@ -67,6 +78,15 @@ class Static:
     identity: int
     groups: int
     dtype: str
+    form: str = "pairs"
+
+    @property
+    def rulebook_names(self) -> tuple[str, ...]:
+        """Names of the rulebook operands, in order (the row counts last)."""
+        if self.form == "pairs":
+            return _PAIR_ARRAYS + _COUNTS
+        sides = ("output",) if self.identity >= 0 else ("output", "input")  # a subm map is symmetric
+        return tuple(f"{side}_{name}" for side in sides for name in _SIDE) + _COUNTS
 
 
 @dataclass(frozen=True)
@@ -75,13 +95,14 @@ class Pass:
 
     Attributes:
         backend: the core backend (None on the host: the core picks NumPy).
-        pairs: the `sparsecore.PairMap` over the full padded rows.
+        pairs: the core rulebook over the full padded rows: a `sparsecore.neighbour_map.NeighbourMap`
+            (``form="map"``) or a `sparsecore.PairMap`.
         n_in, n_out: the true input and output rows (0-d arrays, on the device on a GPU).
         static: the `Static` parameters.
     """
 
     backend: Any
-    pairs: sc.PairMap
+    pairs: padded.CoreRulebook
     n_in: Any
     n_out: Any
     static: Static
@@ -152,29 +173,32 @@ def _view(buffer: Any, name: str) -> Any:
     return to_core_array(buffer, name)
 
 
-def _pass(static: Static, pair_input: Any, pair_output: Any, counts: Any, n_in: Any, n_out: Any,
-          probe: Any) -> Pass:
-    layout = (static.capacity_in, static.capacity_out, static.kernel_size, static.identity)
-    if is_cupy_array(probe):
-        return Pass(_gpu_backend(), padded.pair_map(pair_input, pair_output, *layout), n_in, n_out, static)
-    return Pass(None, padded.true_pair_map(pair_input, pair_output, counts, *layout), n_in, n_out, static)
+def _pass(static: Static, rulebook: list[Any], probe: Any) -> Pass:
+    layout = (static.capacity_in, static.capacity_out, static.kernel_size)
+    arrays, (n_in, n_out) = rulebook[:-2], rulebook[-2:]
+    backend = _gpu_backend() if is_cupy_array(probe) else None
+    if static.form == "map":
+        return Pass(backend, padded.neighbour_map(tuple(arrays), *layout), n_in, n_out, static)
+    pair_input, pair_output, counts = arrays
+    if backend is not None:
+        return Pass(backend, padded.pair_map(pair_input, pair_output, *layout, static.identity), n_in, n_out, static)
+    return Pass(None, padded.true_pair_map(pair_input, pair_output, counts, *layout, static.identity), n_in, n_out,
+                static)
 
 
 def _run(function: Callable[..., tuple], names: tuple[str, ...], static: Static, ctx: Any, outs: Any,
          *buffers: Any) -> None:
     """The body of every callback: view the buffers, run ``function``, copy its results out."""
-    views = [_view(buffer, name) for buffer, name in zip(buffers, names + _RULEBOOK)]
+    views = [_view(buffer, name) for buffer, name in zip(buffers, names + static.rulebook_names)]
     arrays, rulebook = views[: len(names)], views[len(names):]
     with _core_scope(ctx, arrays[0]):
-        results = function(_pass(static, *rulebook, arrays[0]), *arrays)
+        results = function(_pass(static, rulebook, arrays[0]), *arrays)
         for out, result in zip(outs, results):
             _view(out, "out")[...] = result
 
 
 def _declare(op: CallbackOp) -> Callable[..., Any]:
     """The ``custom_vjp`` of ``op``: ``call(static, *inputs, *rulebook arrays) -> the op's result``."""
-    not_differentiable = (None,) * (len(op.inputs) - op.differentiable + len(_RULEBOOK))
-
     def forward(static: Static, *args: Any) -> tuple[Any, tuple]:
         inputs, rulebook = args[: len(op.inputs)], args[len(op.inputs):]
         call = buffer_callback(partial(_run, op.forward, op.inputs, static), op.forward_shapes(static, *inputs))
@@ -186,6 +210,7 @@ def _declare(op: CallbackOp) -> Callable[..., Any]:
         grad = grad.astype(static.dtype)
         call = buffer_callback(partial(_run, op.backward, ("grad_output",) + op.saved_names, static),
                                op.backward_shapes(static, grad, *saved))
+        not_differentiable = (None,) * (len(op.inputs) - op.differentiable + len(rulebook))
         return tuple(varying_like(g, grad) for g in call(grad, *saved, *rulebook)) + not_differentiable
 
     @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -238,15 +263,25 @@ def _check_dtype(features: Any) -> None:
         )
 
 
+def rulebook_form() -> str:
+    """The rulebook form a callback pass traced now carries: ``"map"`` where JAX's default backend is a GPU
+    (the core's fused kernels read neighbour maps), else ``"pairs"`` (the NumPy backend reads pairs)."""
+    return "map" if jax.default_backend() in ("gpu", "cuda", "rocm") else "pairs"
+
+
 def _call(name: str, inputs: tuple, rulebook: tuple, capacity_out: int, kernel_size: tuple[int, ...],
           identity: int, groups: int = 1) -> Any:
     features = inputs[0]
     _check_dtype(features)
     static = Static(int(features.shape[0]), int(capacity_out), tuple(int(k) for k in kernel_size), int(identity),
-                    int(groups), np.dtype(features.dtype).name)
+                    int(groups), np.dtype(features.dtype).name, rulebook_form())
     pair_input, pair_output, counts, n_in, n_out = rulebook
-    return _CALLS[name](static, *inputs, pair_input, pair_output, counts, jnp.asarray(n_in, jnp.int32),
-                        jnp.asarray(n_out, jnp.int32))
+    if static.form == "map":
+        arrays = layout.map_arrays(pair_input, pair_output, static.capacity_in, static.capacity_out,
+                                   symmetric=static.identity >= 0)
+    else:
+        arrays = (pair_input, pair_output, counts)
+    return _CALLS[name](static, *inputs, *arrays, jnp.asarray(n_in, jnp.int32), jnp.asarray(n_out, jnp.int32))
 
 
 def conv(features: Any, weight: Any, pair_input: Any, pair_output: Any, counts: Any, n_in: Any, n_out: Any, *,

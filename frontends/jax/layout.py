@@ -12,11 +12,20 @@ out)`` pairs; ``Q`` is that bound rounded up to a multiple of the ``chunk`` the
 jnp feature passes loop over (they visit only the chunks holding true pairs,
 so a large ``Q`` costs memory, not arithmetic).
 
-Readers, with no conversion per call: the jnp passes gather and scatter with
-``FILL_OR_DROP`` (-1 reads zeros, writes nothing; `primitives`); the core's
-GPU kernels skip -1 rows (`padded.pair_map` is a reshape); the core's NumPy
-backend, which cannot skip them, gets each offset's true pairs as views
-joined once per call (`padded.true_pair_map`).
+Readers: the jnp passes gather and scatter with ``FILL_OR_DROP`` (-1 reads
+zeros, writes nothing; `primitives`); the core's NumPy backend, which cannot
+skip -1 entries, gets each offset's true pairs as views joined once per call
+(`padded.true_pair_map`); the core's GPU kernels read a padded neighbour map
+(`map_arrays`: the same pairs as per-row tables, made by XLA inside the
+compiled program, so no host operation and no read back; rows past the true
+count are all -1 and their masks 0).
+
+The jnp passes keep the ``[K, Q]`` form: on the CPU it measured 4.8x faster
+forward and 3x faster forward + backward than jnp passes over a padded map
+(per offset, a gather of every output row and one GEMM) for a SubMConv3d
+64 -> 64 on the 125,562-voxel scan, 5.4x and 6.3x for a strided one
+(2026-12-05, 2-core AMD EPYC VM, Python 3.11.7, jax 0.10.2, under jit; a map
+computes every output row for every offset, the pairs only the true pairs).
 """
 
 from __future__ import annotations
@@ -26,11 +35,12 @@ from functools import partial
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import sparsecore as sc
 
-__all__ = ["CHUNK", "NO_PAIR", "pair_layout", "RulebookInfo", "PaddedRulebook"]
+__all__ = ["CHUNK", "NO_PAIR", "pair_layout", "RulebookInfo", "PaddedRulebook", "map_arrays"]
 
 CHUNK = 2048  # pairs per step of the jnp feature passes' loops
 NO_PAIR = -1  # a pair row that is no pair (the kernels' convention)
@@ -123,3 +133,36 @@ class PaddedRulebook:
         old_in, old_out = np.asarray(self.pair_input), np.asarray(self.pair_output)
         return PaddedRulebook(*_lay_out([(old_in[k, :c], old_out[k, :c]) for k, c in enumerate(counts)], info),
                               info)
+
+
+def _side(keys: Any, values: Any, rows: int) -> tuple[Any, Any, Any]:
+    """``(neighbours [rows, K] int32, masks [rows, W] uint32, order [rows] int32)`` of ``[K, Q]`` pair rows
+    read from ``keys`` to ``values`` (-1 entries dropped)."""
+    volume = keys.shape[0]
+    offsets = jnp.broadcast_to(jnp.arange(volume, dtype=jnp.int32)[:, None], keys.shape)
+    table = jnp.full((rows, volume), NO_PAIR, jnp.int32)
+    # -1 keys point past the table and are dropped (jnp would wrap a negative index)
+    table = table.at[jnp.where(keys >= 0, keys, rows), offsets].set(values, mode="drop")
+    words = -(-volume // 32)
+    present = jnp.zeros((rows, words * 32), jnp.uint32).at[:, :volume].set((table >= 0).astype(jnp.uint32))
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    masks = jnp.sum(present.reshape(rows, words, 32) << shifts, axis=2, dtype=jnp.uint32)
+    # rows stably sorted by mask, word 0 first (jnp.lexsort's last key is the primary one)
+    order = jnp.lexsort(tuple(masks[:, word] for word in range(words - 1, -1, -1))).astype(jnp.int32)
+    return table, masks, order
+
+
+def map_arrays(pair_input: Any, pair_output: Any, capacity_in: int, capacity_out: int,
+               symmetric: bool) -> tuple[Any, ...]:
+    """The padded neighbour map of a ``[K, Q]`` rulebook, as jnp arrays (computed inside a jitted program).
+
+    Returns ``(output_neighbours [capacity_out, K] int32, output_masks [capacity_out, W] uint32,
+    output_order [capacity_out] int32)`` and, unless ``symmetric`` (a submanifold rulebook: the input
+    side is the output side with the offsets reversed), the same three for the input side
+    (``[capacity_in, ...]``): `sparsecore.neighbour_map.NeighbourMap`'s tables. Rows past the true
+    counts are all -1 with masks 0 (sorted first by the order).
+    """
+    output_side = _side(pair_output, pair_input, int(capacity_out))
+    if symmetric:
+        return output_side
+    return output_side + _side(pair_input, pair_output, int(capacity_in))

@@ -1,19 +1,22 @@
-"""Feature passes on a plan's padded arrays as they are stored, and the pair maps over them.
+"""Feature passes on a plan's padded arrays, and the core rulebooks over them.
 
 A plan stores each rulebook once, as ``[K, Q]`` pair rows in the kernels'
 convention (-1 = no pair; see `plan`), the subm centre offset included. The
-callback passes read it as it is:
+callback passes read it as:
 
+- `neighbour_map`: a `sparsecore.neighbour_map.NeighbourMap` over the padded
+  tables `layout.map_arrays` made inside the compiled program (views, no array
+  operation, nothing read back): what the GPU's fused kernels read. Rows past
+  the true counts are all -1 with masks 0; the map claims no identity offset
+  (its padding rows are paired with nothing).
 - `pair_map`: a `sparsecore.PairMap` with ``padded=True`` over the flattened
   arrays (a reshape, no array operation) with static offset starts ``k * Q``:
-  no true count is read back to the host. For backends that skip -1 rows
-  (``skips_negative_rows``: the GPU kernels, or in tests the kernel backend
-  under the CPU emulation of CUDA).
+  no true count is read back to the host. For backends that skip -1 rows.
 - `true_pair_map`: the true pairs joined into one flat map (one copy per pair
   array), for the NumPy backend, which cannot skip -1 rows; it reads the
   per-offset counts (free on the host).
 
-Both maps span the full padded rows (``num_input = capacity_in``,
+All span the full padded rows (``num_input = capacity_in``,
 ``num_output = capacity_out``). The passes below mask the features and
 gradients to their true rows with the row counts (0-d arrays, left on the
 device on a GPU), so a padding row holding anything (a bias, a batch norm's
@@ -22,14 +25,19 @@ shift) contributes nothing, and padding rows of every result are zero.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import sparsecore as sc
 from sparsecore.backends import ArrayBackend
 from sparsecore.interop import array_module
+from sparsecore.neighbour_map import NeighbourMap
+
+#: What the passes below hand the core: a padded pair map or a padded neighbour map.
+CoreRulebook = Union[sc.PairMap, NeighbourMap]
 
 __all__ = [
     "row_mask",
+    "neighbour_map",
     "pair_map",
     "true_pair_map",
     "conv_forward",
@@ -49,6 +57,22 @@ def row_mask(xp: Any, capacity: int, count: Any) -> Any:
 def _masked(rows: Any, count: Any) -> Any:
     xp = array_module(rows)
     return xp.where(row_mask(xp, rows.shape[0], count), rows, rows.dtype.type(0))
+
+
+def neighbour_map(tables: tuple[Any, ...], capacity_in: int, capacity_out: int,
+                  kernel_size: tuple[int, ...]) -> NeighbourMap:
+    """The padded tables of `layout.map_arrays` as a `sparsecore.neighbour_map.NeighbourMap` (no array operation).
+
+    Args:
+        tables: ``(output_neighbours, output_masks, output_order)``, plus the input side's three
+            for a map that is not symmetric (core views of the callback's buffers).
+        capacity_in, capacity_out: row capacities of the input and output site sets.
+        kernel_size: the rulebook's kernel size.
+    """
+    symmetric = len(tables) == 3
+    input_side = (None, None, None) if symmetric else tables[3:]
+    return NeighbourMap(*tables[:3], *input_side, int(capacity_in), int(capacity_out),
+                        tuple(int(k) for k in kernel_size), -1, symmetric)
 
 
 def pair_map(pair_input: Any, pair_output: Any, capacity_in: int, capacity_out: int, kernel_size: tuple[int, ...],
@@ -86,14 +110,14 @@ def true_pair_map(pair_input: Any, pair_output: Any, counts: Any, capacity_in: i
                       trusted=True)
 
 
-def conv_forward(backend: ArrayBackend, features: Any, weight: Any, pairs: sc.PairMap, n_in: Any, n_out: Any,
+def conv_forward(backend: ArrayBackend, features: Any, weight: Any, pairs: CoreRulebook, n_in: Any, n_out: Any,
                  groups: int) -> Any:
     """``[capacity_out, C_out]`` conv output, padding rows zero (the bias is added by the caller)."""
     out = sc.conv_forward(_masked(features, n_in), weight, pairs, groups=groups, backend=backend)
     return _masked(out, n_out)
 
 
-def conv_backward(backend: ArrayBackend, grad_output: Any, features: Any, weight: Any, pairs: sc.PairMap,
+def conv_backward(backend: ArrayBackend, grad_output: Any, features: Any, weight: Any, pairs: CoreRulebook,
                   n_in: Any, n_out: Any, groups: int) -> tuple[Any, Any]:
     """``(grad_features [capacity_in, C_in], grad_weight)``; padding rows of both inputs count as zero."""
     grad_features, grad_weight = sc.conv_backward(_masked(grad_output, n_out), _masked(features, n_in), weight,
@@ -101,21 +125,21 @@ def conv_backward(backend: ArrayBackend, grad_output: Any, features: Any, weight
     return _masked(grad_features, n_in), grad_weight
 
 
-def max_pool_forward(backend: ArrayBackend, features: Any, pairs: sc.PairMap) -> tuple[Any, Any]:
+def max_pool_forward(backend: ArrayBackend, features: Any, pairs: CoreRulebook) -> tuple[Any, Any]:
     """``(out, argmax)`` ``[capacity_out, C]``; padding rows have no pairs: 0 and -1."""
     return sc.max_pool_forward(features, pairs, backend=backend)
 
 
-def max_pool_backward(backend: ArrayBackend, grad_output: Any, argmax: Any, pairs: sc.PairMap) -> Any:
+def max_pool_backward(backend: ArrayBackend, grad_output: Any, argmax: Any, pairs: CoreRulebook) -> Any:
     """``[capacity_in, C]``: each output's gradient to its argmax row, summed per input over its pairs."""
     return sc.max_pool_backward(grad_output, argmax, pairs.num_input, rulebook=pairs, backend=backend)
 
 
-def avg_pool_forward(backend: ArrayBackend, features: Any, pairs: sc.PairMap) -> Any:
+def avg_pool_forward(backend: ArrayBackend, features: Any, pairs: CoreRulebook) -> Any:
     """``[capacity_out, C]`` window means over the true pairs; padding rows zero."""
     return sc.avg_pool_forward(features, pairs, backend=backend)
 
 
-def avg_pool_backward(backend: ArrayBackend, grad_output: Any, pairs: sc.PairMap) -> Any:
+def avg_pool_backward(backend: ArrayBackend, grad_output: Any, pairs: CoreRulebook) -> Any:
     """``[capacity_in, C]``; padding rows of ``grad_output`` are read by no pair."""
     return sc.avg_pool_backward(grad_output, pairs, backend=backend)

@@ -61,9 +61,17 @@ def _torch_backed_allocator(cupy: Any) -> Any:
 def core_context(device: torch.device) -> Iterator[None]:
     """Runs the core on ``device``: for CUDA, on torch's current stream and memory pool.
 
-    On CPU this does nothing (and imports nothing).
+    On CPU this does nothing (and imports nothing). Inside a context of the same
+    CUDA device on the same thread (a layer's forward holds one around its
+    rulebook and its feature pass; the ops it calls open theirs) it does nothing
+    either: one device and stream context per layer.
     """
     if device.type != "cuda":
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    outer = getattr(_local, "device_index", None)
+    if outer == index:
         yield
         return
     # a CUDA tensor exists, so the CuPy engine is wanted: one clear error when CuPy cannot run
@@ -71,12 +79,15 @@ def core_context(device: torch.device) -> Iterator[None]:
                         "Install CuPy for this CUDA version, or move the model and inputs to the CPU "
                         "(model.cpu(), features.cpu(), indices.cpu()).")
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
     with torch.cuda.device(index), cupy.cuda.Device(index):
         external = cupy.cuda.Stream.from_external(stream)
         with external, cupy.cuda.using_allocator(_torch_backed_allocator(cupy).malloc):
-            yield
+            _local.device_index = index
+            try:
+                yield
+            finally:
+                _local.device_index = outer
 
 
 #: torch dtypes ``Tensor.numpy`` views directly (bfloat16 has no NumPy twin; complex tensors may carry a

@@ -6,10 +6,10 @@ shapes of its outputs (the fake kernel ``torch.compile``, ``opcheck`` and
 `declare_ops` turns entries into ``torch.ops.sparsecore.<name>``:
 
 - the real kernel runs inside `core_context` (torch's stream and memory pool on
-  CUDA), hands every tensor argument to the core as a NumPy / CuPy view named
-  after the argument (bfloat16 computed in float32), calls ``compute`` with the
-  arguments as attributes, and returns the results as torch tensors in the
-  dtype each output names;
+  CUDA), calls ``compute`` with the arguments as attributes (`CoreArguments`:
+  a tensor argument becomes a NumPy / CuPy view named after it when first
+  read, bfloat16 computed in float32), and returns the results as torch
+  tensors in the dtype each output names;
 - the fake kernel allocates empty outputs of the shapes ``shapes`` returns;
 - the autograd registration saves the tensors the backward names, records the
   other arguments and every tensor argument's shape and dtype, marks integer
@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ._convert import core_context, core_float_view, to_torch
 
-__all__ = ["Output", "Backward", "OpSpec", "DeclaredOp", "declare_ops", "NAMESPACE"]
+__all__ = ["Output", "Backward", "OpSpec", "CoreArguments", "DeclaredOp", "declare_ops", "NAMESPACE"]
 
 #: The ``torch.library`` namespace of every sparsecore op (``torch.ops.sparsecore``).
 NAMESPACE = "sparsecore"
@@ -91,7 +91,7 @@ class OpSpec:
             ``compute``, ``shapes`` and the backward read.
         outputs: one `Output` per result, in schema order.
         compute: ``(arguments) -> result or tuple of results``, core arrays;
-            tensor arguments arrive as core views, the others unchanged.
+            tensor arguments read as core views (`CoreArguments`), the others unchanged.
         shapes: ``(arguments) -> one shape per output``, from the torch (fake)
             arguments; it may ask ``torch.library.get_ctx()`` for data-dependent sizes.
         backward: the gradient rule, or ``None`` for an op autograd does not differentiate.
@@ -132,13 +132,37 @@ def _output_dtype(output: Output, arguments: Mapping[str, Any]) -> torch.dtype:
     return arguments[output.dtype].dtype if isinstance(output.dtype, str) else output.dtype
 
 
+class CoreArguments:
+    """An op's arguments as its ``compute`` reads them: each tensor argument becomes a core (NumPy / CuPy)
+    view when first read (bfloat16 as float32), the others are passed as they are.
+
+    A view is made only for what ``compute`` reads: an op that recognises its rulebook tensors as the
+    library's own (`sparsecore.torch.indice_data.library_rulebook`) never converts them.
+
+    Attributes:
+        torch_arguments: the arguments as the op received them, by name.
+    """
+
+    def __init__(self, torch_arguments: Mapping[str, Any]) -> None:
+        self.__dict__.update({name: value for name, value in torch_arguments.items() if not isinstance(value, Tensor)})
+        self.torch_arguments = torch_arguments
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = self.torch_arguments[name]
+        except KeyError:
+            raise AttributeError(f"the op has no argument {name!r}") from None
+        if isinstance(value, Tensor):
+            value = core_float_view(value, name)
+        self.__dict__[name] = value
+        return value
+
+
 def _kernel(spec: OpSpec, names: tuple[str, ...]) -> Callable[..., Any]:
     def kernel(*values: Any) -> Any:
         arguments = dict(zip(names, values))
         with core_context(_device_of(values)):
-            views = {name: core_float_view(value, name) if isinstance(value, Tensor) else value
-                     for name, value in arguments.items()}
-            results = spec.compute(SimpleNamespace(**views, torch_arguments=arguments))
+            results = spec.compute(CoreArguments(arguments))
             if len(spec.outputs) == 1:
                 results = (results,)
             tensors = tuple(to_torch(result, _output_dtype(output, arguments))

@@ -31,19 +31,15 @@ from torch.nn import init
 
 import sparsecore as sc
 
-from .exportable import export_forward
-from .layer import SparseModule, geometry_repr, layer_forward, nd_variants
-from .ops import autocast_inputs, sparse_conv_features
+from .layer import SparseModule, conv_epilogue, conv_forward, geometry_repr, nd_variants
 from .spconv_rules import (
     MAX_NUM_VOXELS_DURING_TRAINING,
     activation_name,
     apply_activation,
-    effective_weight,
-    layer_rulebook_key,
     spconv_1x1_weight,  # noqa: F401  (its old home: sparsecore.torch.quantization imports it from here)
     weight_layout_hook,
 )
-from .tensor import SparseConvTensor, expand_nd
+from .tensor import expand_nd
 
 __all__ = [
     "SparseConvolution",
@@ -178,26 +174,11 @@ class SparseConvolution(SparseModule):
     def _apply_activation(self, features: torch.Tensor) -> torch.Tensor:
         return apply_activation(features, self._activation, self.act_alpha)
 
-    def _epilogue(self, out: SparseConvTensor, add_input: Optional[SparseConvTensor]) -> SparseConvTensor:
-        """The fused tail of a conv (eager or exported): ``add_input``, then the activation."""
-        if add_input is not None:
-            out = out.replace_feature(out.features + add_input.features)
-        if self._activation is not None:
-            out = out.replace_feature(self._apply_activation(out.features))
-        return out
-
-    def forward(self, input: SparseConvTensor, add_input: Optional[SparseConvTensor] = None) -> SparseConvTensor:
-        """Convolves ``input``; ``add_input`` (same sites as the output) is added before the activation."""
-        if torch.compiler.is_exporting():  # geometry as an opaque op: frontends/torch/exportable.py
-            return export_forward(self, input, add_input)
-
-        def feature_pass(data):
-            features, weight, bias = autocast_inputs(input.features, effective_weight(self), self.bias)
-            return sparse_conv_features(features, weight, bias, data, self.groups)
-
-        out = layer_forward(self, input, "SparseConvolution", layer_rulebook_key(self), feature_pass,
-                            in_channels=self.in_channels, weight=self.weight)
-        return self._epilogue(out, add_input)
+    #: The eager forward (`sparsecore.torch.layer.conv_forward`: input checks to output tensor, in one module):
+    #: convolves ``input``; ``add_input`` (same sites as the output) is added before the activation.
+    forward = conv_forward
+    #: The fused tail (`sparsecore.torch.layer.conv_epilogue`): ``add_input``, then the activation.
+    _epilogue = conv_epilogue
 
     def _benchmark_params(self) -> dict:
         return {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,

@@ -1,6 +1,6 @@
 """``torch.export`` of sparsecore.torch models: geometry as an opaque op with data-dependent sizes.
 
-A layer's eager geometry (`_geometry.layer_indice_data`) reads the sites on
+A layer's eager geometry (`layer.layer_indice_data`) reads the sites on
 the host, which ``torch.export`` cannot trace. Under export, sparse convs run
 `export_forward` instead, built from two ``torch.library`` custom ops:
 

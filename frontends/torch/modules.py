@@ -4,8 +4,9 @@
 (subclasses of `SparseModule`, `SparseBatchNorm`, `SparseReLU`) and applies
 any other module (``nn.BatchNorm1d``, ``nn.ReLU``, ...) to its features,
 skipping it when the tensor has no active site, exactly as spconv does.
-`SparseModule` and `start_benchmark` live in `sparsecore.torch.layer` (the
-layers' shared base) and are re-exported here under spconv's module path.
+`SparseModule` lives in `sparsecore.torch.layer` (the layers' shared base) and
+`start_benchmark` in `sparsecore.torch.benchmark_mode`; both are re-exported
+here under spconv's module path.
 """
 
 from __future__ import annotations

@@ -18,10 +18,8 @@ import torch
 import sparsecore as sc
 
 from ._convert import check_same_device
-from ._geometry import check_input
-from .exportable import export_pool_forward
-from .layer import SparseModule, geometry_repr, layer_forward, nd_variants
-from .ops import avg_pool_features, global_avg_pool_features, global_max_pool_features, max_pool_features
+from .layer import SparseModule, check_input, geometry_repr, nd_variants, pool_forward
+from .ops import global_avg_pool_features, global_max_pool_features
 from .spconv_rules import MAX_NUM_VOXELS_DURING_TRAINING
 from .tensor import SparseConvTensor, expand_nd
 
@@ -32,7 +30,6 @@ __all__ = [
 ]
 
 class _SparsePool(SparseModule):
-    _pool_pass = staticmethod(max_pool_features)
     _kind = "SparseMaxPool"
 
     def __init__(self, ndim: int, kernel_size: Any = 3, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
@@ -67,11 +64,8 @@ class _SparsePool(SparseModule):
         return {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,
                 "dilation": self.dilation}
 
-    def forward(self, input: SparseConvTensor) -> SparseConvTensor:
-        if torch.compiler.is_exporting():  # geometry as an opaque op: frontends/torch/exportable.py
-            return export_pool_forward(self, input)
-        return layer_forward(self, input, self._kind, self.indice_key,
-                             lambda data: type(self)._pool_pass(input.features, data))
+    #: The eager forward (`sparsecore.torch.layer.pool_forward`: input checks to output tensor, in one module).
+    forward = pool_forward
 
 
 class SparseMaxPool(_SparsePool):
@@ -81,7 +75,6 @@ class SparseMaxPool(_SparsePool):
 class SparseAvgPool(_SparsePool):
     """Mean over the active sites of each window (spconv ``SparseAvgPool``)."""
 
-    _pool_pass = staticmethod(avg_pool_features)
     _kind = "SparseAvgPool"
 
 

@@ -29,9 +29,6 @@ __all__ = [
     "check_float",
     "check_integer_vector",
     "check_row_count",
-    "check_scatter",
-    "data_pointer",
-    "vector_width",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -53,7 +50,7 @@ class KernelLauncher(Protocol):
         """Runs ``expression<<<grid, block>>>(*args)``.
 
         Args:
-            expression: a name expression of `kernel_registry`, e.g. ``"sc_gather_rows<float>"``.
+            expression: a name expression of `kernel_registry`, e.g. ``"sc_max_pool_map<float>"``.
             grid: blocks, at least 1.
             block: threads per block, 1 to 1024.
             args: C-contiguous arrays of the backend's ``xp`` and NumPy scalars of
@@ -168,44 +165,3 @@ def check_row_count(count: int, argument: str, function: str) -> None:
             f"{function}: {argument} has {count} rows, more than the kernels' int32 row numbers "
             f"address ({INT32_MAX}); split the input into smaller pieces"
         )
-
-
-def check_scatter(target: Any, rows: Any, values: Any, function: str) -> tuple[str, int, int]:
-    """Checks a row scatter's ``target [N, C]``, ``rows [M]`` and ``values [M, C]``.
-
-    Returns:
-        ``(dtype name of target, M, C)``.
-
-    Raises:
-        ValueError / TypeError: naming the argument that is wrong.
-    """
-    dtype_name = check_float(target, "target", function)
-    check_integer_vector(rows, "rows", function)
-    check_row_count(int(target.shape[0]), "target", function)
-    count, channels = int(rows.shape[0]), int(target.shape[1])
-    if tuple(values.shape) != (count, channels):
-        raise ValueError(
-            f"{function}: values must have shape [{count}, {channels}] (one row per entry of rows, "
-            f"target's channels), got {tuple(values.shape)}"
-        )
-    return dtype_name, count, channels
-
-
-def data_pointer(array: Any) -> int:
-    """The address of an array's first element (NumPy or CuPy)."""
-    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
-    return int(interface["data"][0])
-
-
-def vector_width(channels: int, itemsize: int, *arrays: Any) -> int:
-    """Elements per aligned access for the row kernels: the widest of 8, 4, 2 that fits, else 1.
-
-    A width ``w`` fits when ``channels % w == 0``, ``w * itemsize <= 16`` (one
-    128-bit access) and every array's address is a multiple of ``w * itemsize``
-    (so every row of a contiguous ``[rows, channels]`` array is too).
-    """
-    for width in (8, 4, 2):
-        size = width * itemsize
-        if size <= 16 and channels % width == 0 and all(data_pointer(array) % size == 0 for array in arrays):
-            return width
-    return 1

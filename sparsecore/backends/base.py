@@ -2,7 +2,13 @@
 
 The core's algorithms (rulebook builders, feature passes) are written once
 against these primitives plus NumPy-compatible array functions of ``xp``.
-A backend implements primitives only, never an algorithm.
+A backend implements primitives only, never an algorithm. A backend with
+``fused_passes`` (the kernel backend: the GPU and its emulation) runs the
+feature passes as fused kernels over neighbour maps instead
+(`sparsecore.backends._kernel_fused`), so it provides the hashing, rulebook
+and int8 primitives but not the pair feature primitives below (gathers,
+scatters, pools over pairs, ``compute_dtype``, ``chunk_elements``), which only
+the NumPy backend's dataflows use.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class ArrayBackend(Protocol):
     def compute_dtype(self, dtype: Any) -> Any:
         """The dtype the feature passes' products run in for storage ``dtype``.
 
-        NumPy has no fast float16 GEMM, so it computes float16 in float32; cuBLAS
+        NumPy has no fast float16 GEMM, so it computes float16 in float32; a GEMM
         multiplies float16 natively (accumulating in float32).
         """
 
@@ -198,4 +204,4 @@ class ArrayBackend(Protocol):
         """
 
     def matmul(self, left: Any, right: Any) -> Any:
-        """Batched or plain matrix product (BLAS / cuBLAS)."""
+        """Batched or plain matrix product (BLAS)."""

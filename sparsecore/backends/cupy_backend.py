@@ -4,7 +4,7 @@ Imported only by `sparsecore.backends.backend_for` when an input is a CuPy
 array, so importing sparsecore never imports CuPy. Kernels are compiled by
 NVRTC on first use, per device, and cached on disk by CuPy
 (`kernel_registry.get_kernel`). Every launch goes to CuPy's *current* stream,
-the stream CuPy's own operations (sorts, scans, cuBLAS) in the backend use
+the stream CuPy's own operations (sorts, scans) in the backend use
 too; a frontend makes the caller's stream current with
 ``with cupy.cuda.Stream.from_external(stream):`` around a call.
 """
@@ -17,8 +17,7 @@ from typing import Any
 import cupy
 
 from . import kernel_registry
-from ._cublas_gemm import CublasGemm, tf32_from_environment
-from .kernel_backend import KernelBackend
+from .kernel_backend import KernelBackend, tf32_from_environment
 
 __all__ = ["CupyLauncher", "CUPY_BACKEND"]
 
@@ -33,6 +32,5 @@ class CupyLauncher:
         kernel((grid,), (block,), args)  # a RawKernel launches on the current stream
 
 
-# Matrix products: cuBLAS strided-batched GEMMs; float32 in TF32 when CUPY_TF32 > 0 at import (CuPy's switch).
-CUPY_BACKEND = KernelBackend(cupy, CupyLauncher(), name="cupy", native_float16=True,
-                             gemm=CublasGemm(tf32=tf32_from_environment()))
+# float32 convolutions on TF32 tensor cores when CUPY_TF32 > 0 at import (CuPy's own switch and reading).
+CUPY_BACKEND = KernelBackend(cupy, CupyLauncher(), name="cupy", tf32=tf32_from_environment())

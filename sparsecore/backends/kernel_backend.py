@@ -13,27 +13,47 @@ runs a registered kernel instantiation:
 Each wrapper makes its inputs contiguous (a RawKernel ignores strides), checks
 dtypes and shapes, sizes the grid, never launches zero blocks (empty inputs
 give empty outputs), and does nothing else. Sorting, scans and compaction of
-flags use ``xp`` (CuPy's are CUB/Thrust kernels); matrix products go to
-the backend's ``gemm`` (on the GPU `CublasGemm`: one cuBLAS strided-batched
-GEMM per product, float16 with float32 compute, TF32 only when asked), or
-``xp.matmul`` without one. Feature dtypes: float32, float64, float16 and
-bfloat16.
+flags use ``xp`` (CuPy's are CUB/Thrust kernels). The feature passes are not
+primitives here: the core runs them as the fused kernels of `fused_passes`
+(one launch per pass over a rulebook's neighbour map, `_kernel_fused`), so
+this backend has none of the NumPy backend's pair feature primitives (gather,
+scatter, pair pools, products by offset). Feature dtypes: float32, float64,
+float16 and bfloat16.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import _kernel_int8, _kernel_keys, _kernel_layouts, _kernel_pairs, _launch
-from ._launch import INT64_MAX, KernelDevice, KernelLauncher, check_float, check_integer_vector, check_row_count
+from . import _kernel_fused, _kernel_int8, _kernel_keys, _kernel_maps, _kernel_pairs, _launch
+from ._launch import INT64_MAX, KernelDevice, KernelLauncher, check_integer_vector, check_row_count
 from ._sorting import run_starts, unique_inverse
 
-__all__ = ["KernelBackend", "KernelHashTable", "KernelLauncher"]
+__all__ = ["KernelBackend", "KernelHashTable", "KernelLauncher", "tf32_from_environment"]
 
 _MAX_BLOCK_THREADS = 1024  # sc::kMaxBlockThreads of kernels_cu/sc_common.cuh
+
+
+def tf32_from_environment(environment: Any = None) -> bool:
+    """Whether ``CUPY_TF32`` asks for TF32, read as CuPy reads it: an integer > 0.
+
+    Args:
+        environment: a mapping (default ``os.environ``).
+
+    Raises:
+        ValueError: when ``CUPY_TF32`` is set but is not an integer.
+    """
+    value = (os.environ if environment is None else environment).get("CUPY_TF32", "0")
+    try:
+        return int(value) > 0
+    except ValueError:
+        raise ValueError(
+            f"CUPY_TF32 must be an integer (1 allows TF32 for float32 convolutions, 0 forbids it), got {value!r}"
+        ) from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,17 +88,12 @@ class KernelBackend:
         block_threads: threads per block of every launch, 1 to 1024.
         max_blocks: most blocks of a launch; the kernels' grid-stride loops
             cover larger inputs.
-        chunk_elements: most gathered feature elements a feature pass holds at
-            once (see `ArrayBackend.chunk_elements`): the default, 2^26 (256 MB of
-            float32), puts the offsets of a typical layer in one or two chunks,
-            each one gather, one batched GEMM and one deterministic
-            `scatter_add_pairs` (``sc_sum_run_rows``).
-        native_float16: multiply float16 features as float16 (cuBLAS, float32
-            accumulation) instead of converting them to float32 first.
         skips_negative_rows: always true: every kernel skips row -1 (padding).
-        gemm: the engine of `matmul`, an object with ``matmul(xp, left, right)``
-            (`sparsecore.backends._cublas_gemm.CublasGemm` on the GPU); None
-            means ``xp.matmul`` (the CPU emulation).
+        tf32: float32 convolutions on TF32 tensor cores (`fused_passes`);
+            `sparsecore.backends.cupy_backend.CUPY_BACKEND` sets it from
+            ``CUPY_TF32`` (the project's one TF32 switch).
+        gemm: the engine of `matmul`, an object with ``matmul(xp, left, right)``;
+            None means ``xp.matmul``. No feature pass multiplies through it.
     """
 
     xp: Any
@@ -86,9 +101,8 @@ class KernelBackend:
     name: str = "kernels"
     block_threads: int = 256
     max_blocks: int = 4096
-    chunk_elements: int = 1 << 26
-    native_float16: bool = False
     skips_negative_rows: bool = True
+    tf32: bool = False
     gemm: Any = None
 
     def __post_init__(self) -> None:
@@ -101,19 +115,16 @@ class KernelBackend:
             raise ValueError(f"block_threads must be in [1, {_MAX_BLOCK_THREADS}], got {self.block_threads}")
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be at least 1, got {self.max_blocks}")
-        if self.chunk_elements < 0:
-            raise ValueError(f"chunk_elements must be >= 0, got {self.chunk_elements}")
-
-    def compute_dtype(self, dtype: Any) -> Any:
-        """float16 stays float16 with ``native_float16``, else becomes float32; other dtypes are kept."""
-        dtype = np.dtype(dtype)
-        return dtype if dtype != np.float16 or self.native_float16 else np.dtype(np.float32)
 
     @property
     def device(self) -> KernelDevice:
-        """The array module and launch settings, all the launch wrappers of `_kernel_pairs` and
-        `_kernel_int8` receive."""
+        """The array module and launch settings the launch wrappers (`_kernel_pairs`...) receive."""
         return KernelDevice(self.xp, self.launcher, self.block_threads, self.max_blocks)
+
+    @property
+    def fused_passes(self) -> _kernel_fused.FusedPasses:
+        """The feature passes over neighbour maps (`_kernel_fused`), float32 on TF32 when ``tf32`` is set."""
+        return _kernel_fused.FusedPasses(self.device, self.tf32)
 
     def _run(self, kernel: str, type_names: tuple[str, ...], work: int, args: tuple[Any, ...]) -> None:
         _launch.launch(self.launcher, kernel, type_names, work, args, self.block_threads, self.max_blocks)
@@ -232,82 +243,19 @@ class KernelBackend:
         """Valid (input row, output key) pairs per offset with the ``sc_*_conv_candidates`` kernels."""
         return _kernel_pairs.conv_candidate_pairs(self.device, indices, geometry, output_spatial_shape)
 
-    # --------------------------------------------------------- feature passes
+    def submanifold_map(self, indices: Any, spatial_shape: Sequence[int], batch_size: int,
+                        kernel_size: Sequence[int], dilation: Sequence[int], check: bool) -> tuple[Any, Any, Any]:
+        """A submanifold neighbour map's tables in two launches, no read back (`_kernel_maps.submanifold_map`)."""
+        return _kernel_maps.submanifold_map(self.device, indices, spatial_shape, batch_size, kernel_size, dilation,
+                                            check)
 
-    def gather_rows(self, source: Any, rows: Any) -> Any:
-        """``source[rows]`` with ``sc_gather_rows<T>``.
+    def strided_map(self, indices: Any, spatial_shape: Sequence[int], batch_size: int, geometry: Any,
+                    output_spatial_shape: Sequence[int], check: bool) -> Any:
+        """A regular, transposed or pooling neighbour map with one read back (`_kernel_maps.strided_map`)."""
+        return _kernel_maps.strided_map(self.device, indices, spatial_shape, batch_size, geometry,
+                                        output_spatial_shape, check)
 
-        Args:
-            source: ``[N, C]`` float32/float64/float16/bfloat16.
-            rows: integer ``[M]`` in ``[0, N)`` (not range-checked: rulebook rows).
-
-        Returns:
-            ``[M, C]`` in ``source``'s dtype.
-        """
-        xp = self.xp
-        dtype_name = check_float(source, "source", "gather_rows")
-        check_integer_vector(rows, "rows", "gather_rows")
-        check_row_count(int(source.shape[0]), "source", "gather_rows")
-        source = xp.ascontiguousarray(source)
-        rows = xp.ascontiguousarray(rows, dtype=xp.int32)
-        count, channels = int(rows.shape[0]), int(source.shape[1])
-        out = xp.empty((count, channels), dtype=source.dtype)
-        vector = _launch.vector_width(channels, source.dtype.itemsize, source, out)
-        self._run("sc_gather_rows", (dtype_name,), count * channels // vector,
-                  (source, rows, np.int64(count), np.int64(channels), np.int32(vector), out))
-        return out
-
-    def scatter_add_rows(self, target: Any, rows: Any, values: Any) -> None:
-        """``target[rows] += values`` in place with ``sc_scatter_add_rows_unique<T>`` (see `_kernel_pairs`)."""
-        _kernel_pairs.scatter_add_rows(self.device, target, rows, values)
-
-    def scatter_add_pairs(self, target: Any, rows: Any, values: Any, run_starts: tuple[int, ...]) -> None:
-        """``target[rows] += values`` over several offsets' pairs with ``sc_sum_run_rows`` (`_kernel_pairs`)."""
-        _kernel_pairs.scatter_add_pairs(self.device, target, rows, values, run_starts)
-
-    def scatter_plan(self, rows: Any, run_starts: tuple[int, ...], num_rows: int) -> Any:
-        """The slot table of `scatter_add_pairs` (a `_kernel_pairs.ScatterPlan`), built once per rows."""
-        return _kernel_pairs.scatter_plan(self.device, rows, run_starts, num_rows)
-
-    def padded_chunk_layout(self, pair_input: Any, pair_output: Any, starts: tuple[int, ...],
-                            counts: tuple[int, ...], width: int, write_output: bool,
-                            num_rows: int) -> tuple[Any, Any, Any]:
-        """A chunk's ``[m, W]`` rows and scatter plan in one launch (`_kernel_layouts.chunk_layout`).
-
-        `sparsecore._conv_products.chunk_layout` uses it where present, in place of
-        `sparsecore._chunks.chunk_rows` and `scatter_plan` (about 25 array operations).
-        """
-        return _kernel_layouts.chunk_layout(self.device, pair_input, pair_output, starts, counts, width,
-                                            write_output, num_rows)
-
-    def mirrored_pairs(self, found_rows: Any, columns: Any, sorted_rows: Any, half_starts: tuple[int, ...],
-                       num_sites: int) -> tuple[Any, Any, tuple[int, ...]]:
-        """A submanifold rulebook's pairs from the half below the centre, in one launch (`_kernel_layouts`)."""
-        return _kernel_layouts.mirrored_pairs(self.device, found_rows, columns, sorted_rows, half_starts, num_sites)
-
-    def scatter_add_planned(self, target: Any, plan: Any, values: Any) -> None:
-        """`scatter_add_pairs` over a `scatter_plan`: one ``sc_sum_run_rows`` launch."""
-        _kernel_pairs.scatter_add_planned(self.device, target, plan, values)
-
-    def max_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
-                       num_output: int) -> tuple[Any, Any]:
-        """Per-output maxima and argmax rows with ``sc_max_pool_forward`` (``run_starts`` unused)."""
-        return _kernel_pairs.max_pool_pairs(self.device, features, pair_input, pair_output, num_output)
-
-    def max_pool_backward_pairs(self, grad_output: Any, argmax: Any, pair_input: Any, pair_output: Any,
-                                run_starts: tuple[int, ...], num_input: int) -> Any:
-        """Max-pool gradient by input rows with ``sc_max_pool_backward`` (``run_starts`` unused)."""
-        return _kernel_pairs.max_pool_backward_pairs(self.device, grad_output, argmax, pair_input, pair_output, num_input)
-
-    def avg_pool_pairs(self, features: Any, pair_input: Any, pair_output: Any, run_starts: tuple[int, ...],
-                       num_output: int) -> Any:
-        """Per-output means with ``sc_avg_pool_forward`` (``run_starts`` unused)."""
-        return _kernel_pairs.avg_pool_pairs(self.device, features, pair_input, pair_output, num_output)
-
-    def avg_pool_backward_pairs(self, grad_output: Any, pair_input: Any, pair_output: Any,
-                                run_starts: tuple[int, ...], num_input: int) -> Any:
-        """Average-pool gradient by input rows with ``sc_avg_pool_backward`` (``run_starts`` unused)."""
-        return _kernel_pairs.avg_pool_backward_pairs(self.device, grad_output, pair_input, pair_output, num_input)
+    # ------------------------------------------------------------------ int8
 
     def int8_conv_pairs(self, features: Any, weight: Any, pair_input: Any, pair_output: Any,
                         run_starts: tuple[int, ...], num_output: int, identity_offset: int, groups: int,
@@ -373,11 +321,7 @@ class KernelBackend:
         return out.reshape(size)
 
     def matmul(self, left: Any, right: Any) -> Any:
-        """``left @ right`` (NumPy semantics, 2 or more axes) through ``gemm``, else ``xp.matmul``.
-
-        On the GPU one cuBLAS strided-batched GEMM per call, transposed and
-        strided operands read in place (see `CublasGemm.matmul`).
-        """
+        """``left @ right`` (NumPy semantics, 2 or more axes) through ``gemm``, else ``xp.matmul``."""
         if self.gemm is None:
             return self.xp.matmul(left, right)
         return self.gemm.matmul(self.xp, left, right)

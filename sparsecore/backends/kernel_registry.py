@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ._cuda_headers import TENSOR_CORE_HEADER, cuda_include_dir, nvrtc_options, tensor_core_include_dir
 
 __all__ = [
     "KernelSpec",
@@ -35,6 +36,8 @@ __all__ = [
     "cuda_type_name",
     "kernel_source",
     "cuda_include_dir",
+    "tensor_core_include_dir",
+    "TENSOR_CORE_HEADER",
     "nvrtc_options",
     "load_module",
     "get_kernel",
@@ -80,7 +83,7 @@ class KernelSpec:
 
     @property
     def name_expressions(self) -> tuple[str, ...]:
-        """NVRTC name expressions, e.g. ``("sc_gather_rows<float>", ...)``."""
+        """NVRTC name expressions, e.g. ``("sc_max_pool_map<float>", ...)``."""
         if not self.template_arguments:
             return (self.name,)
         return tuple(f"{self.name}<{', '.join(arguments)}>" for arguments in self.template_arguments)
@@ -91,12 +94,15 @@ class KernelFile:
     """One source file of ``kernels_cu/`` and the kernels it defines.
 
     Attributes:
-        file: the file name, e.g. ``"gather_scatter.cu"``.
+        file: the file name, e.g. ``"hash_table.cu"``.
         kernels: its kernels.
+        tensor_cores: it includes ``<mma.h>`` (wmma), so NVRTC needs ``crt/mma.h``
+            (`tensor_core_include_dir`).
     """
 
     file: str
     kernels: tuple[KernelSpec, ...]
+    tensor_cores: bool = False
 
     @property
     def name_expressions(self) -> tuple[str, ...]:
@@ -110,6 +116,10 @@ def _per_type(name: str, types: tuple[Any, ...]) -> KernelSpec:
 
 
 _STORAGE_ONLY = tuple(storage for storage, _ in FLOAT_TYPES)
+# The fused feature kernels' (storage type, arithmetic engine) pairs: SIMT for float32 and float64,
+# tensor cores (wmma) for float16, bfloat16 and, TF32, float32 (implicit_gemm.cu).
+_FEATURE_ENGINES = (("float", "sc::Simt"), ("double", "sc::Simt"), ("float", "sc::Wmma"), ("__half", "sc::Wmma"),
+                    ("__nv_bfloat16", "sc::Wmma"))
 
 KERNEL_FILES: tuple[KernelFile, ...] = (
     KernelFile(
@@ -122,24 +132,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_unpack_keys"),
         ),
     ),
-    KernelFile(
-        "gather_scatter.cu",
-        (
-            _per_type("sc_gather_rows", _STORAGE_ONLY),
-            _per_type("sc_scatter_add_rows_unique", _STORAGE_ONLY),
-            _per_type("sc_segment_sum_rows", FLOAT_TYPES),
-            _per_type("sc_sum_run_rows", FLOAT_TYPES),
-        ),
-    ),
-    KernelFile(
-        "pooling.cu",
-        (
-            _per_type("sc_max_pool_forward", _STORAGE_ONLY),
-            _per_type("sc_max_pool_backward", _STORAGE_ONLY),
-            _per_type("sc_avg_pool_forward", _STORAGE_ONLY),
-            _per_type("sc_avg_pool_backward", _STORAGE_ONLY),
-        ),
-    ),
+    KernelFile("segment_sums.cu", (_per_type("sc_segment_sum_rows", (("double", "double"),)),)),
     KernelFile(
         "rulebook.cu",
         (
@@ -147,11 +140,37 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_compact_write"),
             KernelSpec("sc_regular_conv_candidates"),
             KernelSpec("sc_transposed_conv_candidates"),
-            KernelSpec("sc_chunk_layout"),
-            KernelSpec("sc_mirror_pairs"),
         ),
     ),
     KernelFile("int8.cu", (_per_type("sc_int8_conv", ("signed char", "float")), KernelSpec("sc_int8_max_pool"))),
+    KernelFile(
+        "implicit_gemm.cu",
+        (
+            _per_type("sc_implicit_gemm", _FEATURE_ENGINES),
+            _per_type("sc_weight_gradient", _FEATURE_ENGINES),
+        ),
+        tensor_cores=True,
+    ),
+    KernelFile(
+        "pool_maps.cu",
+        (
+            _per_type("sc_max_pool_map", _STORAGE_ONLY),
+            _per_type("sc_max_pool_map_backward", _STORAGE_ONLY),
+            _per_type("sc_avg_pool_map", _STORAGE_ONLY),
+            _per_type("sc_avg_pool_map_backward", _STORAGE_ONLY),
+        ),
+    ),
+    KernelFile(
+        "neighbour_map.cu",
+        (
+            KernelSpec("sc_map_insert_sites"),
+            KernelSpec("sc_map_check_sites"),
+            KernelSpec("sc_map_submanifold"),
+            KernelSpec("sc_map_candidates"),
+            KernelSpec("sc_map_mark_outputs"),
+            KernelSpec("sc_map_strided"),
+        ),
+    ),
 )
 
 
@@ -293,51 +312,6 @@ def _expand(file: str, seen: set[str]) -> str:
     return "".join(pieces)
 
 
-def cuda_include_dir() -> str | None:
-    """The CUDA toolkit header directory (with ``cuda_fp16.h``) NVRTC needs, or None.
-
-    Searched in order: the ``nvidia`` wheels' include directories (CUDA 13's
-    ``nvidia/cu13/include``, CUDA 12's ``nvidia/cuda_runtime/include``), then
-    ``$CUDA_PATH/include``, ``$CUDA_HOME/include`` and ``/usr/local/cuda/include``.
-    """
-    candidates: list[Path] = []
-    try:
-        import nvidia  # namespace package of the CUDA wheels
-
-        for root in getattr(nvidia, "__path__", ()):
-            root_path = Path(root)
-            candidates += [root_path / "cu13" / "include", root_path / "cuda_runtime" / "include"]
-            candidates += sorted(root_path.glob("cu*/include"), reverse=True)
-    except ImportError:
-        pass
-    for variable in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(variable):
-            candidates.append(Path(os.environ[variable]) / "include")
-    candidates.append(Path("/usr/local/cuda/include"))
-    for candidate in candidates:
-        if (candidate / "cuda_fp16.h").is_file():
-            return str(candidate)
-    return None
-
-
-def nvrtc_options(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """NVRTC options for every kernel file (no ``-arch``: CuPy adds the device's).
-
-    Args:
-        extra: options appended as given (e.g. ``("-arch=compute_90",)``).
-
-    Raises:
-        RuntimeError: when no CUDA headers are found.
-    """
-    include_dir = cuda_include_dir()
-    if include_dir is None:
-        raise RuntimeError(
-            "the CUDA headers (cuda_fp16.h) that NVRTC needs were not found: install "
-            "'cupy-cuda13x[ctk]' (or 'cupy-cuda12x[ctk]'), or set CUDA_PATH to a CUDA toolkit"
-        )
-    return ("-std=c++17", f"-I{include_dir}") + tuple(extra)
-
-
 @functools.lru_cache(maxsize=None)
 def load_module(file: str, device_id: int) -> Any:
     """The compiled ``cupy.RawModule`` of a kernel file on one device (memoized).
@@ -355,7 +329,7 @@ def load_module(file: str, device_id: int) -> Any:
     with cupy.cuda.Device(device_id):
         module = cupy.RawModule(
             code=kernel_source(file),
-            options=nvrtc_options(),
+            options=nvrtc_options(tensor_cores=entry.tensor_cores),
             name_expressions=entry.name_expressions,
         )
         module.compile()
@@ -367,7 +341,7 @@ def get_kernel(expression: str, device_id: int) -> Any:
     """The ``cupy.RawKernel`` of a registered name expression on one device (memoized).
 
     Args:
-        expression: e.g. ``name_expression("sc_gather_rows", features.dtype)``.
+        expression: e.g. ``name_expression("sc_max_pool_map", features.dtype)``.
         device_id: the CUDA device ordinal.
     """
     base_name = expression.split("<", 1)[0].strip()

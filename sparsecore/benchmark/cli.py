@@ -4,7 +4,8 @@
 reference network (``--device cpu`` or ``cuda``); ``gpu`` is ``network
 --device cuda`` on both reference scenes in float32, float16 and TF32, with the
 peak memory of one layer; ``int8`` compares int8 and float sparse convolution on one layer
-(`sparsecore.benchmark.int8`).
+(`sparsecore.benchmark.int8`); ``targets`` judges a ``gpu`` run's JSON against
+issue 28's device targets (`sparsecore.benchmark.device_targets`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_network_arguments(gpu, gpu_suite=True)
     int8_suite.add_parser(suites)
+    targets = suites.add_parser(
+        "targets",
+        help="judge a gpu run's JSON against issue 28's device targets: one PASS/FAIL line each",
+        description=("Reads the JSON of `gpu` / `network --device cuda` runs and prints one line per device "
+                     "target (sparsecore >= 1.5x spconv implicit GEMM per scene, dtype and direction; the "
+                     "64->64 peak memory <= spconv's; two runs bitwise equal). Exit status 0 only when every "
+                     "target passes."),
+    )
+    targets.add_argument("json", nargs="+", metavar="JSON", help="benchmark JSON files (their rows are merged)")
     runtime_suite.add_parser(suites)
     return parser
 
@@ -117,6 +127,9 @@ def _add_network_arguments(parser: argparse.ArgumentParser, gpu_suite: bool) -> 
     parser.add_argument("--no-spconv", action="store_true", help="skip the comparison with spconv")
     parser.add_argument("--no-layers", action="store_true", help="leave out the per-layer rows")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory row (cuda)")
+    parser.add_argument("--bitwise", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the forward and backward twice more and compare every bit "
+                        "(default: on for cuda, off for cpu)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for weights, gradients, synthetic scene")
     parser.add_argument("--child-timeout", type=float, default=300.0,
                         help="seconds for the child process that runs the other TF32 setting (default 300)")
@@ -172,6 +185,19 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     arguments = build_parser().parse_args(argv)
+    if arguments.suite == "targets":
+        from sparsecore.benchmark.device_targets import format_verdicts, judge
+        from sparsecore.benchmark.network_suite import rows_from_json
+
+        rows = []
+        for path in arguments.json:
+            try:
+                rows += rows_from_json(path)[1]
+            except (OSError, ValueError, KeyError, TypeError) as error:  # judge what there is; say what is not
+                print(f"no benchmark table from {path}: {type(error).__name__}: {error}")
+        verdicts = judge(rows)
+        print(format_verdicts(verdicts), end="")
+        return 0 if all(verdict.outcome == "PASS" for verdict in verdicts) else 1
     if arguments.suite == "int8":
         return int8_suite.run_int8_command(arguments)
     if arguments.suite == "runtime":

@@ -32,15 +32,12 @@ __all__ = [
     "prepare_spconv_peers",
     "compare_with_spconv",
     "relative_error",
-    "core_subm_memory_row",
+    "core_subm_memory_rows",
 ]
 
 # dtype -> (outputs, input gradient) relative tolerances
 TOLERANCES = {"float32": (1e-4, 5e-3), "tf32": (2e-2, 1e-1), "float16": (2e-2, 1e-1)}
 MEMORY_CHANNELS = 64
-MEMORY_CHUNK_BUDGETS = (1 << 24, 1 << 22)
-"""Chunk budgets (`ArrayBackend.chunk_elements`) the memory row also measures, beside the backend's own:
-peak memory against time per build + forward + backward, the trade-off of a smaller budget."""
 _MEBIBYTE = 2.0**20
 
 
@@ -175,12 +172,14 @@ def compare_with_spconv(peers: list[Any], peer_times: list[tuple[float, float, i
     return extra_rows
 
 
-def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: str, seed: int,
-                         spconv_algorithms: tuple[str, ...]) -> Row:
+def core_subm_memory_rows(device: Any, scene: Any, scene_name: str, dtype_name: str, seed: int,
+                          spconv_algorithms: tuple[str, ...]) -> list[Row]:
     """Peak device memory of one SubMConv3d 64->64: rulebook build, forward and backward.
 
-    The values go in the row's time columns, in MiB (the stage says so), with
-    their ratio; the notes say how each was measured.
+    The values go in the rows' time columns, in MiB (the stage says so), with
+    their ratio; the notes say how each was measured. One row per spconv
+    algorithm: the first's stage is ``"<dtype> peak MiB (not ms)"``, a further
+    one's ``"<dtype> peak MiB (not ms), spconv <algorithm>"``.
 
     Args:
         device: a cuda `network.Device`.
@@ -188,14 +187,14 @@ def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: s
         scene_name: its name in the table.
         dtype_name: the benchmark dtype.
         seed: seed of the features, weight and output gradient.
-        spconv_algorithms: spconv algorithms to measure beside it (the first is
-            reported; empty to skip spconv).
+        spconv_algorithms: spconv algorithms to measure beside it (empty to skip spconv).
 
     Returns:
-        The memory row.
+        The memory rows (one without spconv).
     """
     import sparsecore as sc
     from sparsecore.benchmark import network
+    from sparsecore.benchmark.clocks import measure_median_ms
     from sparsecore.benchmark.gpu_memory import measure_pool_peak
 
     storage = network.storage_dtype(dtype_name)
@@ -222,55 +221,30 @@ def core_subm_memory_row(device: Any, scene: Any, scene_name: str, dtype_name: s
     except Exception as error:  # keep the row, say what broke
         row.agreement = "FAILED"
         row.notes.append(f"sparsecore failed: {type(error).__name__}: {error}")
-        return row
+        return [row]
     row.sparsecore_ms = peak.peak_bytes / _MEBIBYTE
     row.notes.append(f"sparsecore: CuPy pool peak in use, inputs excluded; pool reservation "
                      f"+{peak.reserved_growth_bytes / _MEBIBYTE:.1f} MiB, {peak.blocks} allocations")
-    row.notes.append(_chunk_budget_note(device, features, layer, peak.peak_bytes))
-    if not spconv_algorithms:
-        return row
     try:
-        from sparsecore.benchmark.network_spconv import spconv_network_session, spconv_subm_peak_bytes
-
-        with spconv_network_session("cuda", dtype_name) as torch:
-            spconv_algorithm = spconv_algorithms[0]
-            spconv_subm_peak_bytes(torch, dtype_name, spconv_algorithm, host_features, scene.indices, shape,
-                                   host_weight, host_grad)  # warm-up
-            peak_bytes = spconv_subm_peak_bytes(torch, dtype_name, spconv_algorithm, host_features,
-                                                scene.indices, shape, host_weight, host_grad)
-    except Exception as error:  # spconv's failure does not hide sparsecore's number
-        row.notes.append(f"spconv failed: {type(error).__name__}: {error}")
-        return row
-    row.spconv_ms = peak_bytes / _MEBIBYTE
-    row.notes.append(f"spconv {spconv_algorithm}: torch max_memory_allocated above start")
-    return row
-
-
-def _chunk_budget_note(device: Any, features: Any, layer: Any, default_peak_bytes: int) -> str:
-    """Peak MiB and median ms of ``layer(backend)`` at the backend's chunk budget (its peak measured
-    already: ``default_peak_bytes``) and at `MEMORY_CHUNK_BUDGETS`."""
-    import dataclasses
-
-    from sparsecore.backends import backend_for
-    from sparsecore.benchmark.clocks import measure_median_ms
-    from sparsecore.benchmark.gpu_memory import measure_pool_peak
-
-    default = backend_for(features)
-    parts = []
-    for budget in (default.chunk_elements, *MEMORY_CHUNK_BUDGETS):
-        backend = dataclasses.replace(default, chunk_elements=budget)
+        milliseconds, runs = measure_median_ms(device.clock, lambda _: layer(), lambda: None, 5, 1, 10.0)
+        row.notes.append(f"rulebook + forward + backward {milliseconds:.3g} ms (median of {runs})")
+    except Exception as error:  # the peak stands without the time
+        row.notes.append(f"timing failed: {type(error).__name__}: {error}")
+    rows = [row]
+    for position, spconv_algorithm in enumerate(spconv_algorithms):
+        if position:
+            rows.append(Row(row.case, f"{row.stage}, spconv {spconv_algorithm}", row.sparsecore_ms))
         try:
-            peak_bytes = (default_peak_bytes if budget == default.chunk_elements
-                          else measure_pool_peak(device.xp, lambda: layer(backend)).peak_bytes)
-            milliseconds, _ = measure_median_ms(device.clock, lambda _: layer(backend), lambda: None, 3, 1, 10.0)
-        except Exception as error:  # keep the row, say what broke
-            parts.append(f"{_budget_label(budget)}: failed ({type(error).__name__}: {error})")
+            from sparsecore.benchmark.network_spconv import spconv_network_session, spconv_subm_peak_bytes
+
+            with spconv_network_session("cuda", dtype_name) as torch:
+                spconv_subm_peak_bytes(torch, dtype_name, spconv_algorithm, host_features, scene.indices, shape,
+                                       host_weight, host_grad)  # warm-up
+                peak_bytes = spconv_subm_peak_bytes(torch, dtype_name, spconv_algorithm, host_features,
+                                                    scene.indices, shape, host_weight, host_grad)
+        except Exception as error:  # spconv's failure does not hide sparsecore's number
+            rows[-1].notes.append(f"spconv {spconv_algorithm} failed: {type(error).__name__}: {error}")
             continue
-        parts.append(f"{_budget_label(budget)}: {peak_bytes / _MEBIBYTE:.1f} MiB, {milliseconds:.2f} ms")
-    return "chunk budget (elements): peak in use and time of rulebook + forward + backward: " + "; ".join(parts)
-
-
-def _budget_label(budget: int) -> str:
-    if budget <= 0:
-        return "one offset per chunk"
-    return f"2^{budget.bit_length() - 1}" if budget & (budget - 1) == 0 else str(budget)
+        rows[-1].spconv_ms = peak_bytes / _MEBIBYTE
+        rows[-1].notes.append(f"spconv {spconv_algorithm}: torch max_memory_allocated above start")
+    return rows

@@ -62,6 +62,7 @@ def network_options(arguments: argparse.Namespace) -> NetworkOptions:
         seed=arguments.seed,
         child_timeout=arguments.child_timeout,
         time_limit=arguments.time_limit,
+        bitwise=device == "cuda" if arguments.bitwise is None else arguments.bitwise,
     )
     for name in ("repeat", "warmup", "profile_runs"):
         if getattr(options, name) < 1:
@@ -157,6 +158,10 @@ def run_network_command(arguments: argparse.Namespace, argv: Sequence[str], allo
         header = _full_header(options, threads_applied, suite_header)
     print(report.format_table(header, rows), end="")
     _write_files(arguments, header, rows)
+    if options.device == "cuda":
+        from sparsecore.benchmark.device_targets import format_verdicts, judge
+
+        print("\nissue 28's device targets:\n" + format_verdicts(judge(rows)), end="")
     if arguments.plot:
         from sparsecore.benchmark.plots import plot_network
 

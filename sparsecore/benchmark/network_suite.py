@@ -33,7 +33,8 @@ import numpy as np
 from sparsecore.benchmark import network
 from sparsecore.benchmark.cases import Row
 from sparsecore.benchmark.clocks import InstrumentedBackend, StageRecorder, TimedWork, measure_interleaved_ms
-from sparsecore.benchmark.network_checks import compare_with_spconv, core_subm_memory_row, prepare_spconv_peers
+from sparsecore.benchmark.network_checks import compare_with_spconv, core_subm_memory_rows, prepare_spconv_peers
+from sparsecore.benchmark.network_layers import BITWISE_STAGE, LayerStack, bitwise_row, kernel_timed, layer_rows
 from sparsecore.benchmark.network import REFERENCE_NETWORK, Device
 
 __all__ = [
@@ -73,6 +74,8 @@ class NetworkOptions:
         child_timeout: seconds allowed to the child process that runs the other TF32 setting.
         time_limit: seconds after which no further case starts (None: no limit); the
             cases left are listed as skipped.
+        bitwise: run the forward and the backward twice more and compare every bit
+            (`network_layers.bitwise_row`).
     """
 
     device: str
@@ -90,6 +93,7 @@ class NetworkOptions:
     seed: int
     child_timeout: float
     time_limit: float | None = None
+    bitwise: bool = False
 
     def child_arguments(self, dtypes: tuple[str, ...], json_path: str) -> list[str]:
         """Command-line arguments of ``network`` that repeat these options for ``dtypes``."""
@@ -104,21 +108,26 @@ class NetworkOptions:
             arguments.append("--no-spconv")
         if not self.layers:
             arguments.append("--no-layers")
+        arguments.append("--bitwise" if self.bitwise else "--no-bitwise")
         return arguments
 
 
-def case_row_keys(prefix: str, algorithms: tuple[str, ...], layers: bool) -> list[tuple[str, str]]:
+def case_row_keys(prefix: str, algorithms: tuple[str, ...], layers: bool,
+                  bitwise: bool = False) -> list[tuple[str, str]]:
     """(case, stage) of the rows of one case, in order.
 
     Args:
         prefix: ``"<scene> <dtype>"``.
         algorithms: the spconv algorithms compared (none without spconv).
         layers: whether the per-layer rows are included.
+        bitwise: whether the run-to-run bitwise row is included.
     """
     keys = [(f"{prefix} network", "forward"), (f"{prefix} network", "backward")]
     for algorithm in algorithms[1:]:
         keys += [(f"{prefix} network", f"forward, spconv {algorithm}"),
                  (f"{prefix} network", f"backward, spconv {algorithm}")]
+    if bitwise:
+        keys.append((f"{prefix} network", BITWISE_STAGE))
     keys += [(f"{prefix} forward stages", stage) for stage in FORWARD_STAGES]
     keys += [(f"{prefix} backward stages", stage) for stage in BACKWARD_STAGES]
     if layers:
@@ -199,14 +208,16 @@ def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: st
     peer_times = [None if isinstance(peer, Exception) else _peer_times(next(timed)) for peer in peers]
 
     forward_recorders, backward_recorders = [], []
-    for _ in range(max(options.profile_runs, 1)):
+    for _ in range(max(options.profile_runs, 1)):  # every layer's interval, and each of its launches (on GPUs)
         recorder = StageRecorder(device.clock)
-        instrumented = InstrumentedBackend(backend_for(features), recorder)
-        profiled = network.core_forward(features, indices, shape, weights, recorder=recorder, backend=instrumented)
+        stack = LayerStack(recorder)
+        instrumented = InstrumentedBackend(kernel_timed(backend_for(features), stack), recorder)
+        profiled = network.core_forward(features, indices, shape, weights, recorder=stack, backend=instrumented)
         forward_recorders.append(recorder)
         recorder = StageRecorder(device.clock)
-        network.core_backward(profiled, grad_output, weights, recorder=recorder,
-                              backend=InstrumentedBackend(backend_for(features), recorder))
+        stack = LayerStack(recorder)
+        network.core_backward(profiled, grad_output, weights, recorder=stack,
+                              backend=InstrumentedBackend(kernel_timed(backend_for(features), stack), recorder))
         backward_recorders.append(recorder)
     forward_totals, backward_totals = _median_totals(forward_recorders), _median_totals(backward_recorders)
 
@@ -225,14 +236,10 @@ def run_network_case(device: Device, scene: Any, scene_name: str, dtype_name: st
                 row.notes.append(f"median of {len(forward_recorders)} instrumented runs")
             rows.append(row)
     if options.layers:
-        for layer in REFERENCE_NETWORK:
-            rulebook = state.rulebooks[layer.index]
-            geometry = f"{rulebook.num_input} -> {rulebook.num_output} sites, {rulebook.num_pairs} pairs"
-            if layer.builds_rulebook:
-                geometry += ", builds its rulebook"
-            rows.append(Row(f"{prefix} {layer.name}", "forward", forward_totals.get(f"forward {layer.index}"),
-                            notes=[geometry]))
-            rows.append(Row(f"{prefix} {layer.name}", "backward", backward_totals.get(f"backward {layer.index}")))
+        rows += layer_rows(prefix, state.rulebooks, forward_totals, backward_totals)
+    if options.bitwise:
+        rows.insert(2, bitwise_row(prefix, device.get, forward,
+                                   lambda saved: network.core_backward(saved, grad_output, weights)))
     if not peers:
         return rows
     # the check runs with spconv's max-pool floor at 0 (see network.core_forward)
@@ -349,8 +356,8 @@ def run_network_suite(options: NetworkOptions,
     if options.memory and device.name == "cuda" and loaded and time_left() > 0:
         scene_name = "basic" if "basic" in loaded else next(iter(loaded))
         for dtype_name in here:
-            rows.append(core_subm_memory_row(device, loaded[scene_name], scene_name, dtype_name, options.seed,
-                                             options.spconv_algorithms if reason is None else ()))
+            rows.extend(core_subm_memory_rows(device, loaded[scene_name], scene_name, dtype_name, options.seed,
+                                              options.spconv_algorithms if reason is None else ()))
         report_progress()
     if elsewhere:
         child_rows, label = _run_child(options, elsewhere, tf32="tf32" in elsewhere, seconds=time_left())

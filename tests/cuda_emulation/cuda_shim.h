@@ -2,11 +2,29 @@
 // very same kernels_cu/*.cu sources for the CPU (force-included with -include).
 //
 // Execution model of a launch (sc_emu::launch): blocks run one after another;
-// the threads of a block run concurrently as std::threads, with a std::barrier
-// for __syncthreads(). Because only one block runs at a time, `__shared__`
+// the threads of a block run concurrently as std::threads, with a barrier for
+// __syncthreads() and one per warp (32 consecutive threads) for __syncwarp()
+// and the warp collectives. Because only one block runs at a time, `__shared__`
 // can be a function-local static. Atomics go through std::atomic_ref.
 // __half and __nv_bfloat16 are 16-bit storage types with round-to-nearest-even
 // conversions, as on the GPU. Only what the kernels use is here.
+//
+// Hangs fail instead of hanging: a barrier notices when a thread of its block
+// (or warp) has exited while others wait at it, or arrive later (a
+// __syncthreads() in a branch not every thread takes), and every wait has the
+// launch's deadline (sc_emu::set_timeout_seconds) as a backstop; the launch
+// then stops with status 4 (deadlock) or 5 (timeout) and a message
+// (sc_emu::failure_message). __trap() stops it with status 6.
+//
+// Tensor cores: nvcuda::wmma (fragment, fill_fragment, load_matrix_sync,
+// mma_sync, store_matrix_sync, precision::tf32, __float_to_tf32) with every
+// lane of a warp holding the whole tile. fill, load and mma are full-tile
+// operations each lane does on its own copy (reads only); store is a warp
+// collective: the warp meets at its barrier, lane 0 writes, the warp meets
+// again (which also makes the store visible, as __syncwarp would). Loops over
+// frag.x[i] keep their meaning, since CUDA leaves the lane mapping of
+// elements unspecified. mma_sync sums in float, k in order, each product of
+// 16-bit (or TF32) values exact.
 #ifndef SPARSECORE_CUDA_SHIM_H
 #define SPARSECORE_CUDA_SHIM_H
 
@@ -15,8 +33,10 @@
 #include <math.h>  // floor(float) and friends in the global namespace
 
 #include <atomic>
-#include <barrier>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -29,6 +49,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(bytes) __attribute__((aligned(bytes)))
 // __restrict__ is understood by g++ as it is.
 
 struct dim3 {
@@ -38,13 +59,171 @@ struct dim3 {
 inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace sc_emu {
-inline thread_local std::barrier<>* block_barrier = nullptr;
+
+// Statuses of a failed launch (0 is success, 1 a bad configuration; guarded_launch.h adds 2 and 3).
+constexpr int kStatusDeadlock = 4;
+constexpr int kStatusTimeout = 5;
+constexpr int kStatusTrap = 6;
+
+// Thrown inside a kernel thread to stop it; caught where the thread starts.
+struct LaunchFailure {
+  int status;
+  std::string message;
+};
+
+// How long a launch may take before a waiting barrier gives up (seconds).
+inline std::atomic<double> timeout_seconds{600.0};
+inline void set_timeout_seconds(double seconds) { timeout_seconds.store(seconds); }
+
+// The failure of the current launch: its first status and message.
+struct FailureRecord {
+  std::mutex mutex;
+  int status = 0;
+  std::string message;
+};
+inline FailureRecord failure;
+inline const std::string& failure_message() { return failure.message; }
+inline void record_failure(int status, const std::string& message) {
+  std::lock_guard<std::mutex> lock(failure.mutex);
+  if (failure.status == 0) {
+    failure.status = status;
+    failure.message = message;
+  }
+}
+
+class BlockState;
+
+// A barrier of `expected` threads (a block or a warp) that fails instead of hanging.
+class Barrier {
+ public:
+  Barrier(int expected, std::string name, BlockState* block) : expected_(expected), name_(std::move(name)), block_(block) {}
+  void arrive_and_wait();
+  // The calling thread returned from the kernel (or stopped): later waits can never complete.
+  void thread_exited();
+  // Wakes every waiter with `status` (another barrier of the block failed).
+  void fail(int status) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (broken_ == 0) broken_ = status;
+    released_.notify_all();
+  }
+
+ private:
+  [[noreturn]] void stop(int status, const std::string& message);
+  std::mutex mutex_;
+  std::condition_variable released_;
+  int expected_;
+  int arrived_ = 0;
+  int exited_ = 0;
+  int broken_ = 0;
+  long long generation_ = 0;
+  std::string name_;
+  BlockState* block_;
+};
+
+// The barriers of the block being run, and its deadline.
+class BlockState {
+ public:
+  BlockState(unsigned int block, unsigned int block_index, std::chrono::steady_clock::time_point deadline)
+      : deadline(deadline), block_index(block_index), block_barrier(static_cast<int>(block), "__syncthreads()", this) {
+    for (unsigned int first = 0; first < block; first += 32) {
+      const unsigned int lanes = block - first < 32 ? block - first : 32;
+      warp_barriers.push_back(std::make_unique<Barrier>(
+          static_cast<int>(lanes), "the barrier of warp " + std::to_string(first / 32) + " (__syncwarp, wmma store)",
+          this));
+    }
+  }
+  void fail_all(int status) {
+    block_barrier.fail(status);
+    for (auto& warp : warp_barriers) warp->fail(status);
+  }
+  std::chrono::steady_clock::time_point deadline;
+  unsigned int block_index;
+  Barrier block_barrier;
+  std::vector<std::unique_ptr<Barrier>> warp_barriers;
+};
+
+inline void Barrier::stop(int status, const std::string& message) {
+  record_failure(status, message);
+  block_->fail_all(status);
+  throw LaunchFailure{status, message};
+}
+
+inline void Barrier::arrive_and_wait() {
+  std::string message;
+  int status = 0;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (broken_ != 0) throw LaunchFailure{broken_, "stopped: another thread of the block failed"};
+    if (exited_ > 0) {
+      status = kStatusDeadlock;
+      message = name_ + " in block " + std::to_string(block_->block_index) + ": a thread waits at it after " +
+                std::to_string(exited_) + " of its " + std::to_string(expected_) +
+                " threads returned from the kernel: a barrier in a branch not every thread takes";
+    } else {
+      const long long generation = generation_;
+      if (++arrived_ == expected_) {
+        arrived_ = 0;
+        ++generation_;
+        released_.notify_all();
+        return;
+      }
+      while (generation == generation_ && broken_ == 0) {
+        if (released_.wait_until(lock, block_->deadline) == std::cv_status::timeout && generation == generation_ &&
+            broken_ == 0) {
+          status = kStatusTimeout;
+          message = name_ + " in block " + std::to_string(block_->block_index) + ": " + std::to_string(arrived_) +
+                    " of its " + std::to_string(expected_) +
+                    " threads still waited when the launch's time ran out (a barrier some threads never reach)";
+          break;
+        }
+      }
+      if (status == 0 && generation == generation_) {
+        throw LaunchFailure{broken_, "stopped: another thread of the block failed"};
+      }
+      if (status == 0) return;
+    }
+  }
+  stop(status, message);
+}
+
+inline void Barrier::thread_exited() {
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++exited_;
+    if (arrived_ == 0 || broken_ != 0) return;
+    message = name_ + " in block " + std::to_string(block_->block_index) + ": a thread returned from the kernel while " +
+              std::to_string(arrived_) + " of its " + std::to_string(expected_) +
+              " threads waited at it: a barrier in a branch not every thread takes";
+  }
+  record_failure(kStatusDeadlock, message);
+  block_->fail_all(kStatusDeadlock);
+}
+
+inline thread_local Barrier* block_barrier = nullptr;
+inline thread_local Barrier* warp_barrier = nullptr;
+
 }  // namespace sc_emu
 
 inline void __syncthreads() { sc_emu::block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned int = 0xffffffffu) { sc_emu::warp_barrier->arrive_and_wait(); }
+// Only one block runs at a time and every thread of it is a std::thread: the
+// mutex and joins already order memory between blocks; within a block, a
+// sequentially consistent fence.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+[[noreturn]] inline void __trap() {
+  sc_emu::record_failure(sc_emu::kStatusTrap, "__trap() was called");
+  throw sc_emu::LaunchFailure{sc_emu::kStatusTrap, "__trap() was called"};
+}
 
 template <typename T>
 inline T __ldg(const T* address) { return *address; }
+template <typename T>
+inline T __ldcg(const T* address) { return *address; }
+
+inline int __ffs(int value) { return __builtin_ffs(value); }
+inline int __ffs(unsigned int value) { return __builtin_ffs(static_cast<int>(value)); }
+inline int __popc(unsigned int value) { return __builtin_popcount(value); }
 
 // ---- atomics (return the old value, like CUDA's) ----
 template <typename T>
@@ -56,6 +235,8 @@ template <typename T>
 inline T atomicAdd(T* address, T value) { return std::atomic_ref<T>(*address).fetch_add(value); }
 template <typename T>
 inline T atomicExch(T* address, T value) { return std::atomic_ref<T>(*address).exchange(value); }
+template <typename T>
+inline T atomicOr(T* address, T value) { return std::atomic_ref<T>(*address).fetch_or(value); }
 template <typename T>
 inline T atomicMin(T* address, T value) {
   std::atomic_ref<T> ref(*address);
@@ -163,6 +344,131 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 
+// ---- tensor cores: nvcuda::wmma, every lane holding the whole tile (see the top of this file) ----
+namespace nvcuda {
+namespace wmma {
+
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+namespace precision {
+struct tf32 {};
+}  // namespace precision
+
+namespace detail {
+template <typename T>
+struct element_of {
+  using type = T;
+};
+template <>
+struct element_of<precision::tf32> {
+  using type = float;
+};
+inline float as_float(float value) { return value; }
+inline float as_float(__half value) { return __half2float(value); }
+inline float as_float(__nv_bfloat16 value) { return __bfloat162float(value); }
+template <typename Use, int M, int N, int K>
+struct extent {  // accumulator: M x N
+  static constexpr int rows = M;
+  static constexpr int cols = N;
+};
+template <int M, int N, int K>
+struct extent<matrix_a, M, N, K> {
+  static constexpr int rows = M;
+  static constexpr int cols = K;
+};
+template <int M, int N, int K>
+struct extent<matrix_b, M, N, K> {
+  static constexpr int rows = K;
+  static constexpr int cols = N;
+};
+}  // namespace detail
+
+// x holds the whole rows x cols tile, row-major, in every lane.
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  using element_type = typename detail::element_of<T>::type;
+  static constexpr int rows = detail::extent<Use, M, N, K>::rows;
+  static constexpr int cols = detail::extent<Use, M, N, K>::cols;
+  static constexpr int num_elements = rows * cols;
+  element_type x[num_elements];
+};
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+inline void fill_fragment(fragment<Use, M, N, K, T, Layout>& frag,
+                          const typename fragment<Use, M, N, K, T, Layout>::element_type& value) {
+  for (int i = 0; i < frag.num_elements; ++i) frag.x[i] = value;
+}
+
+// matrix_a / matrix_b: the layout is the fragment's.
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& frag,
+                             const typename fragment<Use, M, N, K, T, Layout>::element_type* pointer,
+                             unsigned int ldm) {
+  static_assert(std::is_same_v<Layout, row_major> || std::is_same_v<Layout, col_major>,
+                "matrix_a / matrix_b fragments have a row_major or col_major layout");
+  for (int r = 0; r < frag.rows; ++r) {
+    for (int c = 0; c < frag.cols; ++c) {
+      frag.x[r * frag.cols + c] = std::is_same_v<Layout, row_major> ? pointer[r * ldm + c] : pointer[c * ldm + r];
+    }
+  }
+}
+
+template <int M, int N, int K, typename T>
+inline void load_matrix_sync(fragment<accumulator, M, N, K, T>& frag, const T* pointer, unsigned int ldm,
+                             layout_t layout) {
+  for (int r = 0; r < M; ++r) {
+    for (int c = 0; c < N; ++c) {
+      frag.x[r * N + c] = layout == mem_row_major ? pointer[r * ldm + c] : pointer[c * ldm + r];
+    }
+  }
+}
+
+// A warp collective: the warp meets, lane 0 writes the tile, the warp meets again.
+template <int M, int N, int K, typename T>
+inline void store_matrix_sync(T* pointer, const fragment<accumulator, M, N, K, T>& frag, unsigned int ldm,
+                              layout_t layout) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) {
+    for (int r = 0; r < M; ++r) {
+      for (int c = 0; c < N; ++c) {
+        (layout == mem_row_major ? pointer[r * ldm + c] : pointer[c * ldm + r]) = frag.x[r * N + c];
+      }
+    }
+  }
+  __syncwarp();
+}
+
+// d = a b + c in float: per element, c plus the products in k order.
+template <int M, int N, int K, typename TA, typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, TA, LA>& a,
+                     const fragment<matrix_b, M, N, K, TA, LB>& b, const fragment<accumulator, M, N, K, float>& c) {
+  float result[M * N];
+  for (int i = 0; i < M; ++i) {
+    for (int j = 0; j < N; ++j) {
+      float sum = c.x[i * N + j];
+      for (int k = 0; k < K; ++k) {
+        sum += detail::as_float(a.x[i * K + k]) * detail::as_float(b.x[k * N + j]);
+      }
+      result[i * N + j] = sum;
+    }
+  }
+  for (int e = 0; e < M * N; ++e) d.x[e] = result[e];
+}
+
+// cvt.rna.tf32.f32: 10 fraction bits kept, rounded to nearest, ties away from zero.
+inline float __float_to_tf32(float value) {
+  const unsigned int bits = sc_emu::float_bits(value);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return value;  // inf and NaN stay
+  return sc_emu::bits_float((bits + 0x1000u) & 0xffffe000u);
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
+
 // ---- launching ----
 namespace sc_emu {
 
@@ -174,13 +480,27 @@ void call_with(void (*kernel)(Params...), void** args, std::index_sequence<I...>
 }
 
 // Runs kernel<<<grid, block>>>(args...), args as in cudaLaunchKernel: args[i]
-// points at the value of parameter i. Returns 0, or 1 for a bad configuration.
+// points at the value of parameter i. Returns 0, 1 for a bad configuration,
+// or the status of a failure (kStatusDeadlock, kStatusTimeout, kStatusTrap;
+// failure_message() says what happened), after which no further block runs.
 template <typename... Params>
 int launch(void (*kernel)(Params...), unsigned int grid, unsigned int block, void** args) {
   if (grid == 0 || block == 0 || block > 1024) return 1;
   std::lock_guard<std::mutex> lock(launch_mutex);
+  {
+    std::lock_guard<std::mutex> record(failure.mutex);
+    failure.status = 0;
+    failure.message.clear();
+  }
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_seconds.load()));
   for (unsigned int b = 0; b < grid; ++b) {
-    std::barrier<> barrier(block);
+    if (std::chrono::steady_clock::now() > deadline) {
+      record_failure(kStatusTimeout, "the launch ran past its time before block " + std::to_string(b));
+      break;
+    }
+    BlockState state(block, b, deadline);
     std::vector<std::thread> threads;
     threads.reserve(block);
     for (unsigned int t = 0; t < block; ++t) {
@@ -189,13 +509,21 @@ int launch(void (*kernel)(Params...), unsigned int grid, unsigned int block, voi
         blockIdx = dim3{b, 1, 1};
         blockDim = dim3{block, 1, 1};
         gridDim = dim3{grid, 1, 1};
-        block_barrier = &barrier;
-        call_with(kernel, args, std::index_sequence_for<Params...>{});
+        block_barrier = &state.block_barrier;
+        warp_barrier = state.warp_barriers[t / 32].get();
+        try {
+          call_with(kernel, args, std::index_sequence_for<Params...>{});
+        } catch (const LaunchFailure&) {
+          // recorded where it was thrown
+        }
+        warp_barrier->thread_exited();
+        block_barrier->thread_exited();
       });
     }
     for (std::thread& thread : threads) thread.join();
+    if (failure.status != 0) break;
   }
-  return 0;
+  return failure.status;
 }
 
 // One code per type: kind letter (f float, i signed, u unsigned, h __half,

@@ -6,7 +6,10 @@ force-included, plus a generated wrapper with two ``extern "C"`` entry points
 per registered name expression: one launches it with a grid, a block and a
 ``void**`` argument array (as ``cudaLaunchKernel`` takes), the other returns
 its parameter list as text, so every launch is checked against the kernel's
-real C++ signature. Every launch is bounds-checked
+real C++ signature. A launch that would hang fails instead: a barrier that a
+thread of its block has left (a ``__syncthreads()`` in a branch not every
+thread takes) raises `BarrierDeadlock`, and every barrier wait gives up at the
+launch's deadline (`LaunchTimeout`, `LAUNCH_TIMEOUT_SECONDS`). Every launch is bounds-checked
 (``guarded_launch.h``): each array argument runs from a copy with guard pages
 around it, and an access outside an array (a row -1, an index past the end)
 raises `OutOfBoundsAccess` naming the kernel, the argument and the element.
@@ -38,7 +41,8 @@ import numpy as np
 from sparsecore.backends import kernel_registry
 
 __all__ = ["compiler_path", "build_libraries", "load_module", "load_module_from_source", "EmulatedModule",
-           "EmulatedKernel", "OutOfBoundsAccess"]
+           "EmulatedKernel", "OutOfBoundsAccess", "LaunchFailure", "BarrierDeadlock", "LaunchTimeout", "KernelTrap",
+           "LAUNCH_TIMEOUT_SECONDS"]
 
 SHIM_DIR = Path(__file__).resolve().parent
 SHIM_HEADER = SHIM_DIR / "cuda_shim.h"
@@ -62,12 +66,37 @@ class OutOfBoundsAccess(RuntimeError):
     """An emulated kernel touched memory outside one of its array arguments."""
 
 
+class LaunchFailure(RuntimeError):
+    """An emulated launch stopped before its end (the message says why)."""
+
+
+class BarrierDeadlock(LaunchFailure):
+    """A thread waited at a barrier (``__syncthreads``, ``__syncwarp``, a wmma store) that some thread of its
+    block or warp had left by returning from the kernel: a barrier in a branch not every thread takes."""
+
+
+class LaunchTimeout(LaunchFailure):
+    """Threads still waited at a barrier when the launch's time (`EmulatedModule.set_timeout`) ran out."""
+
+
+class KernelTrap(LaunchFailure):
+    """The kernel called ``__trap()``."""
+
+
+# How long one emulated launch may wait at its barriers before it fails (seconds); a module's
+# set_timeout changes it. $SPARSECORE_EMULATION_TIMEOUT overrides the default.
+LAUNCH_TIMEOUT_SECONDS = float(os.environ.get("SPARSECORE_EMULATION_TIMEOUT", "600"))
+_FAILURES = {4: BarrierDeadlock, 5: LaunchTimeout, 6: KernelTrap}
+
+
 def _wrapper_source(file: str) -> str:
     lines = ['#include "guarded_launch.h"', f'#include "{file}"', "", 'extern "C" {',
              "int sc_emu_fault_argument() { return sc_emu::fault_argument.load(); }",
              "long long sc_emu_fault_offset() { return sc_emu::fault_offset.load(); }",
              "int sc_emu_fault_kind() { return sc_emu::fault_kind.load(); }",
-             "unsigned long long sc_emu_fault_address() { return sc_emu::fault_address.load(); }"]
+             "unsigned long long sc_emu_fault_address() { return sc_emu::fault_address.load(); }",
+             "const char* sc_emu_failure_message() { return sc_emu::failure_message().c_str(); }",
+             "void sc_emu_set_timeout(double seconds) { sc_emu::set_timeout_seconds(seconds); }"]
     for index, expression in enumerate(kernel_registry.kernel_file(file).name_expressions):
         lines += [
             f"int sc_emu_launch_{index}(unsigned int grid, unsigned int block, void** args, "
@@ -224,6 +253,9 @@ class EmulatedKernel:
         status = self._launch(grid_x, block_x, pointers, extents)
         if status == 2:
             raise self._out_of_bounds(args)
+        if status in _FAILURES:
+            message = self._library.sc_emu_failure_message().decode()
+            raise _FAILURES[status](f"{self.expression} <<<{grid_x}, {block_x}>>>: {message}")
         if status != 0:
             raise RuntimeError(f"{self.expression}: launch failed with status {status}")
 
@@ -264,6 +296,9 @@ class EmulatedModule:
         self._library = ctypes.CDLL(str(library))
         self._library.sc_emu_fault_offset.restype = ctypes.c_longlong
         self._library.sc_emu_fault_address.restype = ctypes.c_ulonglong
+        self._library.sc_emu_failure_message.restype = ctypes.c_char_p
+        self._library.sc_emu_set_timeout.argtypes = [ctypes.c_double]
+        self.set_timeout(LAUNCH_TIMEOUT_SECONDS)
         self._kernels: dict[str, EmulatedKernel] = {}
         for index, expression in enumerate(kernel_registry.kernel_file(file).name_expressions):
             launch = getattr(self._library, f"sc_emu_launch_{index}")
@@ -273,6 +308,10 @@ class EmulatedModule:
             signature = getattr(self._library, f"sc_emu_signature_{index}")
             signature.restype = ctypes.c_char_p
             self._kernels[expression] = EmulatedKernel(expression, launch, signature().decode(), self._library)
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long each launch of this module may wait at its barriers before it fails with `LaunchTimeout`."""
+        self._library.sc_emu_set_timeout(float(seconds))
 
     def get_function(self, expression: str) -> EmulatedKernel:
         """The kernel of a registered name expression."""

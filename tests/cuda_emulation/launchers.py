@@ -147,28 +147,7 @@ class Launcher:
                                                self._small(list(addends), np.int64), indices])
         return indices
 
-    # ---- gather_scatter.cu ----
-
-    def gather_rows(self, source: Any, rows: Any, element_type: str | None = None, vector: int = 1) -> Any:
-        """``source[rows]`` for int32 ``rows``, zeros where ``rows == -1`` (``vector`` elements per access)."""
-        xp = self.xp
-        source = xp.ascontiguousarray(source)
-        rows = self._contiguous(rows, xp.int32)
-        m, channels = rows.shape[0], source.shape[1]
-        out = xp.empty((m, channels), dtype=source.dtype)
-        self._launch("sc_gather_rows", [self._element_type(source, element_type)], m * channels // vector,
-                     [source, rows, np.int64(m), np.int64(channels), np.int32(vector), out])
-        return out
-
-    def scatter_add_rows_unique(self, target: Any, rows: Any, values: Any, element_type: str | None = None,
-                                vector: int = 1) -> None:
-        """``target[rows] += values`` in place; non-negative ``rows`` unique."""
-        xp = self.xp
-        values = self._contiguous(values, target.dtype)
-        rows = self._contiguous(rows, xp.int32)
-        m, channels = rows.shape[0], target.shape[1]
-        self._launch("sc_scatter_add_rows_unique", [self._element_type(target, element_type)],
-                     m * channels // vector, [values, rows, np.int64(m), np.int64(channels), np.int32(vector), target])
+    # ---- segment_sums.cu ----
 
     def segment_sum_rows(self, target: Any, source: Any, order: Any, segment_starts: Any, segment_rows: Any,
                          element_type: str | None = None) -> None:
@@ -182,66 +161,6 @@ class Launcher:
         self._launch("sc_segment_sum_rows", [self._element_type(target, element_type)], num_segments * channels,
                      [source, order, segment_starts, segment_rows, np.int64(num_segments), np.int64(channels),
                       target])
-
-    def sum_run_rows(self, target: Any, source: Any, slots: Any, element_type: str | None = None,
-                     vector: int = 1) -> None:
-        """``target[r] += sum over runs of source[slots[run, r]]`` (slots -1 skipped), in run order, in place."""
-        xp = self.xp
-        source = self._contiguous(source, target.dtype)
-        slots = self._contiguous(slots, xp.int32)
-        num_runs, slot_stride = slots.shape
-        n, channels = target.shape
-        self._launch("sc_sum_run_rows", [self._element_type(target, element_type)], n * channels // vector,
-                     [source, slots, np.int64(num_runs), np.int64(slot_stride), np.int64(n), np.int64(channels),
-                      np.int32(vector), target])
-
-    # ---- pooling.cu ----
-
-    def _grouped(self, name: str, values: Any, rows: Any, starts: Any, element_type: str | None,
-                 leading: Sequence[Any] = (), trailing: Sequence[Any] = (),
-                 extra_outputs: Sequence[Any] = ()) -> list[Any]:
-        """Launches a pooling kernel over a CSR grouping, one thread per (group, channel).
-
-        Arguments: ``[values, *leading, rows, starts, *trailing, groups, channels, out, *extras]``
-        with ``out`` (``values``' dtype) and one array per dtype of ``extra_outputs``, each
-        ``[groups, channels]``; returns ``[out, *extras]``.
-        """
-        xp = self.xp
-        values = xp.ascontiguousarray(values)
-        rows = self._contiguous(rows, xp.int32)
-        starts = self._contiguous(starts, xp.int64)
-        groups, channels = starts.shape[0] - 1, values.shape[1]
-        outputs = [xp.empty((groups, channels), dtype=dtype) for dtype in (values.dtype, *extra_outputs)]
-        self._launch(name, [self._element_type(values, element_type)], groups * channels,
-                     [values, *leading, rows, starts, *trailing, np.int64(groups), np.int64(channels), *outputs])
-        return outputs
-
-    def max_pool_forward(self, features: Any, input_rows: Any, output_starts: Any,
-                         element_type: str | None = None) -> tuple[Any, Any]:
-        """``(out, argmax)`` over the by-output grouping (``output_starts`` int64 ``[N_out + 1]``)."""
-        out, argmax = self._grouped("sc_max_pool_forward", features, input_rows, output_starts, element_type,
-                                    extra_outputs=(self.xp.int32,))
-        return out, argmax
-
-    def max_pool_backward(self, grad_out: Any, argmax: Any, output_rows: Any, input_starts: Any,
-                          element_type: str | None = None) -> Any:
-        """Input gradient over the by-input grouping (``input_starts`` int64 ``[N_in + 1]``)."""
-        (grad_in,) = self._grouped("sc_max_pool_backward", grad_out, output_rows, input_starts, element_type,
-                                   leading=(self._contiguous(argmax, self.xp.int32),))
-        return grad_in
-
-    def avg_pool_forward(self, features: Any, input_rows: Any, output_starts: Any,
-                         element_type: str | None = None) -> Any:
-        """Mean over each output's group (0 for an empty group)."""
-        (out,) = self._grouped("sc_avg_pool_forward", features, input_rows, output_starts, element_type)
-        return out
-
-    def avg_pool_backward(self, grad_out: Any, output_rows: Any, input_starts: Any, output_starts: Any,
-                          element_type: str | None = None) -> Any:
-        """Input gradient of the mean: by-input grouping plus the forward's ``output_starts``."""
-        (grad_in,) = self._grouped("sc_avg_pool_backward", grad_out, output_rows, input_starts, element_type,
-                                   trailing=(self._contiguous(output_starts, self.xp.int64),))
-        return grad_in
 
     # ---- rulebook.cu ----
 
@@ -268,34 +187,6 @@ class Launcher:
             self._launch("sc_compact_write", [], num_tiles, [values, *scalars, tile_offsets, pair_column, pair_value],
                          blocks=num_tiles)
         return pair_column, pair_value, row_counts
-
-    def chunk_layout(self, pair_input: Any, pair_output: Any, starts: Sequence[int], counts: Sequence[int],
-                     width: int, write_output: bool, num_rows: int) -> tuple[Any, Any, Any]:
-        """``(input_rows [m * W], output_rows [m * W], slots [m, num_rows + 1])`` int32 of a chunk."""
-        xp = self.xp
-        m = len(starts)
-        starts_counts = self._small([list(starts), list(counts)], np.int64)
-        input_rows = xp.empty(m * width, dtype=xp.int32)
-        output_rows = xp.empty(m * width, dtype=xp.int32)
-        slots = xp.full((m, num_rows + 1), -1, dtype=xp.int32)
-        self._launch("sc_chunk_layout", [], m * width,
-                     [self._contiguous(pair_input, xp.int32), self._contiguous(pair_output, xp.int32), starts_counts,
-                      np.int64(m), np.int64(width), np.int32(int(write_output)), np.int64(num_rows), input_rows,
-                      output_rows, slots])
-        return input_rows, output_rows, slots
-
-    def mirror_pairs(self, found_rows: Any, columns: Any, sorted_rows: Any, half_starts: Sequence[int],
-                     num_sites: int) -> tuple[Any, Any]:
-        """``(pair_input, pair_output)`` int32 ``[2 H + N]`` of a submanifold rulebook (``sc_mirror_pairs``)."""
-        xp = self.xp
-        half = int(found_rows.shape[0])
-        pair_input = xp.empty(2 * half + num_sites, dtype=xp.int32)
-        pair_output = xp.empty(2 * half + num_sites, dtype=xp.int32)
-        self._launch("sc_mirror_pairs", [], half + num_sites,
-                     [self._contiguous(found_rows, xp.int32), self._contiguous(columns, xp.int32),
-                      self._contiguous(sorted_rows, xp.int64), self._small(list(half_starts), np.int64),
-                      np.int32(len(half_starts) - 1), np.int64(half), np.int64(num_sites), pair_input, pair_output])
-        return pair_input, pair_output
 
     def conv_candidates(self, indices: Any, kernel_positions: Any, stride: Sequence[int], padding: Sequence[int],
                         dilation: Sequence[int], output_shape: Sequence[int], transposed: bool = False) -> Any:

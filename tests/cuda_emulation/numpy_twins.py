@@ -1,5 +1,9 @@
 """Plain NumPy twins of the CUDA kernels: the oracles of the emulation tests.
 
+(The pool twins over CSR groupings are the oracles of the NumPy backend's pair
+pools, `NumpyBackend.max_pool_pairs` and friends; the fused kernels' twins are
+in ``fused_twins.py``.)
+
 Each twin computes what its kernel's contract (the comment block in
 ``kernels_cu/*.cu``) promises, in the same arithmetic: sums in float32 (float64
 for double) in the documented order, one rounding to the storage type at the
@@ -21,10 +25,7 @@ __all__ = [
     "narrow",
     "random_features",
     "hash_lookup",
-    "gather_rows",
-    "scatter_add_rows_unique",
     "segment_sum_rows",
-    "sum_run_rows",
     "max_pool_forward",
     "max_pool_backward",
     "avg_pool_forward",
@@ -99,20 +100,6 @@ def unpack_keys(keys: np.ndarray, strides, addends) -> np.ndarray:
     return np.array(rows, dtype=np.int32).reshape(len(rows), len(strides))
 
 
-def gather_rows(source: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    out = np.zeros((rows.shape[0], source.shape[1]), dtype=source.dtype)
-    valid = rows >= 0
-    out[valid] = source[rows[valid]]
-    return out
-
-
-def scatter_add_rows_unique(target: np.ndarray, rows: np.ndarray, values: np.ndarray, dtype_name: str) -> np.ndarray:
-    out = target.copy()
-    valid = rows >= 0
-    out[rows[valid]] = narrow(widen(target[rows[valid]], dtype_name) + widen(values[valid], dtype_name), dtype_name)
-    return out
-
-
 def _ordered_group_sums(values: np.ndarray, members: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """``out[g] = sum of values[members[p]] for p in group g``, added one member at a time, in order.
 
@@ -143,18 +130,6 @@ def segment_sum_rows(target, source, order, segment_starts, segment_rows, dtype_
     acc = _ordered_group_sums(widen(source, dtype_name), order, segment_starts)
     out[segment_rows] = narrow(widen(target[segment_rows], dtype_name) + acc, dtype_name)
     return out
-
-
-def sum_run_rows(target, source, slots, dtype_name):
-    """``sc_sum_run_rows``: per target row, the source rows its runs name (``slots [R, >= n]``), in run order."""
-    n = target.shape[0]
-    wide = widen(source, dtype_name)
-    acc = np.zeros((n, source.shape[1]), dtype=wide.dtype)
-    with np.errstate(over="ignore"):
-        for run in range(slots.shape[0]):
-            present = np.flatnonzero(slots[run, :n] >= 0)
-            acc[present] += wide[slots[run, present]]
-    return narrow(widen(target, dtype_name) + acc, dtype_name)
 
 
 def max_pool_forward(features, input_rows, output_starts, dtype_name):
@@ -226,30 +201,3 @@ def conv_candidates(indices, kernel_positions, stride, padding, dilation, output
         keys = keys * output_shape[axis] + out[..., axis]
     keys[~valid.all(axis=2) | (indices[None, :, 0] < 0)] = -1
     return keys
-
-
-def chunk_layout(pair_input, pair_output, starts, counts, width, write_output, num_rows):
-    """``sc_chunk_layout`` by loops: each offset's pairs padded with -1 to ``width``, and the slot table."""
-    m = len(starts)
-    input_rows = np.full((m, width), -1, dtype=np.int32)
-    output_rows = np.full((m, width), -1, dtype=np.int32)
-    slots = np.full((m, num_rows + 1), -1, dtype=np.int32)
-    for r, (start, count) in enumerate(zip(starts, counts)):
-        for j in range(count):
-            input_rows[r, j] = pair_input[start + j]
-            output_rows[r, j] = pair_output[start + j]
-            written = output_rows[r, j] if write_output else input_rows[r, j]
-            if written >= 0:
-                slots[r, written] = r * width + j
-    return input_rows.reshape(-1), output_rows.reshape(-1), slots
-
-
-def mirror_pairs(found_rows, columns, sorted_rows, half_starts, num_sites):
-    """``sc_mirror_pairs`` by offsets: the half below the centre, the identity, then the mirrored half."""
-    outputs = sorted_rows[columns].astype(np.int32)
-    pieces = [(found_rows[a:b], outputs[a:b]) for a, b in zip(half_starts[:-1], half_starts[1:])]
-    identity = np.arange(num_sites, dtype=np.int32)
-    ordered = pieces + [(identity, identity)] + [(output, found) for found, output in reversed(pieces)]
-    pair_input = np.concatenate([piece[0] for piece in ordered]).astype(np.int32)
-    pair_output = np.concatenate([piece[1] for piece in ordered]).astype(np.int32)
-    return pair_input, pair_output

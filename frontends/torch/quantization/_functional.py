@@ -1,8 +1,9 @@
 """The two feature passes the quantization modules share: a float conv with a given weight, an int8 conv.
 
-Both take the layer's rulebook the way the float layers do (`layer_indice_data`:
-found or built from the input's sites and ``indice_key``), so a quantized model
-reuses and saves rulebooks exactly as the float model.
+Both take the layer's rulebook the way the float layers do (`layer.convolve` and
+`layer.layer_indice_data`: found or built from the input's sites and
+``indice_key``), so a quantized model reuses and saves rulebooks exactly as the
+float model.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from typing import Optional
 import torch
 
 from .._convert import check_same_device, core_context, core_view, to_torch
-from .._geometry import check_input, layer_indice_data
-from ..conv import SparseConvolution, autocast_inputs
-from ..ops import sparse_conv_features
+from ..conv import SparseConvolution
+from ..layer import convolve, layer_indice_data
 from ..tensor import SparseConvTensor
 from .utils import layer_indice_key
 
@@ -24,14 +24,7 @@ __all__ = ["conv_with_weight", "int8_conv", "int8_features", "quantized_features
 def conv_with_weight(layer: SparseConvolution, input: SparseConvTensor, weight: torch.Tensor,
                      bias: Optional[torch.Tensor]) -> SparseConvTensor:
     """``layer``'s convolution of ``input`` with ``weight`` (read as documented) and ``bias``."""
-    name = type(layer).__name__
-    check_input(name, input, layer.in_channels, layer.ndim)
-    check_same_device(name, features=input.features, indices=input.indices, weight=weight)
-    data, indice_dict = layer_indice_data(name, input, layer._geometry, layer_indice_key(layer), layer.algo)
-    features, weight, bias = autocast_inputs(input.features, weight, bias)
-    out_features = sparse_conv_features(features, weight, bias, data, layer.groups)
-    return SparseConvTensor._derived(input, out_features, data.out_indices, data.out_spatial_shape, indice_dict,
-                                     core_indices=data.out_core_indices)
+    return convolve(layer, input, weight, bias)
 
 
 def int8_features(layer: str, input: SparseConvTensor) -> tuple[torch.Tensor, float]:
@@ -96,7 +89,8 @@ def int8_conv(layer: SparseConvolution, input: SparseConvTensor, weight_int8: to
     values, input_scale = int8_features(name, input)
     check_int8_input(name, input, values, layer.in_channels, layer.ndim)
     check_same_device(name, features=values, indices=input.indices, weight=weight_int8)
-    data, indice_dict = layer_indice_data(name, input, layer._geometry, layer_indice_key(layer), layer.algo)
+    data, indice_dict = layer_indice_data(name, input, layer._geometry, layer_indice_key(layer), layer.algo,
+                                          neighbour_tensors=False)
     residual_values = residual_scale = float_residual = None
     if residual is not None:
         if residual.features.shape[0] != data.num_output:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..._convert import core_context, core_view, to_torch
-from ..._geometry import layer_indice_data
+from ...layer import layer_indice_data
 from ...modules import SparseModule
 from ...pool import SparseMaxPool
 from ...tensor import SparseConvTensor
@@ -128,7 +128,8 @@ class QuantizedSparseMaxPool(SparseModule):
         layer = type(self).__name__
         values, scale = int8_features(layer, input)
         check_int8_input(layer, input, values, None, self.ndim)
-        data, indice_dict = layer_indice_data(layer, input, self._geometry, self.indice_key, self.algo)
+        data, indice_dict = layer_indice_data(layer, input, self._geometry, self.indice_key, self.algo,
+                                              neighbour_tensors=False)
         with core_context(values.device):
             out = to_torch(core_int8.int8_max_pool_forward(core_view(values, "features"), data.rulebook))
         return SparseConvTensor._derived(input, quantized_features(out, scale), data.out_indices,

@@ -1,0 +1,309 @@
+"""The fused convolution kernels (``kernels_cu/implicit_gemm.cu``) through their launch wrappers, against twins.
+
+``sc_implicit_gemm`` (forward and input gradient) and ``sc_weight_gradient``
+run on the CPU emulation (and on CuPy where a GPU is present) through
+`sparsecore.backends._kernel_fused.FusedPasses`, in every engine: SIMT float32
+and float64, wmma float16 and bfloat16, TF32 wmma for float32. Oracles are the
+float64 twins of ``cuda_emulation/fused_twins.py``:
+
+- small-integer data: every partial sum is exact, so each result rounded to
+  its storage type equals the twin's bitwise, whatever order a kernel sums in
+  (tensor cores included);
+- random data: within a GEMM error bound of the float64 twin, and two runs
+  bitwise equal.
+
+The emulated target caps grids at 2 blocks, so every kernel's work-item loop
+goes round several times. The emulation's hang checks are tested here too: a
+barrier in a branch some threads skip, and a barrier never reached, fail as
+errors instead of hanging.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparsecore.backends import _kernel_fused, kernel_registry
+from sparsecore.backends._kernel_fused import FusedPasses
+
+try:
+    from cuda_emulation import fused_twins as twins, harness
+    from cuda_emulation.numpy_twins import narrow
+    from fused_maps import bits, on_target, random_map, storage, symmetric_map
+    from kernel_targets import rng_for, target  # noqa: F401
+except ImportError:  # tests/ imported as a package
+    from tests.cuda_emulation import fused_twins as twins, harness
+    from tests.cuda_emulation.numpy_twins import narrow
+    from tests.fused_maps import bits, on_target, random_map, storage, symmetric_map
+    from tests.kernel_targets import rng_for, target  # noqa: F401
+
+# (dtype name, tf32): the five engines
+ENGINES = [("float32", False), ("float64", False), ("float16", False), ("bfloat16", False), ("float32", True)]
+ENGINE_IDS = ["float32", "float64", "float16", "bfloat16", "tf32"]
+
+
+def _passes(target, tf32: bool) -> FusedPasses:
+    return FusedPasses(target.backend.device, tf32)
+
+
+# name, num_input, num_output, kernel_size, groups, in_channels, out_channels, bias, symmetric
+CASES = [
+    ("k5-bias", 90, 70, (5,), 1, 12, 7, True, False),
+    ("groups2", 60, 80, (3, 2), 2, 6, 10, False, False),
+    ("symmetric-3x3", 75, 75, (3, 3), 1, 5, 9, True, True),
+    ("k40-two-mask-words", 50, 45, (40,), 1, 3, 4, True, False),
+    ("wide-channels", 40, 36, (2,), 1, 70, 130, False, False),
+]
+
+
+def _case(case, rng):
+    name, num_input, num_output, kernel_size, groups, in_channels, out_channels, with_bias, symmetric = case
+    neighbour_map = (symmetric_map(rng, num_input, kernel_size) if symmetric
+                     else random_map(rng, num_input, num_output, kernel_size))
+    return neighbour_map, groups, in_channels, out_channels, with_bias
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case[0])
+def test_conv_passes_are_exact_on_small_integers(target, case, engine):
+    """Forward, input gradient and weight gradient equal the exact twins bitwise (every partial sum exact)."""
+    dtype_name, tf32 = engine
+    rng = rng_for(40, CASES.index(case), ENGINES.index(engine))
+    neighbour_map, groups, in_channels, out_channels, with_bias = _case(case, rng)
+    volume = neighbour_map.kernel_volume
+    features = twins.small_integers(rng, (neighbour_map.num_input, in_channels), dtype_name)
+    weight = twins.small_integers(rng, (out_channels, volume, in_channels // groups), dtype_name)
+    bias = twins.small_integers(rng, (out_channels,), dtype_name) if with_bias else None
+    grad_output = twins.small_integers(rng, (neighbour_map.num_output, out_channels), dtype_name)
+    passes = _passes(target, tf32)
+    device_map = on_target(target, neighbour_map)
+    put = lambda array: None if array is None else storage(target, array, dtype_name)  # noqa: E731
+    out = passes.conv_forward(put(features), put(weight), device_map, put(bias), groups)
+    expected = twins.implicit_gemm(features, weight, bias, neighbour_map.output_neighbours, groups, dtype_name)
+    np.testing.assert_array_equal(bits(target, out, dtype_name), narrow(expected, dtype_name), "forward")
+    grad_features, grad_weight = passes.conv_backward(put(grad_output), put(features), put(weight), device_map, groups)
+    table, _, _, reversed_offsets = neighbour_map.input_side()
+    expected = twins.implicit_gemm(grad_output, weight, None, table, groups, dtype_name, reversed_offsets, True)
+    np.testing.assert_array_equal(bits(target, grad_features, dtype_name), narrow(expected, dtype_name),
+                                  "input gradient")
+    expected = twins.weight_gradient(features, grad_output, neighbour_map.output_neighbours, groups, weight.shape,
+                                     dtype_name)
+    np.testing.assert_array_equal(bits(target, grad_weight, dtype_name), narrow(expected, dtype_name),
+                                  "weight gradient")
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_weight_gradient_splits_sum_exactly(target, engine, splits):
+    """Split partials summed by the last block of each tile (7 splits > the 5 row tiles: empty splits too)."""
+    dtype_name, tf32 = engine
+    rng = rng_for(41, splits, ENGINES.index(engine))
+    neighbour_map = random_map(rng, 300, 290, (3,), density=0.8)
+    features = twins.small_integers(rng, (300, 5), dtype_name)
+    weight = twins.small_integers(rng, (6, 3, 5), dtype_name)
+    grad_output = twins.small_integers(rng, (290, 6), dtype_name)
+    put = lambda array: storage(target, array, dtype_name)  # noqa: E731
+    _, grad_weight = _passes(target, tf32).conv_backward(put(grad_output), put(features), put(weight),
+                                                         on_target(target, neighbour_map), 1, splits=splits)
+    expected = twins.weight_gradient(features, grad_output, neighbour_map.output_neighbours, 1, weight.shape,
+                                     dtype_name)
+    np.testing.assert_array_equal(bits(target, grad_weight, dtype_name), narrow(expected, dtype_name))
+
+
+def _within_gemm_bound(actual, exact, abs_sum, dtype_name, tf32, what):
+    error = np.abs(actual.astype(np.float64) - exact)
+    bound = twins.gemm_error_bound(abs_sum, dtype_name, tf32)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape) if error.size else None
+    assert np.all(error <= bound), f"{what}: error {error[worst]} > bound {bound[worst]} at {worst}"
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+def test_random_data_within_a_gemm_bound_and_bitwise_run_to_run(target, engine):
+    dtype_name, tf32 = engine
+    rng = rng_for(42, ENGINES.index(engine))
+    neighbour_map = random_map(rng, 130, 120, (3, 3), density=0.7)
+    groups, in_channels, out_channels = 1, 20, 24
+    wide = lambda shape: narrow(rng.uniform(-2, 2, size=shape).astype(np.float32), dtype_name)  # noqa: E731
+    features, weight = wide((130, in_channels)), wide((out_channels, 9, in_channels))
+    bias, grad_output = wide((out_channels,)), wide((120, out_channels))
+    put = lambda array: storage(target, array, dtype_name)  # noqa: E731
+    passes, device_map = _passes(target, tf32), on_target(target, neighbour_map)
+    runs = [(passes.conv_forward(put(features), put(weight), device_map, put(bias), groups),
+             *passes.conv_backward(put(grad_output), put(features), put(weight), device_map, groups))
+            for _ in range(2)]
+    for first, second, what in zip(*runs, ("forward", "input gradient", "weight gradient")):
+        assert bits(target, first, dtype_name).tobytes() == bits(target, second, dtype_name).tobytes(), what
+    absolute = lambda array: np.abs(twins.widen(array, dtype_name))  # noqa: E731
+    as_float = lambda array: twins.widen(bits(target, array, dtype_name), dtype_name)  # noqa: E731
+    out, grad_features, grad_weight = runs[0]
+    table = neighbour_map.output_neighbours
+    exact = twins.implicit_gemm(features, weight, bias, table, groups, dtype_name)
+    abs_sum = twins.implicit_gemm(absolute(features), absolute(weight), absolute(bias), table, groups, "float32")
+    _within_gemm_bound(as_float(out), exact, abs_sum, dtype_name, tf32, "forward")
+    in_table = neighbour_map.input_neighbours
+    exact = twins.implicit_gemm(grad_output, weight, None, in_table, groups, dtype_name, transposed=True)
+    abs_sum = twins.implicit_gemm(absolute(grad_output), absolute(weight), None, in_table, groups, "float32",
+                                  transposed=True)
+    _within_gemm_bound(as_float(grad_features), exact, abs_sum, dtype_name, tf32, "input gradient")
+    exact = twins.weight_gradient(features, grad_output, table, groups, weight.shape, dtype_name)
+    abs_sum = twins.weight_gradient(absolute(features), absolute(grad_output), table, groups, weight.shape,
+                                    "float32")
+    _within_gemm_bound(as_float(grad_weight), exact, abs_sum, dtype_name, tf32, "weight gradient")
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=ENGINE_IDS)
+def test_one_launch_forward_two_backward_in_the_engine_configuration(target, engine):
+    dtype_name, tf32 = engine
+    rng = rng_for(43)
+    neighbour_map = random_map(rng, 150, 200, (3,))  # 4 row tiles: more work items than the 2-block grid
+    backend, launcher = target.recording()
+    passes = FusedPasses(backend.device, tf32)
+    put = lambda array: storage(target, array, dtype_name)  # noqa: E731
+    features = twins.small_integers(rng, (150, 4), dtype_name)
+    weight = twins.small_integers(rng, (5, 3, 4), dtype_name)
+    device_map = on_target(target, neighbour_map)
+    passes.conv_forward(put(features), put(weight), device_map, None, 1)
+    passes.conv_backward(put(twins.small_integers(rng, (200, 5), dtype_name)), put(features), put(weight),
+                         device_map, 1)
+    math, threads = _kernel_fused.engine_of(dtype_name, tf32)
+    type_name = kernel_registry.cuda_type_name(dtype_name)
+    assert [record.expression for record in launcher.records] == [
+        f"sc_implicit_gemm<{type_name}, {math}>", f"sc_implicit_gemm<{type_name}, {math}>",
+        f"sc_weight_gradient<{type_name}, {math}>"]
+    assert all(record.block == threads and record.grid == 2 for record in launcher.records)
+    assert threads == (128 if math == "sc::Wmma" else 256)
+
+
+def test_empty_maps_and_channels_launch_nothing(target):
+    backend, launcher = target.recording()
+    passes = FusedPasses(backend.device)
+    rng = rng_for(44)
+    empty = random_map(rng, 0, 0, (3,))
+    out = passes.conv_forward(target.put(np.zeros((0, 3), np.float32)), target.put(np.ones((4, 3, 3), np.float32)),
+                              on_target(target, empty), None, 1)
+    assert tuple(out.shape) == (0, 4)
+    grads = passes.conv_backward(target.put(np.zeros((0, 4), np.float32)), target.put(np.zeros((0, 3), np.float32)),
+                                 target.put(np.ones((4, 3, 3), np.float32)), on_target(target, empty), 1)
+    assert tuple(grads[0].shape) == (0, 3) and not np.any(target.get(grads[1]))
+    outputs_only = on_target(target, random_map(rng, 0, 6, (3,)))  # outputs with no input at all: the bias
+    bias = np.arange(4, dtype=np.float32)
+    out = passes.conv_forward(target.put(np.zeros((0, 3), np.float32)), target.put(np.ones((4, 3, 3), np.float32)),
+                              outputs_only, target.put(bias), 1)
+    np.testing.assert_array_equal(target.get(out), np.tile(bias, (6, 1)))
+    assert launcher.records == [] or {record.expression.split("<")[0] for record in launcher.records} == {
+        "sc_implicit_gemm"}
+
+
+def test_weight_gradient_scratch_of_a_64_to_64_layer_on_the_real_scan_stays_under_a_quarter():
+    """SubMConv3d 64->64 on the 125,562-voxel scan: the split partials are the only scratch."""
+    rows, channels, volume = 125_562, 64, 27
+    tiles = _kernel_fused.weight_gradient_tiles(volume, 1, channels, channels)
+    output_bytes = rows * channels * 4
+    splits = _kernel_fused.weight_gradient_splits(rows, tiles, 4, output_bytes // _kernel_fused.SCRATCH_FRACTION)
+    scratch = tiles * splits * _kernel_fused.TILE_ELEMENTS * 4 + tiles * 4
+    assert splits > 1 and scratch <= output_bytes / 4, (splits, scratch, output_bytes)
+    assert tiles * splits >= 256  # enough blocks to fill a GPU's multiprocessors
+    assert _kernel_fused.weight_gradient_splits(100, tiles, 4, output_bytes) == 1  # two row tiles: no split
+
+
+# ------------------------------------------------------------- the emulation's hang checks
+
+
+def _emulated_module(source: str):
+    if harness.compiler_path() is None:
+        pytest.skip("g++ is not installed")
+    return harness.load_module_from_source("implicit_gemm.cu", source)
+
+
+_EARLY_BARRIER = "    engine.clear();\n    __syncthreads();\n"
+_WEIGHT_BARRIER = "        found[tid] = row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + k) : -1;\n" \
+                  "      }\n      __syncthreads();\n"
+
+
+def _broken_source() -> str:
+    """implicit_gemm.cu with two bugs: the forward skips a barrier in threads 32..255 (a barrier in a
+    divergent branch), and in the weight gradient half of each warp waits at __syncwarp while the other
+    half waits at __syncthreads (each barrier waits for threads that never come)."""
+    source = kernel_registry.kernel_source("implicit_gemm.cu")
+    assert source.count(_EARLY_BARRIER) == 1 and source.count(_WEIGHT_BARRIER) == 1
+    source = source.replace(_EARLY_BARRIER, "    engine.clear();\n    if (tid < 32) __syncthreads();\n")
+    return source.replace(_WEIGHT_BARRIER, _WEIGHT_BARRIER.replace(
+        "__syncthreads();", "if (tid % 32 < 16) { __syncthreads(); } else { __syncwarp(); }"))
+
+
+def _simt_arguments(neighbour_map, channels: int = 4):
+    rng = rng_for(45)
+    features = rng.uniform(-1, 1, (neighbour_map.num_input, channels)).astype(np.float32)
+    weight = rng.uniform(-1, 1, (channels, neighbour_map.kernel_volume, channels)).astype(np.float32)
+    return features, weight
+
+
+def test_a_barrier_some_threads_skip_fails_as_a_deadlock():
+    module = _emulated_module(_broken_source())
+    neighbour_map = random_map(rng_for(46), 80, 70, (3,))
+    features, weight = _simt_arguments(neighbour_map)
+    kernel = module.get_function("sc_implicit_gemm<float, sc::Simt>")
+    out = np.zeros((70, 4), np.float32)
+    with pytest.raises(harness.BarrierDeadlock, match=r"__syncthreads\(\) in block 0: .* a barrier in a branch"):
+        kernel((2,), (256,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
+                              neighbour_map.output_order, np.int64(70), np.int32(3), np.int32(1), np.int32(1),
+                              np.int32(4), np.int32(4), np.int32(0), out))
+
+
+def test_a_barrier_never_reached_times_out():
+    module = _emulated_module(_broken_source())
+    module.set_timeout(1.0)
+    try:
+        neighbour_map = random_map(rng_for(47), 80, 70, (3,))
+        features, weight = _simt_arguments(neighbour_map)
+        kernel = module.get_function("sc_weight_gradient<float, sc::Simt>")
+        with pytest.raises(harness.LaunchTimeout, match=r"still waited when the launch's time ran out"):
+            kernel((1,), (256,), (features, np.zeros((70, 4), np.float32), neighbour_map.output_neighbours,
+                                  neighbour_map.output_order, np.int64(70), np.int32(3), np.int32(1), np.int32(4),
+                                  np.int32(4), np.int32(1), np.zeros(1, np.float32), np.zeros(weight.shape, np.float32)))
+    finally:
+        module.set_timeout(harness.LAUNCH_TIMEOUT_SECONDS)
+
+
+def test_a_launch_with_the_wrong_block_size_traps():
+    if harness.compiler_path() is None:
+        pytest.skip("g++ is not installed")
+    neighbour_map = random_map(rng_for(48), 40, 40, (3,))
+    features, weight = _simt_arguments(neighbour_map)
+    kernel = harness.load_module("implicit_gemm.cu").get_function("sc_implicit_gemm<float, sc::Simt>")
+    with pytest.raises(harness.KernelTrap, match=r"__trap\(\)"):
+        kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
+                              neighbour_map.output_order, np.int64(40), np.int32(3), np.int32(1), np.int32(1),
+                              np.int32(4), np.int32(4), np.int32(0), np.zeros((40, 4), np.float32)))
+
+
+# ------------------------------------------------------------------------- the TF32 rule
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True), ("2", True), ("-1", False)])
+def test_tf32_follows_cupy_tf32(value, expected):
+    from sparsecore.backends.kernel_backend import tf32_from_environment
+
+    assert tf32_from_environment({} if value is None else {"CUPY_TF32": value}) is expected
+
+
+def test_tf32_rejects_a_non_integer():
+    from sparsecore.backends.kernel_backend import tf32_from_environment
+
+    with pytest.raises(ValueError, match=r"CUPY_TF32 must be an integer .* got 'yes'"):
+        tf32_from_environment({"CUPY_TF32": "yes"})
+
+
+@pytest.mark.parametrize("value, expected", [("0", "False"), ("1", "True")])
+def test_the_cupy_backend_reads_cupy_tf32_at_import_and_its_passes_follow(value, expected):
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("cupy")
+    code = ("from sparsecore.backends.cupy_backend import CUPY_BACKEND as b; "
+            "print(b.tf32, b.fused_passes.tf32)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "CUPY_TF32": value}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [expected, expected]
