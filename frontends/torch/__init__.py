@@ -69,6 +69,7 @@ from .pool import (
 from .tables import AddTable, AddTableMisaligned, ConcatTable, JoinTable
 from .tensor import IndiceData, SparseConvTensor
 from .onnx_export import ExportError, export_onnx  # noqa: E402  (deployment: docs/deployment.md)
+from .program_loading import load_program  # noqa: E402  (a .pt2 made elsewhere, loaded safely)
 from . import pytree  # noqa: E402,F401  (SparseConvTensor as a torch pytree node)
 
 __all__ = [
@@ -84,5 +85,5 @@ __all__ = [
     "assign_name_for_sparse_modules", "conv", "core", "functional", "hash", "modules", "ops", "pool", "tables",
     "utils",
     # sparsecore's additions (not in spconv.pytorch): deployment (docs/deployment.md)
-    "ExportError", "export_onnx",
+    "ExportError", "export_onnx", "load_program",
 ]
