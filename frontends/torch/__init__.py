@@ -18,6 +18,19 @@ pool. Importing this module imports torch; ``sparsecore`` itself never does.
 
 from __future__ import annotations
 
+try:
+    import torch as _torch  # a missing torch is named here, not deep in a submodule
+
+    del _torch
+except ModuleNotFoundError as _missing:
+    if _missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "sparsecore.torch is the PyTorch frontend and needs PyTorch, which is not installed here; install it "
+        "with pip install 'sparsecore[torch]' (or see https://pytorch.org for a CUDA build). The core, "
+        "sparsecore, runs without it (NumPy arrays), and sparsecore.runtime runs exported models without it",
+        name="torch") from None
+
 from . import conv, core, functional, hash, modules, ops, pool, tables, utils
 from .conv import (
     SparseConv1d,
