@@ -207,7 +207,7 @@ def test_ops_reuse_the_library_pair_map_and_its_layouts(monkeypatch):
 
     rng, indices = _sites(7, shape=(8, 9, 10), density=0.4)
     features = torch.from_numpy(do.random_features(rng, indices.shape[0], 16))
-    layers = [spconv.SubMConv3d(16, 16, 3, indice_key="k", bias=False) for _ in range(2)]
+    layers = [spconv.SubMConv3d(16, 16, 3, indice_key="k", bias=False).double() for _ in range(2)]
 
     def run():
         x = _tensor(features.clone().requires_grad_(), indices, (8, 9, 10))
@@ -237,7 +237,7 @@ def test_ops_check_pair_tensors_written_in_place_or_mismatched():
 
     rng, indices = _sites(8)
     features = torch.from_numpy(do.random_features(rng, indices.shape[0], 4))
-    layer = spconv.SubMConv3d(4, 4, 3, indice_key="k")
+    layer = spconv.SubMConv3d(4, 4, 3, indice_key="k").double()
     data = layer(_tensor(features, indices)).indice_dict["k"]
     weight, bias = layer.weight.detach(), layer.bias.detach()
     arguments = (data.offset_starts, data.num_output, data.kernel_size, data.identity_offset, 1)
@@ -260,7 +260,7 @@ def test_pair_tensor_copies_and_pickles_carry_no_pair_map():
 
     rng, indices = _sites(9)
     features = torch.from_numpy(do.random_features(rng, indices.shape[0], 16))
-    data = spconv.SubMConv3d(16, 16, 3, indice_key="k")(_tensor(features, indices)).indice_dict["k"]
+    data = spconv.SubMConv3d(16, 16, 3, indice_key="k").double()(_tensor(features, indices)).indice_dict["k"]
     data.rulebook.pair_map.derived["probe"] = np.zeros(3)
     assert library_pair_map(data.pair_input, data.pair_output) is data.rulebook.pair_map
     for clone in (copy.deepcopy, lambda tensor: pickle.loads(pickle.dumps(tensor))):

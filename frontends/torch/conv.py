@@ -32,7 +32,7 @@ from torch.nn import init
 import sparsecore as sc
 
 from .exportable import export_forward
-from .layer import SparseModule, geometry_repr, layer_forward, nd_variants
+from .layer import SparseModule, check_same_dtype, geometry_repr, layer_forward, nd_variants
 from .ops import autocast_inputs, sparse_conv_features
 from .spconv_rules import (
     MAX_NUM_VOXELS_DURING_TRAINING,
@@ -193,6 +193,7 @@ class SparseConvolution(SparseModule):
 
         def feature_pass(data):
             features, weight, bias = autocast_inputs(input.features, effective_weight(self), self.bias)
+            check_same_dtype(type(self).__name__, features, weight, bias)
             return sparse_conv_features(features, weight, bias, data, self.groups)
 
         out = layer_forward(self, input, "SparseConvolution", layer_rulebook_key(self), feature_pass,

@@ -112,6 +112,25 @@ def start_benchmark(module: SparseModule, input: SparseConvTensor, kind: str,
 # --------------------------------------------------------------------------- the eager forward
 
 
+def check_same_dtype(layer: str, features: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None) -> None:
+    """Raises a TypeError naming both dtypes unless features, weight and bias share one (as torch's own
+    layers do; call it after autocast's casts, which leave float64 as it is).
+
+    The core promotes mixed float dtypes (its documented rule); a torch layer does not.
+    """
+    mixed = {name: tensor.dtype for name, tensor in (("weight", weight), ("bias", bias))
+             if tensor is not None and tensor.dtype != features.dtype}
+    if mixed:
+        listing = ", ".join(f"its {name} is {dtype}" for name, dtype in mixed.items())
+        raise TypeError(
+            f"{layer}: the input features are {features.dtype} but {listing}; a layer computes in one dtype "
+            f"(as torch's own layers do): convert the layer (layer.to({features.dtype})) or the input "
+            f"(x.replace_feature(x.features.to({next(iter(mixed.values()))}))), or run float32 under "
+            "torch.autocast for a lower precision"
+        )
+
+
 def layer_forward(module: Any, input: SparseConvTensor, kind: str, indice_key: Optional[str],
                   feature_pass: Callable[[IndiceData], torch.Tensor], in_channels: Optional[int] = None,
                   weight: Optional[torch.Tensor] = None) -> SparseConvTensor:
