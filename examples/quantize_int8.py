@@ -203,21 +203,22 @@ def median_time(model: nn.Module, x: spconv.SparseConvTensor, repeats: int) -> f
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=8, help="float training epochs")
-    parser.add_argument("--qat-epochs", type=int, default=2)
+    parser.add_argument("--qat-epochs", type=int, default=2, help="QAT fine-tuning epochs")
     parser.add_argument("--scenes", type=int, default=12, help="training scenes")
     parser.add_argument("--calib-scenes", type=int, default=20, help="PTQ calibration scenes (never trained on)")
-    parser.add_argument("--val-scenes", type=int, default=3)
+    parser.add_argument("--val-scenes", type=int, default=3, help="validation scenes")
     parser.add_argument("--points", type=int, default=0, help="keep at most this many points per scene (0: all)")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--qat-lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=2, help="scenes per training step")
+    parser.add_argument("--lr", type=float, default=0.02, help="peak learning rate of the float training")
+    parser.add_argument("--qat-lr", type=float, default=1e-3, help="peak learning rate of QAT")
     parser.add_argument("--timing-voxels", type=int, default=0, help="voxels of the real scan to time (0: all)")
-    parser.add_argument("--timing-repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("runs/quantize_int8"))
+    parser.add_argument("--timing-repeats", type=int, default=3, help="timed forwards per model (median)")
+    parser.add_argument("--threads", type=int, default=2, help="torch and sparsecore CPU threads")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scenes and the initial weights")
+    parser.add_argument("--out", type=Path, default=Path("runs/quantize_int8"), help="folder for unet_int8.pt")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     return args

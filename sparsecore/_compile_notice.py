@@ -36,9 +36,13 @@ def cache_folder(dispatcher: Any) -> str:
     source, or numba's user-wide folder), or a phrase saying it is not cached."""
     cache = getattr(dispatcher, "_cache", None)
     try:
-        return str(cache._cache_path)  # numba's FunctionCache; a NullCache has none
+        path = str(cache._cache_path)  # numba's FunctionCache; a NullCache has none
     except AttributeError:
         return "nowhere (this kernel is compiled anew in every process)"
+    import numba
+
+    root = str(getattr(numba.config, "CACHE_DIR", "") or "")
+    return root if root and path.startswith(root) else path  # NUMBA_CACHE_DIR: its root (a folder per module)
 
 
 def notice(folder: str) -> str:
