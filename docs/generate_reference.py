@@ -27,6 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+SIGNATURE_FENCE = "```text"
+"""Signature listings are not code to run: they get this fence, and only ```python blocks are run
+(tests/test_docs.py runs every one of README.md and docs/*.md)."""
+
 PAGES = {
     "reference_core.md": (
         "sparsecore",
@@ -141,7 +145,7 @@ def render(package: str, intro: str) -> str:
     lines.append("")
     for name in sorted(names):
         obj = getattr(module, name)
-        lines += [f"## {name}", "", "```python", _signature(f"{package}.{name}", obj), "```", ""]
+        lines += [f"## {name}", "", SIGNATURE_FENCE, _signature(f"{package}.{name}", obj), "```", ""]
         summary = _first_line(obj)
         if summary:
             lines += [summary, ""]

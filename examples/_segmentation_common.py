@@ -122,15 +122,16 @@ def learning_rates(steps: int, peak: float) -> np.ndarray:
 
 def parse_args(description: str, default_out: str, extra: list[tuple[str, dict]] = ()) -> argparse.Namespace:
     """The examples' command line; ``extra`` adds framework-specific ``(flag, add_argument kwargs)``."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--epochs", type=int, default=8)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=8, help="training epochs")
     parser.add_argument("--scenes", type=int, default=12, help="training scenes")
-    parser.add_argument("--val-scenes", type=int, default=3)
+    parser.add_argument("--val-scenes", type=int, default=3, help="validation scenes (never trained on)")
     parser.add_argument("--points", type=int, default=0, help="keep at most this many points per scene (0: all)")
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2, help="scenes per training step")
     parser.add_argument("--lr", type=float, default=0.02, help="peak learning rate of the one-cycle schedule")
-    parser.add_argument("--out", type=Path, default=Path(default_out))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(default_out),
+                        help="folder for the checkpoint and training.png")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scenes and the initial weights")
     for flag, kwargs in extra:
         parser.add_argument(flag, **kwargs)
     args = parser.parse_args()
@@ -213,8 +214,9 @@ def report_epoch(epoch: int, losses: list[float], steps: int, miou: float, ious:
     print(f"epoch {epoch}: loss {np.mean(losses[-steps:]):.3f}, val mIoU {miou:.3f} ({per_class})", flush=True)
 
 
-def plot_curves(losses: list[float], mious: list[float], path: Path) -> None:
-    """Writes the training loss per step and the validation mIoU per epoch to ``path`` (PNG)."""
+def plot_curves(losses: list[float], mious: list[float], path: Path, framework: str) -> None:
+    """Writes the training loss per step and the validation mIoU per epoch to ``path`` (PNG), titled with
+    the ``framework`` that trained (``"sparsecore.torch"`` or ``"sparsecore.jax"``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # write PNGs, no display needed
@@ -227,17 +229,18 @@ def plot_curves(losses: list[float], mious: list[float], path: Path) -> None:
     right.axhline(1 / NUM_CLASSES, color="grey", linestyle="--", label="1 / classes")
     right.set(xlabel="epoch", ylabel="validation mIoU", title="mIoU", ylim=(0, 1))
     right.legend()
+    figure.suptitle(f"sparse U-Net segmentation trained with {framework}")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
-def finish(checkpoint: Path, losses: list[float], mious: list[float], out: Path, start: float) -> None:
-    """The end of a training run, once the reloaded checkpoint computed the same outputs: the plot and the
-    final line (``start``: the run's ``time.perf_counter()`` at its beginning)."""
+def finish(checkpoint: Path, losses: list[float], mious: list[float], out: Path, start: float, framework: str) -> None:
+    """The end of a training run, once the reloaded checkpoint computed the same outputs: the plot (titled with
+    ``framework``) and the final line (``start``: the run's ``time.perf_counter()`` at its beginning)."""
     import time
 
     print(f"checkpoint {checkpoint} reloaded: same outputs")
-    plot_curves(losses, mious, out / "training.png")
+    plot_curves(losses, mious, out / "training.png", framework)
     print(f"final val mIoU {mious[-1]:.3f}; plot {out / 'training.png'}; "
           f"{time.perf_counter() - start:.0f} s in all")

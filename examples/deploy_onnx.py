@@ -157,10 +157,12 @@ def load_scan(crop: int | None) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--crop", type=int, default=None, help="use a CROP x CROP window of the scan (cells)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--crop", type=int, default=None,
+                        help="use a CROP x CROP window of the scan (cells; None: the whole scan)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runtime runs per model (median)")
-    parser.add_argument("--output-dir", help="keep the ONNX files here (default: a temporary folder)")
+    parser.add_argument("--output-dir", help="keep the ONNX files here (None: a temporary folder)")
     parser.add_argument("--runtime-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.runtime_worker:

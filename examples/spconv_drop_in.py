@@ -135,9 +135,10 @@ def make_inputs(num_clouds, seed):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clouds", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--clouds", type=int, default=2, help="synthetic clouds in the batch")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the clouds and the weights")
     parser.add_argument("--no-spconv", action="store_true", help="do not compare with real spconv")
     args = parser.parse_args()
     torch.manual_seed(args.seed)

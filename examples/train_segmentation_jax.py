@@ -192,7 +192,7 @@ def main():
     args = parse_args(__doc__.split("\n")[0], "runs/segmentation_jax",
                       [("--impl", {"choices": sj.IMPLS, "default": None,
                                    "help": "feature passes: jnp (pure XLA) or callback (the core's NumPy passes; "
-                                           "faster to compile); default: sparsecore.jax.default_impl()"})])
+                                           "faster to compile); None: sparsecore.jax.default_impl()"})])
     start = time.perf_counter()
     train, val = load_data(args)
 
@@ -239,7 +239,7 @@ def main():
     same = np.array_equal(np.asarray(predict(params, state, x)),
                           np.asarray(predict(reloaded["params"], reloaded["state"], x)))
     assert same, "reloaded model differs"
-    finish(checkpoint, losses, mious, args.out, start)
+    finish(checkpoint, losses, mious, args.out, start, "sparsecore.jax")
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def main():
     reloaded.eval()
     with torch.no_grad():
         assert torch.equal(model(as_sparse(val[0])), reloaded(as_sparse(val[0]))), "reloaded model differs"
-    finish(checkpoint, losses, mious, args.out, start)
+    finish(checkpoint, losses, mious, args.out, start, "sparsecore.torch")
 
 
 if __name__ == "__main__":

@@ -52,10 +52,11 @@ def voxel_context_features(xp, batch):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to voxelize (cuda: CuPy)")
     parser.add_argument("--clouds", type=int, default=4, help="clouds per batch")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic clouds")
     args = parser.parse_args()
 
     if args.device == "cuda":

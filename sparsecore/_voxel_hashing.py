@@ -20,13 +20,13 @@ import numpy as np
 
 from . import _voxel_math
 from ._voxel_storage import Scratch
-from .threads import numba_module
+from ._compile_notice import numba_for_kernels
 
 __all__ = ["voxelize_points"]
 
 
 def _kernels() -> Any:
-    numba_module()
+    numba_for_kernels()
     from . import _voxel_kernels
 
     return _voxel_kernels

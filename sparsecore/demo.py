@@ -330,7 +330,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.frontend == "jax":
         return _jax_demo(argv)
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        print("error: the demo runs the PyTorch frontend, and PyTorch is not installed here; install it with "
+              "pip install 'sparsecore[torch]' (the core alone runs examples/voxelize_numpy.py)", file=sys.stderr)
+        return 2
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,7 +3,9 @@
 Oracles: integer references of the neighbour table and the tile plan (plain
 loops over the pairs), a float64 pair loop (``np.add.at``) for the fused row kernel and the
 tiled kernels, and the dense float64 convolution (tests/dense_oracle.py) for
-whole passes on the three CPU dataflows (fused, tiled and per-offset BLAS).
+whole passes on the three CPU dataflows (fused, tiled and per-offset BLAS). The tiled
+tests run twice (``kernel_path``): on the compiled kernels and on their NumPy twins
+(`_tile_twins`, which small layers run), whatever the sizes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from sparsecore import conv, cpu_dataflow
 from sparsecore.backends import NUMPY_BACKEND, _cpu_kernels
 
 import dense_oracle as do  # noqa: E402  (tests/ is on the path)
+
+
+@pytest.fixture(params=["compiled", "numpy-twin"])
+def kernel_path(request, monkeypatch) -> str:
+    """Every tiled kernel of the test compiled, or every one its NumPy twin (`_cpu_kernels.compiled_kernel`)."""
+    monkeypatch.setattr(_cpu_kernels, "NUMPY_MAX_WORK", -1 if request.param == "compiled" else 2**62)
+    return request.param
 
 
 def _random_pairs(rng: np.random.Generator, volume: int, num_source: int, num_destination: int):
@@ -127,7 +136,8 @@ _LAYERS = [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4), ("subm", 
 @pytest.mark.parametrize("dataflow, kind, channels_in, channels_out, groups",
                          [(dataflow,) + layer for dataflow in ("fused", "tiled", "per_offset") for layer in _LAYERS
                           if dataflow != "tiled" or layer[3] == 1])  # the tiled dataflow: ungrouped layers
-def test_every_cpu_dataflow_matches_the_dense_oracle(dataflow, kind, channels_in, channels_out, groups, monkeypatch):
+def test_every_cpu_dataflow_matches_the_dense_oracle(dataflow, kind, channels_in, channels_out, groups, monkeypatch,
+                                                    kernel_path):
     calls = []
 
     def choose(*arguments, **keywords):
@@ -171,7 +181,7 @@ def _plan_reference(keys, values, starts, num_rows, capacity):
 
 
 @pytest.mark.parametrize("items", [1, 2, 4, 32])
-def test_tile_plan_against_integer_reference(items):
+def test_tile_plan_against_integer_reference(items, kernel_path):
     rng = np.random.default_rng(1411)
     capacity = items * _cpu_kernels.ROW_BLOCK
     for volume, num_source, num_destination in ((27, 300, 200), (1, 5, 130), (8, 64, 700), (3, 1, 1)):
@@ -186,7 +196,7 @@ def test_tile_plan_against_integer_reference(items):
         assert not (plan.starts.flags.writeable or plan.sources.flags.writeable or plan.local_rows.flags.writeable)
 
 
-def test_tile_plan_empty_and_bad_items():
+def test_tile_plan_empty_and_bad_items(kernel_path):
     empty = np.zeros(0, dtype=np.int32)
     plan = _cpu_kernels.tile_plan(empty, empty, (0, 0, 0), 0, 4)
     assert plan.starts.tolist() == [0] and plan.sources.size == 0 and plan.most == 0
@@ -209,7 +219,7 @@ def _tiled_passes(source, grad, matrices, pair_input, pair_output, starts, num_d
 @pytest.mark.parametrize("items", [1, 2, 32])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("slice_rows", [None, 1, 7])
-def test_tiled_kernels_against_pair_loop(items, dtype, slice_rows, monkeypatch):
+def test_tiled_kernels_against_pair_loop(items, dtype, slice_rows, monkeypatch, kernel_path):
     if slice_rows is not None:  # every GEMM in slices of this many rows, the d-weights slices summed
         monkeypatch.setattr(_cpu_kernels, "SMALL_GEMM_WORK", slice_rows * 6 * 9)
         monkeypatch.setattr(_cpu_kernels, "SMALL_GEMM_MIN_ROWS", 1)
@@ -232,7 +242,7 @@ def test_tiled_kernels_against_pair_loop(items, dtype, slice_rows, monkeypatch):
     np.testing.assert_allclose(grad_matrices, expected_grad_matrices, rtol=tolerance, atol=tolerance * 10)
 
 
-def test_tiled_kernels_sum_rows_repeated_within_an_offset():
+def test_tiled_kernels_sum_rows_repeated_within_an_offset(kernel_path):
     # a hand-made pair map may pair one row several times through one offset: every pair is summed, and a
     # work item's range may then hold more pairs than it has rows (the tiles are sized from the plan)
     rng = np.random.default_rng(1412)
@@ -281,7 +291,7 @@ def test_tile_items_bounds_the_partial_weights():
     assert _cpu_kernels.tile_items(1962, 27, 64, 64, 4, pairs=788888) == _cpu_kernels.TILE_ITEMS
 
 
-def test_tiled_empty_input():
+def test_tiled_empty_input(kernel_path):
     empty = np.zeros(0, dtype=np.int32)
     matrices = np.random.default_rng(1409).standard_normal((3, 4, 5)).astype(np.float32)
     plan = _cpu_kernels.tile_plan(empty, empty, (0, 0, 0, 0), 0, 1)
@@ -295,6 +305,30 @@ def test_tiled_empty_input():
     grad_source, grad_matrices = _cpu_kernels.tiled_backward(rows, np.ones((70, 5), np.float32), no_pairs,
                                                              matrices, 0)
     assert grad_source.shape == (70, 4) and not grad_source.any() and not grad_matrices.any()
+
+
+def test_the_numpy_twins_build_the_compiled_plan_and_agree_with_the_kernels():
+    rng = np.random.default_rng(1415)
+    pair_input, pair_output, starts = _random_pairs(rng, 27, 900, 1300)
+    source = rng.standard_normal((900, 6)).astype(np.float32)
+    matrices = rng.standard_normal((27, 6, 10)).astype(np.float32)
+    grad = rng.standard_normal((1300, 10)).astype(np.float32)
+    results = {}
+    for compiled in (True, False):
+        plans = [_cpu_kernels.tile_plan(keys, values, starts, rows, 2, compiled=compiled) for keys, values, rows in
+                 ((pair_output, pair_input, 1300), (pair_input, pair_output, 900))]
+        out = np.zeros((1300, 10), np.float32)
+        _cpu_kernels.tiled_forward(source, plans[0], matrices, out, int(starts[-1]), compiled=compiled)
+        results[compiled] = plans, out, *_cpu_kernels.tiled_backward(source, grad, plans[1], matrices,
+                                                                     int(starts[-1]), compiled=compiled)
+    for kernel_plan, twin_plan in zip(results[True][0], results[False][0]):  # the same plan, bitwise
+        for name in ("starts", "sources", "local_rows", "capacity", "most"):
+            np.testing.assert_array_equal(getattr(twin_plan, name), getattr(kernel_plan, name), err_msg=name)
+    for kernel, twin in zip(results[True][1:], results[False][1:]):  # the passes, to float32 rounding
+        np.testing.assert_allclose(twin, kernel, rtol=1e-5, atol=1e-4)
+    # which one runs: the sizes alone
+    assert _cpu_kernels.compiled_kernel(_cpu_kernels.NUMPY_MAX_WORK + 1)
+    assert not _cpu_kernels.compiled_kernel(_cpu_kernels.NUMPY_MAX_WORK)
 
 
 def test_layouts_are_built_once_per_rulebook(monkeypatch):

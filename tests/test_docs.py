@@ -18,8 +18,9 @@ DOCS = ROOT / "docs"
 PACKAGES = ("sparsecore", "sparsecore.torch", "sparsecore.jax")
 REFERENCE_FILES = ("api.md", "reference_core.md", "reference_torch.md", "reference_jax.md")
 GENERATED = ("reference_core.md", "reference_torch.md", "reference_jax.md")
-RUNNABLE = (ROOT / "README.md", DOCS / "getting_started.md")
-FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+RUNNABLE = (ROOT / "README.md", *sorted(DOCS.glob("*.md")))
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+ANY_PYTHON_FENCE = re.compile(r"^```(?:py|python)\b.*$", re.MULTILINE)
 
 
 def _env() -> dict[str, str]:
@@ -28,23 +29,27 @@ def _env() -> dict[str, str]:
                 OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
-def _python_blocks() -> list[tuple[str, str]]:
-    blocks = []
+def _page_scripts() -> list[tuple[str, str]]:
+    """``(page, script)``: each page's ```python blocks joined in order, for pages that have any."""
+    pages = []
     for path in RUNNABLE:
-        for number, match in enumerate(FENCE.finditer(path.read_text(encoding="utf-8")), 1):
-            blocks.append((f"{path.relative_to(ROOT)}#{number}", match.group(1)))
-    return blocks
+        blocks = [match.group(1) for match in FENCE.finditer(path.read_text(encoding="utf-8"))]
+        if blocks:
+            pages.append((str(path.relative_to(ROOT)), "\n".join(blocks)))
+    return pages
 
 
 def _needs(code: str) -> list[str]:
     wanted = {"torch": "import torch" in code or "sparsecore.torch" in code,
-              "jax": "import jax" in code or "sparsecore.jax" in code}
+              "jax": "import jax" in code or "sparsecore.jax" in code,
+              "onnx": "sparsecore.runtime" in code or "export_onnx" in code}
     return [name for name, used in wanted.items() if used]
 
 
-def _run_block(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+def _run_page(code: str) -> subprocess.CompletedProcess:
+    """The page's blocks, verbatim, top to bottom, in a fresh process started in the repository root."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -68,21 +73,33 @@ def test_hand_written_core_api_covers_every_core_name() -> None:
     assert not missing, f"docs/api.md does not mention: {missing}"
 
 
-def test_python_blocks_of_readme_and_getting_started_run(tmp_path: Path) -> None:
-    blocks = _python_blocks()
-    assert len(blocks) >= 4, [label for label, _ in blocks]
+def test_every_python_block_of_the_docs_runs_page_by_page() -> None:
+    pages = _page_scripts()
+    names = [page for page, _ in pages]
+    for page in ("README.md", "docs/getting_started.md", "docs/api.md", "docs/jax.md", "docs/deployment.md",
+                 "docs/quantization.md"):
+        assert page in names, f"{page} has no ```python block (names: {names})"
     runnable, skipped = [], []
-    for label, code in blocks:
+    for page, code in pages:
         absent = [name for name in _needs(code) if importlib.util.find_spec(name) is None]
-        (skipped if absent else runnable).append((label, code))
-    # In parallel: the blocks are independent processes, and most of their time is imports.
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda item: _run_block(item[1], tmp_path), runnable))
-    failures = [f"{label} failed ({result.returncode}):\n{code}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-                for (label, code), result in zip(runnable, results) if result.returncode != 0]
+        (skipped if absent else runnable).append((page, code))
+    # In parallel: the pages are independent processes (each writes only under runs/docs/, git-ignored).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda item: _run_page(item[1]), runnable))
+    failures = [f"{page} failed ({result.returncode}):\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+                for (page, _), result in zip(runnable, results) if result.returncode != 0]
     assert not failures, "\n\n".join(failures)
     if skipped:
-        pytest.skip(f"ran {len(runnable)} blocks; skipped (framework not installed): {[l for l, _ in skipped]}")
+        pytest.skip(f"ran {len(runnable)} pages; skipped (framework not installed): {[p for p, _ in skipped]}")
+
+
+def test_only_runnable_code_is_fenced_as_python() -> None:
+    """Signature listings and pseudo-code use other fences (```text), so every ```python block is run above."""
+    odd = [f"{path.relative_to(ROOT)}: {line!r}" for path in RUNNABLE
+           for line in ANY_PYTHON_FENCE.findall(path.read_text(encoding="utf-8")) if line.strip() != "```python"]
+    assert not odd, odd
+    generated = [name for name in GENERATED if "```python" in (DOCS / name).read_text(encoding="utf-8")]
+    assert not generated, f"docs/{generated} fence signatures as python: run python docs/generate_reference.py"
 
 
 def test_generated_reference_is_up_to_date(tmp_path: Path) -> None:

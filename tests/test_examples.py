@@ -135,3 +135,37 @@ def test_gpu_request_without_a_gpu_is_one_clear_message(args: list[str]) -> None
     message = result.stderr.strip()
     assert message.startswith("error: ") and message.count("\n") == 0, message
     assert "no CUDA device is visible" in message and "CPU" in message and "--device" in message
+
+
+EXAMPLE_SCRIPTS = ("voxelize_numpy", "spconv_drop_in", "deploy_onnx", "train_segmentation_torch",
+                   "train_segmentation_jax", "quantize_int8")
+
+
+def test_examples_readme_lists_every_example_and_the_readme_links_it() -> None:
+    scripts = sorted(path.stem for path in EXAMPLES.glob("[a-z]*.py"))
+    assert scripts == sorted(EXAMPLE_SCRIPTS)
+    listing = (EXAMPLES / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for name in scripts:
+        assert f"python examples/{name}.py" in listing, name
+        assert f"examples/{name}.py" in readme, name
+    assert "examples/README.md" in readme
+
+
+@pytest.mark.parametrize("name", EXAMPLE_SCRIPTS)
+def test_every_option_of_an_example_shows_its_default(name: str) -> None:
+    needs = {"spconv_drop_in": ("torch",), "deploy_onnx": ("torch",), "train_segmentation_torch": ("torch", "tqdm"),
+             "train_segmentation_jax": ("jax", "optax", "tqdm"), "quantize_int8": ("torch", "tqdm")}
+    _needs(*needs.get(name, ()))
+    result = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--help"], cwd=ROOT,
+                            env=_environment(COLUMNS="200"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    options: list[str] = []  # one entry per option: its line and the help lines under it
+    for line in result.stdout.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            options.append(line.strip())
+        elif line.startswith("   ") and options:
+            options[-1] += " " + line.strip()
+    assert options, result.stdout
+    missing = [line for line in options if not line.startswith("-h,") and "(default:" not in line]
+    assert not missing, missing

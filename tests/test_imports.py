@@ -55,3 +55,58 @@ def test_kernel_sources_and_benchmark_packages_import_no_framework() -> None:
     )
     loaded = _run(script)
     assert loaded == "", f"imported: {loaded}"
+
+
+# A process where torch is not installed: a meta-path finder answers "no such module" for it first.
+_WITHOUT_TORCH = textwrap.dedent(
+    """
+    import sys
+
+    class NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NoTorch())
+    """
+)
+
+
+def _without_torch(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_import_sparsecore_torch_without_torch_names_the_extra() -> None:
+    completed = _without_torch(
+        """
+        try:
+            import sparsecore.torch
+        except ModuleNotFoundError as error:
+            assert error.name == "torch", error.name
+            print("MESSAGE:" + str(error))
+        """
+    )
+    assert completed.returncode == 0, completed.stderr
+    message = completed.stdout.split("MESSAGE:", 1)[1]
+    assert "pip install 'sparsecore[torch]'" in message and "PyTorch" in message, message
+
+
+def test_the_demo_without_torch_names_the_extra_in_one_line() -> None:
+    completed = _without_torch(
+        """
+        import runpy
+        runpy.run_module("sparsecore.demo", run_name="__main__")
+        """
+    )
+    assert completed.returncode == 2, completed.stderr
+    message = completed.stderr.strip()
+    assert "Traceback" not in message and message.count("\n") == 0, message
+    assert message.startswith("error: ") and "pip install 'sparsecore[torch]'" in message, message
+
+
+def test_without_torch_the_core_still_convolves() -> None:
+    completed = _without_torch(CPU_CONVOLUTION)
+    assert completed.returncode == 0, completed.stderr
+    assert "LOADED:" in completed.stdout

@@ -2,6 +2,8 @@
 
 Oracles: NumPy's stable argsort and ``np.unique``, the builder's generic
 windowed-lookup path on the same backend, and naive pairs (`dense_oracle.naive_rulebook`).
+The tests run twice (``kernel_path``): on the compiled kernels and on their NumPy twins
+(which small clouds run), whatever the sizes; the twins must give the same arrays.
 """
 
 from __future__ import annotations
@@ -10,12 +12,19 @@ import numpy as np
 import pytest
 
 import sparsecore as sc
-from sparsecore.backends import NUMPY_BACKEND, _rulebook_kernels
+from sparsecore.backends import NUMPY_BACKEND, _cpu_kernels, _rulebook_kernels
 
 try:
     from . import dense_oracle as do
 except ImportError:
     import dense_oracle as do
+
+
+@pytest.fixture(params=["compiled", "numpy-twin"], autouse=True)
+def kernel_path(request, monkeypatch) -> str:
+    """Every rulebook kernel compiled, or every one its NumPy twin (`_cpu_kernels.compiled_kernel`)."""
+    monkeypatch.setattr(_cpu_kernels, "NUMPY_MAX_WORK", -1 if request.param == "compiled" else 2**62)
+    return request.param
 
 
 def _pair_set(ins, outs):
@@ -77,7 +86,7 @@ def _assert_same_rulebook(actual, expected, what):
 
 @pytest.mark.parametrize("ndim,kernel,dilation", [(1, 5, 2), (2, 3, 1), (2, (5, 3), (1, 2)), (3, 3, 1), (3, 5, 1),
                                                   (3, (3, 1, 5), (2, 1, 1)), (4, 3, 1)])
-def test_fused_subm_pairs_equal_the_windowed_lookup(ndim, kernel, dilation):
+def test_fused_subm_pairs_equal_the_windowed_lookup(ndim, kernel, dilation):  # subm twin and kernel alike
     rng = np.random.default_rng(14_000 + ndim)
     shape = tuple(int(v) for v in rng.integers(4, 40 if ndim < 4 else 9, size=ndim))
     indices = _scattered_sites(rng, shape, 3, 40_000)  # more sites than one work item (16,384 keys)
@@ -117,3 +126,17 @@ def test_cpu_rulebook_of_no_sites(kind):
     rulebook = sc.build_rulebook(np.zeros((0, 4), np.int32), (9, 8, 7), 2, geometry)
     assert rulebook.num_pairs == 0 and rulebook.num_output == 0
     assert tuple(rulebook.offset_starts) == (0,) * 28
+
+
+@pytest.mark.parametrize("kind,stride,padding", [("subm", 1, 0), ("regular", 2, 1), ("transposed", (1, 2, 3), 1)])
+def test_the_numpy_twins_build_the_compiled_rulebook(kind, stride, padding, monkeypatch):
+    rng = np.random.default_rng(14_400)
+    shape = (12, 40, 30)
+    indices = _scattered_sites(rng, shape, 2, 3000)
+    geometry = (sc.ConvGeometry.create(3, 3, kind="subm") if kind == "subm"
+                else sc.ConvGeometry.create(3, 3, stride, padding, kind=kind))
+    built = {}
+    for limit in (-1, 2**62):  # every kernel compiled, then every one its twin
+        monkeypatch.setattr(_cpu_kernels, "NUMPY_MAX_WORK", limit)
+        built[limit] = sc.build_rulebook(indices, shape, 2, geometry)
+    _assert_same_rulebook(built[2**62], built[-1], "twins vs compiled")

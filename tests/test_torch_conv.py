@@ -441,3 +441,23 @@ def test_autocast_bfloat16_on_cpu():
     assert torch.allclose(out.features.float(), ref, atol=5e-2, rtol=5e-2)
     out.features.float().sum().backward()
     assert layer.weight.grad.dtype == torch.float32 and torch.isfinite(layer.weight.grad).all()
+
+
+def test_mixed_dtypes_raise_naming_both_as_torch_layers_do():
+    x64 = _input(4, dtype=torch.float64)
+    layer = spconv.SubMConv3d(3, 4, 3, indice_key="s")  # float32 parameters
+    with pytest.raises(RuntimeError):  # the oracle: torch's own layer refuses the same mix
+        torch.nn.Linear(3, 4)(x64.features)
+    with pytest.raises(TypeError, match=r"SubMConv3d: the input features are torch.float64 but its weight is "
+                                        r"torch.float32, its bias is torch.float32.*layer.to\(torch.float64\)"):
+        layer(x64)
+    x32 = x64.replace_feature(x64.features.float())
+    with pytest.raises(TypeError, match=r"SparseConv3d: the input features are torch.float32 but its weight is "
+                                        r"torch.float64; .*x.features.to\(torch.float64\)"):
+        spconv.SparseConv3d(3, 2, 3, stride=2, bias=False).double()(x32)
+    # converted, they agree with each other (and autocast still runs float32 layers: the test above)
+    expected = layer.double()(x64).features
+    torch.testing.assert_close(layer.float()(x32).features.double(), expected, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is not an autocast dtype: still refused
+        with pytest.raises(TypeError, match="torch.float64 but its weight is torch.bfloat16"):
+            layer(x64)

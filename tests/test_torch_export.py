@@ -140,12 +140,13 @@ def _exported_program(kind: type, seed: int):
 
 
 def _check_saved_program_on_other_sites(model: nn.Module, program, path: Path, seed: int, num: int) -> None:
-    """Saves and reloads the program and checks it on other sites, another count (not tied to the example)."""
+    """Saves and reloads the program (through `load_program`: no unrestricted unpickling) and checks it on
+    other sites, another count (not tied to the example)."""
     torch.export.save(program, path)
     other, _, _ = _input(seed, num=num)
     with torch.no_grad():
         expected = model(other)
-    torch.testing.assert_close(torch.export.load(path).module()(other), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(spconv.load_program(path).module()(other), expected, rtol=1e-5, atol=1e-5)
 
 
 def _node_ops(model) -> list[str]:
@@ -440,9 +441,113 @@ def test_torch_export_round_trip_with_pooling(tmp_path: Path) -> None:
     assert targets.count("sparsecore.export_pool.default") == 2
     assert targets.count("sparsecore.export_rulebook.default") == 4  # s1, pool1, s2, avg (the inverse reuses)
     _check_saved_program_on_other_sites(model, program, tmp_path / "pooled.pt2", 26, num=150)
-    torch.export.save(program, tmp_path / "pooled.pt2")
-    other, _, _ = _input(26, num=150)
+
+
+# A fresh process: torch.load refuses anything but weights_only=True (so torch.export.load's fallback to an
+# unrestricted pickle would fail the run), then the program runs on other sites.
+_LOAD_IN_A_FRESH_PROCESS = """
+import sys
+import numpy as np
+import torch
+
+unrestricted = torch.load
+
+def weights_only_load(*args, weights_only=None, **kwargs):
+    if weights_only is not True:
+        raise AssertionError(f"torch.load(weights_only={weights_only!r}) called while loading the program")
+    return unrestricted(*args, weights_only=True, **kwargs)
+
+torch.load = weights_only_load
+import sparsecore.torch as spconv
+
+program = torch.export.load(sys.argv[1])
+data = np.load(sys.argv[2])
+x = spconv.SparseConvTensor(torch.from_numpy(data["features"]), torch.from_numpy(data["indices"]), [9, 12, 10], 2)
+with torch.no_grad():
+    np.save(sys.argv[3], program.module()(x).numpy())
+"""
+
+
+@pytest.mark.parametrize("forward_first", [False, True], ids=["exported-fresh", "forward-before-export"])
+def test_a_saved_program_loads_under_weights_only_in_a_fresh_process(forward_first: bool, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from sparsecore.torch.exportable import sites_dynamic_shapes
+
+    model = _model(SecondStyle, 27)
+    x, _, _ = _input(28)
+    if forward_first:  # a forward leaves a core (NumPy) view of the indices cached on x
+        with torch.no_grad():
+            model(x)
+    torch.export.save(torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),)),
+                      tmp_path / "model.pt2")
+    other, features, indices = _input(29, num=170)
     with torch.no_grad():
-        expected_other = model(other)
-    torch.testing.assert_close(torch.export.load(tmp_path / "pooled.pt2").module()(other), expected_other,
-                               rtol=1e-5, atol=1e-5)
+        expected = model(other).numpy()
+    np.savez(tmp_path / "other.npz", features=features, indices=indices)
+    run = subprocess.run([sys.executable, "-c", _LOAD_IN_A_FRESH_PROCESS, str(tmp_path / "model.pt2"),
+                          str(tmp_path / "other.npz"), str(tmp_path / "out.npy")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    # nothing printed: no fallback warning, no logging error (sparsecore's one-line compile notice aside)
+    printed = [line for line in (run.stdout + run.stderr).splitlines() if not line.startswith("sparsecore: ")]
+    assert printed == []
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(expected).max() > 0.1
+
+
+def test_load_program_refuses_what_would_be_unpickled_without_restriction(tmp_path: Path) -> None:
+    import io
+    import zipfile
+
+    from sparsecore.torch.exportable import sites_dynamic_shapes
+
+    model = _model(SecondStyle, 30)
+    x, _, _ = _input(31)
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model, (x,), dynamic_shapes=(sites_dynamic_shapes(),)), path)
+    marker = tmp_path / "ran"
+
+    def rewritten(name: str, replace) -> Path:
+        """A copy of the archive with the members whose name ends with ``name`` replaced (or one added)."""
+        target = tmp_path / f"edited{len(list(tmp_path.iterdir()))}.pt2"
+        with zipfile.ZipFile(path) as source, zipfile.ZipFile(target, "w") as out:
+            root = source.namelist()[0].split("/")[0]
+            for member in source.namelist():
+                out.writestr(member, replace(source.read(member)) if member.endswith(name) else source.read(member))
+            if not any(member.endswith(name) for member in source.namelist()):
+                out.writestr(f"{root}/{name}", replace(b""))
+        return target
+
+    class RunsCode:  # what a crafted file could hold: unpickling it calls a function of the file's choosing
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    def crafted_inputs(_: bytes) -> bytes:
+        buffer = io.BytesIO()
+        torch.save((RunsCode(),), buffer)
+        return buffer.getvalue()
+
+    def pickled_weight(data: bytes) -> bytes:
+        return data.replace(b'"use_pickle": false', b'"use_pickle": true', 1)
+
+    cases = [
+        (rewritten("data/sample_inputs/model.pt", crafted_inputs), r"example inputs .*weights_only=True\) refuses"),
+        (rewritten("data/weights/model_weights_config.json", pickled_weight), r"holds pickled tensors \['net"),
+        (rewritten("data/constants/opaque_obj_0", lambda _: b"\x80\x04N."), r"'data/constants/opaque_obj_0', a member"),
+        (rewritten("data/aotinductor/model/model.so", lambda _: b"\x7fELF"), r"'data/aotinductor/model/model.so'"),
+    ]
+    for crafted, message in cases:
+        with pytest.raises(ValueError, match=message):
+            spconv.load_program(crafted)
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="more than max_bytes=1000"):
+        spconv.load_program(path, max_bytes=1000)
+    (tmp_path / "not.pt2").write_bytes(b"plain bytes")
+    with pytest.raises(ValueError, match="not a .pt2 archive"):
+        spconv.load_program(tmp_path / "not.pt2")
+    assert not marker.exists()
+    # the untouched file loads and computes what the model does
+    with torch.no_grad():
+        torch.testing.assert_close(spconv.load_program(path).module()(x), model(x), rtol=1e-5, atol=1e-5)

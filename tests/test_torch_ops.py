@@ -212,7 +212,7 @@ def test_ops_reuse_the_library_rulebook_and_its_layouts(monkeypatch):
 
     rng, indices = _sites(7, shape=(8, 9, 10), density=0.4)
     features = torch.from_numpy(do.random_features(rng, indices.shape[0], 16))
-    layers = [spconv.SubMConv3d(16, 16, 3, indice_key="k", bias=False) for _ in range(2)]
+    layers = [spconv.SubMConv3d(16, 16, 3, indice_key="k", bias=False).double() for _ in range(2)]
 
     def run():
         x = _tensor(features.clone().requires_grad_(), indices, (8, 9, 10))
@@ -260,7 +260,7 @@ def test_ops_check_neighbour_tensors_that_are_not_the_librarys():
 
     rng, indices = _sites(8)
     features = torch.from_numpy(do.random_features(rng, indices.shape[0], 4))
-    layer = spconv.SubMConv3d(4, 4, 3, indice_key="k")
+    layer = spconv.SubMConv3d(4, 4, 3, indice_key="k").double()
     data = layer(_tensor(features, indices)).indice_dict["k"]
     weight, bias = layer.weight.detach(), layer.bias.detach()
     # other sizes than the map's: the tables are checked, and do not fit
@@ -325,7 +325,7 @@ def test_neighbour_tensor_copies_and_pickles_carry_no_rulebook():
 
     rng, indices = _sites(9)
     features = torch.from_numpy(do.random_features(rng, indices.shape[0], 16))
-    data = spconv.SparseConv3d(16, 16, 3, 2, 1, indice_key="k")(_tensor(features, indices)).indice_dict["k"]
+    data = spconv.SparseConv3d(16, 16, 3, 2, 1, indice_key="k").double()(_tensor(features, indices)).indice_dict["k"]
     assert library_rulebook(data.output_neighbours, data.input_neighbours) is data.rulebook
     assert library_rulebook(data.input_neighbours, data.output_neighbours) is None  # sides swapped
     for clone in (copy.deepcopy, lambda tensor: pickle.loads(pickle.dumps(tensor))):

@@ -379,6 +379,24 @@ def test_unpickled_tensors_are_checked_again():
         tampered.dense()
 
 
+def test_a_tensor_that_ran_through_a_layer_saves_and_loads_under_weights_only():
+    import io
+
+    x = _tensor(15)
+    layer = spconv.SubMConv3d(x.features.shape[1], 3, 3, indice_key="s").double()
+    with torch.no_grad():
+        expected = layer(x).features  # caches the core (NumPy) view of x's indices on x
+    assert x.core_indices() is not None
+    buffer = io.BytesIO()
+    torch.save((x,), buffer)
+    buffer.seek(0)
+    (loaded,) = torch.load(buffer, weights_only=True)  # the view is a cache: not saved
+    assert not loaded._trusted and loaded._core_indices is None
+    assert torch.equal(loaded.indices, x.indices) and torch.equal(loaded.features, x.features)
+    with torch.no_grad():
+        assert torch.equal(layer(loaded).features, expected)
+
+
 def test_batch_size_assignment_is_checked():
     x = _tensor()
     for bad in (0, 1.5, "2", True):

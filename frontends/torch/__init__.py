@@ -18,6 +18,19 @@ pool. Importing this module imports torch; ``sparsecore`` itself never does.
 
 from __future__ import annotations
 
+try:
+    import torch as _torch  # a missing torch is named here, not deep in a submodule
+
+    del _torch
+except ModuleNotFoundError as _missing:
+    if _missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "sparsecore.torch is the PyTorch frontend and needs PyTorch, which is not installed here; install it "
+        "with pip install 'sparsecore[torch]' (or see https://pytorch.org for a CUDA build). The core, "
+        "sparsecore, runs without it (NumPy arrays), and sparsecore.runtime runs exported models without it",
+        name="torch") from None
+
 from . import conv, core, functional, hash, modules, ops, pool, tables, utils
 from .conv import (
     SparseConv1d,
@@ -69,6 +82,7 @@ from .pool import (
 from .tables import AddTable, AddTableMisaligned, ConcatTable, JoinTable
 from .tensor import IndiceData, SparseConvTensor
 from .onnx_export import ExportError, export_onnx  # noqa: E402  (deployment: docs/deployment.md)
+from .program_loading import load_program  # noqa: E402  (a .pt2 made elsewhere, loaded safely)
 from . import pytree  # noqa: E402,F401  (SparseConvTensor as a torch pytree node)
 
 __all__ = [
@@ -84,5 +98,5 @@ __all__ = [
     "assign_name_for_sparse_modules", "conv", "core", "functional", "hash", "modules", "ops", "pool", "tables",
     "utils",
     # sparsecore's additions (not in spconv.pytorch): deployment (docs/deployment.md)
-    "ExportError", "export_onnx",
+    "ExportError", "export_onnx", "load_program",
 ]

@@ -46,7 +46,7 @@ from .ops import DECLARED
 from .spconv_rules import MAX_NUM_VOXELS_DURING_TRAINING, apply_activation, effective_weight, layer_rulebook_key
 from .tensor import SparseConvTensor
 
-__all__ = ["SparseModule", "nd_variants", "geometry_repr", "check_input", "layer_indice_data", "autocast_inputs",
+__all__ = ["SparseModule", "nd_variants", "geometry_repr", "check_input", "check_same_dtype", "layer_indice_data", "autocast_inputs",
            "LayerSteps", "conv_forward", "convolve", "conv_epilogue", "pool_forward", "start_benchmark"]
 
 
@@ -236,10 +236,30 @@ def _steps(module: Any, input: SparseConvTensor, in_channels: Optional[int], ind
 # --------------------------------------------------------------------------- the convolution
 
 
+def check_same_dtype(layer: str, features: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None) -> None:
+    """Raises a TypeError naming both dtypes unless features, weight and bias share one (as torch's own
+    layers do; call it after autocast's casts, which leave float64 as it is).
+
+    The core promotes mixed float dtypes (its documented rule); a torch layer does not.
+    """
+    mixed = {name: tensor.dtype for name, tensor in (("weight", weight), ("bias", bias))
+             if tensor is not None and tensor.dtype != features.dtype}
+    if mixed:
+        listing = ", ".join(f"its {name} is {dtype}" for name, dtype in mixed.items())
+        raise TypeError(
+            f"{layer}: the input features are {features.dtype} but {listing}; a layer computes in one dtype "
+            f"(as torch's own layers do): convert the layer (layer.to({features.dtype})) or the input "
+            f"(x.replace_feature(x.features.to({next(iter(mixed.values()))}))), or run float32 under "
+            "torch.autocast for a lower precision"
+        )
+
+
 def _conv_steps(module: Any, input: SparseConvTensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor]) -> LayerSteps:
     def feature_pass(features: torch.Tensor, data: IndiceData) -> torch.Tensor:
         features, cast_weight, cast_bias = autocast_inputs(features, weight, bias)
+        check_same_dtype(type(module).__name__, features, cast_weight, cast_bias)
         return DECLARED["conv_forward"](features, cast_weight, cast_bias, *data.op_arguments(), module.groups)
 
     return _steps(module, input, module.in_channels, layer_rulebook_key(module), weight, feature_pass)

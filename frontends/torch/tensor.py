@@ -149,6 +149,11 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
             self._trusted = True
         return self
 
+    def __getstate__(self) -> dict:
+        # without the caches: `_core_indices` holds a NumPy / CuPy view that torch.load(weights_only=True)
+        # refuses (torch.export.save pickles a program's example inputs), and trust is not carried over
+        return {name: value for name, value in self.__dict__.items() if name not in ("_core_indices", "_trusted")}
+
     def __setstate__(self, state: dict) -> None:
         # an unpickled (or copied) tensor is checked again at its first use
         self.__dict__.update(state)

@@ -29,6 +29,8 @@ accumulator in vector registers (about 2x at 64 channels). Smaller layers use
 one generic kernel per dtype. All kernels use numba's on-disk cache
 (``cache=True``), so a process pays the compile (seconds) only the first time
 a shape is seen on a machine. ``import sparsecore`` does not import numba.
+Tile plans and tiled passes of at most `NUMPY_MAX_WORK` run NumPy twins
+(`_tile_twins`) instead, so a small cloud's first call compiles nothing.
 """
 
 from __future__ import annotations
@@ -36,16 +38,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from .._compile_notice import numba_for_kernels
+from . import _tile_twins
 from ..threads import numba_module
 
 __all__ = [
     "ROW_BLOCK",
     "SPECIALISE_MIN_PAIR_FLOPS",
     "SERIAL_MAX_WORK",
+    "NUMPY_MAX_WORK",
+    "compiled_kernel",
     "kernel_threads",
     "neighbour_table",
     "accumulate_rows",
@@ -78,6 +84,19 @@ costs more than it saves on small layers, and a loaded machine can make every wa
 descheduled worker (the results are the same either way)."""
 
 
+NUMPY_MAX_WORK = 1 << 18
+"""Most work (as `kernel_threads` counts it) that the wrappers of the tiled conv and rulebook kernels run as
+NumPy twins instead: a small cloud's first call compiles nothing (the README's example compiled 11
+kernels, 19 s of a 20 s first run on the 2-core machine), and below this size the twins take about as
+long as the compiled kernels on one thread. The choice depends on the sizes alone."""
+
+
+def compiled_kernel(work: int, compiled: Optional[bool] = None) -> bool:
+    """Whether a kernel of ``work`` runs compiled: above `NUMPY_MAX_WORK`, unless ``compiled`` says
+    (the tests run both)."""
+    return work > NUMPY_MAX_WORK if compiled is None else bool(compiled)
+
+
 @contextlib.contextmanager
 def kernel_threads(work: int) -> Iterator[int]:
     """Numba's threads for a kernel of ``work``: one below `SERIAL_MAX_WORK`, else unchanged.
@@ -99,14 +118,14 @@ def kernel_threads(work: int) -> Iterator[int]:
 
 
 def _sources() -> Any:
-    numba_module()
+    numba_for_kernels()
     from . import _cpu_kernel_sources
 
     return _cpu_kernel_sources
 
 
 def _tile_sources() -> Any:
-    numba_module()
+    numba_for_kernels()
     from . import _tile_kernel_sources
 
     return _tile_kernel_sources
@@ -267,7 +286,7 @@ class TilePlan:
 
 
 def tile_plan(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ...], num_rows: int,
-              items: int) -> TilePlan:
+              items: int, compiled: Optional[bool] = None) -> TilePlan:
     """The `TilePlan` of pairs ``(values[p] -> keys[p])`` grouped by offset, ``items * ROW_BLOCK`` keys per
     work item; within a range the pairs keep their order.
 
@@ -277,6 +296,7 @@ def tile_plan(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ..
         offset_starts: ``K + 1`` ints delimiting the offsets' pairs.
         num_rows: destination rows.
         items: table blocks per work item (`tile_items`), a power of two.
+        compiled: the compiled kernels or their NumPy twin, the same plan (default: `compiled_kernel`).
 
     Returns:
         The plan (its arrays read only).
@@ -292,20 +312,22 @@ def tile_plan(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ..
     sources = np.empty(pairs, dtype=np.int32)
     local_rows = np.empty(pairs, dtype=np.int32)
     starts = np.zeros(works * volume + 1, dtype=np.int64)
-    if pairs and works:
+    if pairs and works and compiled_kernel(2 * pairs, compiled):
         starts_array = np.asarray(offset_starts, dtype=np.int64)
         kernels = _tile_sources()
         with kernel_threads(2 * pairs) as lanes:
             kernels.count_plan(keys, starts_array, shift, counts, lanes)
             np.cumsum(counts.T.ravel(), out=starts[1:])
             kernels.fill_plan(keys, values, starts_array, shift, starts, sources, local_rows, lanes)
+    elif pairs and works:  # the NumPy twin: the same plan
+        counts = _tile_twins.fill_plan(keys, values, offset_starts, shift, starts, sources, local_rows)
     for array in (starts, sources, local_rows):
         array.setflags(write=False)
     return TilePlan(starts, sources, local_rows, capacity, int(counts.max()) if counts.size else 0)
 
 
 def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out: np.ndarray,
-                  pairs: int) -> None:
+                  pairs: int, compiled: Optional[bool] = None) -> None:
     """``out[d] += sum_k source[s] @ matrices[k]`` over the plan's pairs, on BLAS over cached tiles, in place.
 
     Args:
@@ -314,8 +336,12 @@ def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out:
         matrices: ``[K, a, b]`` C-contiguous, ``source``'s dtype.
         out: ``[N_dst, b]`` C-contiguous, holding the initial values (zeros or a bias).
         pairs: the number of pairs (small layers run on the calling thread).
+        compiled: the compiled kernel or its NumPy twin (default: `compiled_kernel` of the work).
     """
     if out.shape[0] == 0 or matrices.shape[0] == 0 or out.shape[1] == 0 or pairs == 0:
+        return
+    if not compiled_kernel(pairs * (source.shape[1] + out.shape[1]), compiled):
+        _tile_twins.tiled_forward(source, plan, matrices, out)
         return
     with kernel_threads(pairs * (source.shape[1] + out.shape[1])) as lanes:
         _tile_sources().tiled_forward_kernel(source, plan.starts, plan.sources, plan.local_rows, matrices, out,
@@ -323,7 +349,7 @@ def tiled_forward(source: np.ndarray, plan: TilePlan, matrices: np.ndarray, out:
 
 
 def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrices: np.ndarray,
-                   pairs: int) -> tuple[np.ndarray, np.ndarray]:
+                   pairs: int, compiled: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray]:
     """The tiled forward's gradients: d-features input-stationary, d-weights summed per work item in order.
 
     Args:
@@ -332,6 +358,7 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrice
         plan: the reversed pairs' `tile_plan` (keys: source rows), ``tile_items`` of the backward's sizes.
         matrices: ``[K, a, b]``, ``source``'s dtype.
         pairs: the number of pairs.
+        compiled: the compiled kernels or their NumPy twin (default: `compiled_kernel` of the work).
 
     Returns:
         ``(grad_source [N_src, a], grad_matrices [K, a, b])``.
@@ -340,6 +367,8 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrice
     grad_matrices = np.zeros(matrices.shape, dtype=source.dtype)
     if source.shape[0] == 0 or volume == 0 or pairs == 0 or in_channels == 0 or out_channels == 0:
         return np.zeros(source.shape, dtype=source.dtype), grad_matrices
+    if not compiled_kernel(pairs * (in_channels + out_channels), compiled):
+        return _tile_twins.tiled_backward(source, grad, plan, matrices)
     grad_source = np.empty(source.shape, dtype=source.dtype)
     partial = np.empty(((plan.starts.shape[0] - 1) // volume, volume, in_channels, out_channels), dtype=source.dtype)
     transposed = np.ascontiguousarray(matrices.transpose(0, 2, 1))

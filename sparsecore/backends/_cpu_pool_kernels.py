@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from ._cpu_kernels import kernel_threads
-from ..threads import numba_module
+from .._compile_notice import numba_for_kernels
 
 __all__ = ["max_pool_forward", "max_pool_backward"]
 
 
 def _sources() -> Any:
-    numba_module()
+    numba_for_kernels()
     from . import _pool_kernel_sources
 
     return _pool_kernel_sources

@@ -62,9 +62,9 @@ def neighbour_table(pair_input: np.ndarray, pair_output: np.ndarray, offset_star
 
 @functools.lru_cache(maxsize=None)
 def _rows_kernel(groups: int, in_per_group: int, out_per_group: int, quantize: bool) -> Any:
-    from ..threads import numba_module
+    from .._compile_notice import numba_for_kernels
 
-    numba_module()  # sizes numba's thread pool before the kernels' module imports numba
+    numba_for_kernels()  # sizes numba's thread pool before the kernels' module imports numba
     from . import _cpu_kernel_sources
 
     return _cpu_kernel_sources.make_int8_rows_kernel(groups, in_per_group, out_per_group, ROW_BLOCK, quantize)
@@ -106,9 +106,9 @@ def int8_rows(source: np.ndarray, table: np.ndarray, matrices: np.ndarray, pairs
 
 
 def _epilogue_kernel() -> Any:
-    from ..threads import numba_module
+    from .._compile_notice import numba_for_kernels
 
-    numba_module()  # sizes numba's thread pool before the kernel's module imports numba
+    numba_for_kernels()  # sizes numba's thread pool before the kernel's module imports numba
     from ._int8_epilogue_source import int8_epilogue
 
     return int8_epilogue

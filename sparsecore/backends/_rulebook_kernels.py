@@ -24,15 +24,21 @@ thread, 5.7 ms on two, on a loaded 2-core machine).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
-from ..threads import numba_module
-from ._cpu_kernels import kernel_threads
+from .._compile_notice import numba_for_kernels
+from ._cpu_kernels import compiled_kernel, kernel_threads
 
 __all__ = ["argsort_keys", "unique_inverse", "submanifold_pairs", "strided_candidates"]
 
+
+_SORT_WORK_PER_KEY = 16
+"""A sort of ``N`` keys counts ``16 N`` against `_cpu_kernels.NUMPY_MAX_WORK`: up to 16,384 keys take
+NumPy's stable sort (random 40-bit keys on the 2-core machine, 2026-12-05: 16,384 in 1.15 ms against
+0.71 compiled, 65,536 in 5.6 against 3.8), as many as a subm build of the largest cloud the pair twins
+take (about 2,400 sites at k3)."""
 
 _CHUNK = 16384
 """Keys per work item of the subm kernels (a fixed split: the same pairs at any thread count)."""
@@ -44,22 +50,27 @@ number of sites (beyond it, only up to 4 entries per site)."""
 
 
 def _sources() -> Any:
-    numba_module()
+    numba_for_kernels()
     from . import _rulebook_kernel_sources
 
     return _rulebook_kernel_sources
 
 
-def argsort_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _sort_work(count: int) -> int:
+    return _SORT_WORK_PER_KEY * count
+
+
+def argsort_keys(keys: np.ndarray, compiled: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray]:
     """``(keys[order], order)`` with ``order`` the stable ascending order of int64 ``keys``.
 
-    Non-negative keys (every packed key) take the radix sort; others NumPy's stable sort.
+    Non-negative keys (every packed key) take the radix sort; others, and few keys
+    (`compiled_kernel`), NumPy's stable sort (the same order).
     """
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     if keys.shape[0] == 0:
         return keys.copy(), np.zeros(0, dtype=np.int64)
-    if int(keys.min()) < 0:
-        order = np.argsort(keys, kind="stable")
+    if not compiled_kernel(_sort_work(keys.shape[0]), compiled) or int(keys.min()) < 0:
+        order = np.argsort(keys, kind="stable").astype(np.int64, copy=False)
         return keys[order], order
     key_bits = max(1, int(keys.max()).bit_length())
     index_bits = max(1, int(keys.shape[0] - 1).bit_length())
@@ -68,16 +79,24 @@ def argsort_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _sources().radix_sort(keys, key_bits)
 
 
-def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def unique_inverse(keys: np.ndarray, compiled: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique int64 keys ``[U]`` and the int64 ``[M]`` inverse (``unique[inverse] == keys``)."""
     if keys.shape[0] == 0:
         return np.asarray(keys, dtype=np.int64).copy(), np.zeros(0, dtype=np.int64)
-    sorted_keys, order = argsort_keys(keys)
-    return _sources().unique_inverse_sorted(sorted_keys, order)
+    compiled = compiled_kernel(_sort_work(keys.shape[0]), compiled)
+    sorted_keys, order = argsort_keys(keys, compiled)
+    if compiled:
+        return _sources().unique_inverse_sorted(sorted_keys, order)
+    first = np.empty(sorted_keys.shape[0], dtype=bool)
+    first[0] = True
+    np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
+    inverse = np.empty(sorted_keys.shape[0], dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return sorted_keys[first], inverse
 
 
 def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: np.ndarray, run_length: int,
-                      step: int) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+                      step: int, compiled: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """The pairs of a subm rulebook of ``K = 2 * len(deltas) + 1`` offsets.
 
     Args:
@@ -88,6 +107,7 @@ def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: 
             ``run_length`` (the last kernel axis) whose deltas grow by ``step``.
         run_length: offsets per run (the last axis' kernel size).
         step: delta between neighbours of a run (the last axis' dilation).
+        compiled: the compiled kernels or the NumPy twin (default: `compiled_kernel` of the work).
 
     Returns:
         ``(pair_input int32 [P], pair_output int32 [P], offset_starts)``: offset ``k < centre`` pairs
@@ -96,6 +116,8 @@ def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: 
     """
     count = sorted_rows.shape[0]
     centre = deltas.shape[0]
+    if not compiled_kernel(4 * count * (2 * centre + 1), compiled):
+        return _submanifold_pairs_twin(sorted_keys, sorted_rows, deltas)
     firsts = np.arange(0, centre, max(1, run_length), dtype=np.int64)
     widths = np.minimum(max(1, run_length), centre - firsts)
     chunks = max(1, -(-count // _CHUNK))
@@ -123,20 +145,41 @@ def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: 
     return pair_input, pair_output, tuple(starts.tolist())
 
 
-def strided_candidates(indices: np.ndarray, geometry: Any,
-                       output_spatial_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+def _submanifold_pairs_twin(sorted_keys: np.ndarray, sorted_rows: np.ndarray,
+                            deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """`submanifold_pairs` in NumPy (the same arrays): one binary search of every key plus every delta."""
+    keys, rows = sorted_keys[:-1], sorted_rows.astype(np.int32)
+    queries = deltas.astype(np.int64)[:, None] + keys[None, :]  # [centre, N], key order along each offset
+    position = np.searchsorted(sorted_keys, queries)  # the sentinel is above every query
+    found = sorted_keys[position] == queries
+    offsets, columns = np.nonzero(found)  # grouped by offset, keys ascending within each
+    before_input, before_output = rows[position[offsets, columns]], rows[columns]
+    counts = np.count_nonzero(found, axis=1).tolist()
+    before_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    identity = np.arange(keys.shape[0], dtype=np.int32)
+    mirrored = [slice(int(before_starts[k]), int(before_starts[k + 1])) for k in range(len(counts) - 1, -1, -1)]
+    pair_input = np.concatenate([before_input, identity, *[before_output[part] for part in mirrored]])
+    pair_output = np.concatenate([before_output, identity, *[before_input[part] for part in mirrored]])
+    sizes = counts + [keys.shape[0]] + counts[::-1]
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    return pair_input, pair_output, tuple(starts.tolist())
+
+
+def strided_candidates(indices: np.ndarray, geometry: Any, output_spatial_shape: tuple[int, ...],
+                       compiled: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """Every (input row, output key) pair of a regular or transposed layer, grouped by offset.
 
     Args:
         indices: integer ``[N, 1 + D]`` sites in range.
         geometry: the layer's `ConvGeometry` (kind ``"regular"`` or ``"transposed"``).
         output_spatial_shape: the output grid.
+        compiled: the compiled kernels or the NumPy twin (default: `compiled_kernel` of the work).
 
     Returns:
         ``(input_rows int32 [P], keys int64 [P], offset_starts)``: keys pack ``(batch, output
         coordinates)`` row-major over the output grid (no margin); rows ascend within each offset.
     """
-    sources = _sources()
     ndim = geometry.ndim
     sites = np.ascontiguousarray(indices, dtype=np.int32)
     kernel_indices = np.ascontiguousarray(geometry.kernel_offsets(), dtype=np.int64).reshape(-1, ndim)
@@ -149,6 +192,10 @@ def strided_candidates(indices: np.ndarray, geometry: Any,
     work = 4 * sites.shape[0] * kernel_indices.shape[0]
     # output coordinates fit int32 (the builder checks the output grid)
     outputs = np.empty((ndim, int(kernel_size.max(initial=0)), sites.shape[0]), dtype=np.int32)
+    if not compiled_kernel(work, compiled):
+        _axis_outputs(sites, geometry, output_spatial_shape, outputs)
+        return _strided_candidates_twin(sites, outputs, kernel_indices, strides)
+    sources = _sources()
     if sites.shape[0] and int(in_shape.max()) <= max(_TABLE_MIN_EXTENT, 4 * sites.shape[0]):
         # one table entry per grid coordinate the sites reach: the divisions done once per coordinate
         tables = np.empty((ndim, outputs.shape[1], int(in_shape.max())), dtype=np.int32)
@@ -171,6 +218,22 @@ def strided_candidates(indices: np.ndarray, geometry: Any,
             sources.strided_fill(np.ascontiguousarray(sites[:, 0]), outputs, kernel_indices, starts, strides,
                                  input_rows, keys, lanes)
     return input_rows, keys, tuple(starts.tolist())
+
+
+def _strided_candidates_twin(sites: np.ndarray, outputs: np.ndarray, kernel_indices: np.ndarray,
+                             strides: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """The candidates of `strided_candidates` in NumPy (the same arrays), from ``outputs`` (`_axis_outputs`)."""
+    ndim = outputs.shape[0]
+    # [K, N] output coordinates per axis: -1 where the site has no output through the offset
+    coordinates = [outputs[axis][kernel_indices[:, axis]] for axis in range(ndim)]
+    valid = np.logical_and.reduce([column >= 0 for column in coordinates])
+    offsets, rows = np.nonzero(valid)  # grouped by offset, rows ascending within each
+    keys = sites[rows, 0].astype(np.int64) * strides[0]
+    for axis, column in enumerate(coordinates):
+        keys += column[offsets, rows].astype(np.int64) * strides[axis + 1]
+    starts = np.zeros(kernel_indices.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.count_nonzero(valid, axis=1), out=starts[1:])
+    return rows.astype(np.int32), keys, tuple(starts.tolist())
 
 
 def _axis_outputs(sites: np.ndarray, geometry: Any, output_spatial_shape: tuple[int, ...],

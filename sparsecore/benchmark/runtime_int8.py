@@ -12,6 +12,7 @@ dequantized by ``ScatterDense``).
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,12 +36,14 @@ def _converted(net: Any, example: Any, bev_shape: tuple[int, ...]) -> Any:
 
     mapping = spconvq.get_default_spconv_qconfig_mapping(False)
     backend = spconvq.get_spconv_backend_config()
-    prepared = qfx.prepare_fx(Traceable().eval(), mapping, (), backend_config=backend,
-                              prepare_custom_config=spconvq.get_spconv_prepare_custom_config())
-    with torch.no_grad():
-        prepared(example)  # calibration: the scan itself
-    spconvq.prepare_spconv_torch_inference(True)
-    converted = qfx.convert_fx(prepared, qconfig_mapping=mapping, backend_config=backend)
+    with warnings.catch_warnings():  # torch marks these two calls of ours deprecated (the fx workflow): that alone
+        warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated", category=DeprecationWarning)
+        prepared = qfx.prepare_fx(Traceable().eval(), mapping, (), backend_config=backend,
+                                  prepare_custom_config=spconvq.get_spconv_prepare_custom_config())
+        with torch.no_grad():
+            prepared(example)  # calibration: the scan itself
+        spconvq.prepare_spconv_torch_inference(True)
+        converted = qfx.convert_fx(prepared, qconfig_mapping=mapping, backend_config=backend)
     return spconvq.remove_conv_add_dq(spconvq.transform_qdq(converted))
 
 

@@ -17,6 +17,7 @@ from ..conv import SparseConvolution
 from ..layer import convolve, layer_indice_data
 from ..tensor import SparseConvTensor
 from .utils import layer_indice_key
+from ._torch_notices import torch_notices_silenced
 
 __all__ = ["conv_with_weight", "int8_conv", "int8_features", "quantized_features", "check_int8_input"]
 
@@ -60,7 +61,8 @@ def check_int8_input(layer: str, input: SparseConvTensor, values: torch.Tensor, 
 
 def quantized_features(values: torch.Tensor, scale: float) -> torch.Tensor:
     """int8 storage ``values`` with ``scale`` as a ``torch.qint8`` tensor (zero point 0)."""
-    return torch._make_per_tensor_quantized_tensor(values, float(scale), 0)
+    with torch_notices_silenced():
+        return torch._make_per_tensor_quantized_tensor(values, float(scale), 0)
 
 
 def int8_conv(layer: SparseConvolution, input: SparseConvTensor, weight_int8: torch.Tensor,

@@ -23,6 +23,7 @@ from ..tensor import SparseConvTensor
 from . import intrinsic as fused
 from .quantized import conv as quantized
 from .quantized.reference import SpConv
+from ._torch_notices import torch_notices_silenced
 
 __all__ = ["quantize_per_tensor", "quantized_add", "quantized_add_relu", "transform_qdq", "remove_conv_add_dq",
            "is_dequantize_node", "is_quantize_node", "modules_in_graph"]
@@ -63,7 +64,8 @@ def quantize_per_tensor(value: Union[Quantizable, Sequence[Quantizable]], scale:
     if value.is_quantized:
         raise TypeError("quantize_per_tensor got an already quantized tensor (an int8 tensor into a float "
                         "quantize node): dequantize it first")
-    return torch.quantize_per_tensor(value, float(scale), int(zero_point), dtype)
+    with torch_notices_silenced():
+        return torch.quantize_per_tensor(value, float(scale), int(zero_point), dtype)
 
 
 def _features_and_scale(value: Quantizable, name: str) -> tuple[torch.Tensor, float]:
@@ -82,7 +84,8 @@ def _quantized_add(x: Quantizable, y: Quantizable, scale: Any, zero_point: Any, 
     if relu:
         total = torch.relu(total)
     values = torch.clamp(torch.round(total / torch.tensor(float(scale), dtype=torch.float32)), -128, 127)
-    out = torch._make_per_tensor_quantized_tensor(values.to(torch.int8), float(scale), int(zero_point))
+    with torch_notices_silenced():
+        out = torch._make_per_tensor_quantized_tensor(values.to(torch.int8), float(scale), int(zero_point))
     base = x if isinstance(x, SparseConvTensor) else y
     return base.replace_feature(out) if isinstance(base, SparseConvTensor) else out
 

@@ -25,6 +25,7 @@ from ...tensor import SparseConvTensor
 from .._functional import check_int8_input, int8_conv, int8_features, quantized_features
 from ..utils import layer_indice_key
 from .reference import SpConv, quantize_weight_per_channel
+from .._torch_notices import torch_notices_silenced
 
 __all__ = ["SparseConv", "SparseConvReLU", "SparseConvAddReLU", "QuantizedSparseMaxPool",
            "LinearPerChannelWeight", "LinearPerChannelWeightReLU"]
@@ -73,8 +74,9 @@ class SparseConv(SparseModule):
     def weight(self) -> torch.Tensor:
         """The weight as a per-channel ``torch.qint8`` tensor ``[out, *kernel, in // groups]``."""
         zero_points = torch.zeros(self.out_channels, dtype=torch.int64, device=self.weight_int8.device)
-        return torch._make_per_channel_quantized_tensor(self.weight_int8, self.weight_scales.double(),
-                                                        zero_points, 0)
+        with torch_notices_silenced():
+            return torch._make_per_channel_quantized_tensor(self.weight_int8, self.weight_scales.double(),
+                                                            zero_points, 0)
 
     def bias(self) -> Optional[torch.Tensor]:
         """The float32 bias ``[out]`` (None without one)."""

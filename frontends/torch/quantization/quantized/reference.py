@@ -17,6 +17,7 @@ from ...conv import SparseConvolution
 from ...tensor import SparseConvTensor
 from .._functional import conv_with_weight
 from ..utils import clone_sparse_conv, effective_weight
+from .._torch_notices import torch_notices_silenced
 
 __all__ = ["SpConv", "quantize_weight_per_channel"]
 
@@ -76,8 +77,9 @@ class SpConv(SparseConvolution):
     def get_quantized_weight(self) -> torch.Tensor:
         """The weight as a per-channel ``torch.qint8`` tensor (axis 0, zero points 0)."""
         zero_points = torch.zeros(self.out_channels, dtype=torch.int64, device=self.weight.device)
-        return torch.quantize_per_channel(self.weight.detach().float(), self.weight_scale.double(), zero_points,
-                                          0, torch.qint8)
+        with torch_notices_silenced():
+            return torch.quantize_per_channel(self.weight.detach().float(), self.weight_scale.double(),
+                                              zero_points, 0, torch.qint8)
 
     def get_weight(self) -> torch.Tensor:
         """The int8-rounded weight in float (``dequantize(quantize(w))``)."""
