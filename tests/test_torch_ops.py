@@ -245,12 +245,13 @@ def test_ops_convert_no_neighbour_tensor_of_the_library(monkeypatch):
 
     rng, indices = _sites(10)
     features = torch.from_numpy(do.random_features(rng, indices.shape[0], 4))
-    down = spconv.SparseConv3d(4, 4, 3, 2, 1, indice_key="d")
+    down = spconv.SparseConv3d(4, 4, 3, 2, 1, indice_key="d").double()
     viewed = []
     view = _op_table.core_float_view
     monkeypatch.setattr(_op_table, "core_float_view", lambda tensor, name: viewed.append(name) or view(tensor, name))
     x = _tensor(features.clone().requires_grad_(), indices)
-    y = spconv.SparseInverseConv3d(4, 2, 3, indice_key="d")(spconv.SparseMaxPool(3, 3, subm=True)(down(x)))
+    inverse = spconv.SparseInverseConv3d(4, 2, 3, indice_key="d").double()
+    y = inverse(spconv.SparseMaxPool(3, 3, subm=True)(down(x)))
     y.features.sum().backward()
     assert viewed and not {"output_neighbours", "input_neighbours"} & set(viewed), viewed
 
