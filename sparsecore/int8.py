@@ -59,6 +59,7 @@ from .int8_scales import (
     requant_parameters,
 )
 from .rulebook import PairMap, Rulebook
+from .threads import serialised_kernels
 
 __all__ = [
     "quantize",
@@ -175,7 +176,8 @@ def int8_conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap, 
         output_scale=None if output_scale is None else as_scale(output_scale, "output_scale"),
     )
     if isinstance(backend, NumpyBackend):  # the compiled int8 kernel or the exact float32 pass, by layer
-        return int8_conv_on_cpu(backend, features, weight, rulebook, groups, epilogue)
+        with serialised_kernels(features):  # numba's workqueue layer: one thread at a time (sparsecore.threads)
+            return int8_conv_on_cpu(backend, features, weight, rulebook, groups, epilogue)
     return backend.int8_conv_pairs(features, weight, rulebook.pair_input, rulebook.pair_output,
                                    tuple(rulebook.offset_starts), rulebook.num_output,
                                    rulebook.identity_offset, groups, epilogue)
@@ -216,5 +218,6 @@ def int8_max_pool_forward(features: Any, rulebook: Rulebook | PairMap, *,
     check_same_device(features=features, indices=rulebook.pair_input)
     backend = backend if backend is not None else backend_for(features)
     check_padded_pairs(rulebook, backend)
-    return backend.int8_max_pool_pairs(backend.xp.ascontiguousarray(features), rulebook.pair_input,
-                                       rulebook.pair_output, tuple(rulebook.offset_starts), rulebook.num_output)
+    with serialised_kernels(features):
+        return backend.int8_max_pool_pairs(backend.xp.ascontiguousarray(features), rulebook.pair_input,
+                                           rulebook.pair_output, tuple(rulebook.offset_starts), rulebook.num_output)

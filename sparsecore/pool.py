@@ -24,6 +24,7 @@ from ._rulebook_views import index_rows, map_view, pair_view, refuse_bfloat16, r
 from .backends import ArrayBackend, backend_for
 from .neighbour_map import NeighbourMap
 from .rulebook import PairMap, Rulebook
+from .threads import serialised_kernels
 
 __all__ = [
     "max_pool_forward",
@@ -89,7 +90,8 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap | NeighbourMap,
     backend, source, view = _pass_operands(features, rulebook, backend, "forward")
     if runs_fused_passes(backend):
         return backend.fused_passes.max_pool_forward(source, view)
-    return backend.max_pool_pairs(source, *view, rulebook.num_output)
+    with serialised_kernels(source):  # numba's workqueue layer: one thread at a time (sparsecore.threads)
+        return backend.max_pool_pairs(source, *view, rulebook.num_output)
 
 
 def _scatter_by_argmax(grad_output: Any, argmax: Any, num_input: int, backend: ArrayBackend) -> Any:
@@ -143,8 +145,9 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
         refuse_bfloat16(grad_output=grad_output)
         rulebook = pair_view(rulebook)
         check_padded_pairs(rulebook, backend)
-        return backend.max_pool_backward_pairs(grad_output, argmax, rulebook.pair_input, rulebook.pair_output,
-                                               tuple(rulebook.offset_starts), num_input)
+        with serialised_kernels(grad_output):
+            return backend.max_pool_backward_pairs(grad_output, argmax, rulebook.pair_input, rulebook.pair_output,
+                                                   tuple(rulebook.offset_starts), num_input)
     if argmax.size and (int(argmax.max()) >= num_input or int(argmax.min()) < -1):
         raise ValueError(
             f"argmax holds rows from {int(argmax.min())} to {int(argmax.max())}, but there are "
@@ -175,7 +178,8 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap | NeighbourMap,
     backend, source, view = _pass_operands(features, rulebook, backend, "forward")
     if runs_fused_passes(backend):
         return backend.fused_passes.avg_pool_forward(source, view)
-    return backend.avg_pool_pairs(source, *view, rulebook.num_output)
+    with serialised_kernels(source):
+        return backend.avg_pool_pairs(source, *view, rulebook.num_output)
 
 
 def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap | NeighbourMap, *,
@@ -193,7 +197,8 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap | Neighbour
     backend, source, view = _pass_operands(grad_output, rulebook, backend, "backward")
     if runs_fused_passes(backend):
         return backend.fused_passes.avg_pool_backward(source, view)
-    return backend.avg_pool_backward_pairs(source, *view, rulebook.num_input)
+    with serialised_kernels(source):
+        return backend.avg_pool_backward_pairs(source, *view, rulebook.num_input)
 
 
 def _batch_rows(indices: Any, batch_size: int, num_rows: int) -> tuple[Any, list[Any]]:

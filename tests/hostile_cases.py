@@ -75,15 +75,26 @@ def run_threads(spec):
             out = session.run(data["features"], data["indices"], 2, (9, 11, 7)).sparse
             results.append(bool(np.array_equal(out.features, first.features)
                                 and np.array_equal(out.indices, first.indices)))
-    geometry = sc.ConvGeometry.create(3, 3, 2, 1, kind="regular")  # the core's entry points, without a session
-    weight = np.random.default_rng(3131).standard_normal((6, 3, 3, 3, 4)).astype(np.float32)
-    features = data["features"].astype(np.float32)
-    single = sc.conv_forward(features, weight, sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry))
+    # the core's entry points without a session, on a cloud large enough for the compiled (numba) passes
+    generator = np.random.default_rng(3131)
+    grid = (40, 40, 40)
+    cells = generator.choice(2 * 40 ** 3, size=30000, replace=False)
+    sites = np.stack(np.unravel_index(cells, (2, *grid)), axis=1).astype(np.int32)
+    geometry = sc.ConvGeometry.create(3, 3, 2, 1, kind="regular")
+    weight = generator.standard_normal((16, 3, 3, 3, 16)).astype(np.float32)
+    features = generator.standard_normal((len(sites), 16)).astype(np.float32)
+
+    def core_once():
+        rulebook = sc.build_rulebook(sites, grid, 2, geometry)
+        out = sc.conv_forward(features, weight, rulebook)
+        inverse = sc.inverse_rulebook(rulebook)  # the output sites pooled back onto the input sites
+        pooled, argmax = sc.max_pool_forward(out, inverse)
+        return out, pooled, sc.max_pool_backward(pooled, argmax, rulebook.num_output, rulebook=inverse)
+    single = core_once()
 
     def core():
         for _ in range(4):
-            rulebook = sc.build_rulebook(data["indices"], (9, 11, 7), 2, geometry)
-            results.append(bool(np.array_equal(sc.conv_forward(features, weight, rulebook), single)))
+            results.append(all(bool(np.array_equal(a, b)) for a, b in zip(core_once(), single)))
     threads = [threading.Thread(target=work) for _ in range(4)] + [threading.Thread(target=core) for _ in range(2)]
     for thread in threads:
         thread.start()
