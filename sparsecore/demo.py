@@ -312,6 +312,11 @@ def _jax_demo(argv: Sequence[str] | None) -> int:
 
     try:
         module = importlib.import_module("sparsecore.jax.demo")
+    except ModuleNotFoundError as error:
+        if error.name != "jax":
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except ImportError as error:
         print(f"The JAX path of the demo is not available in this build ({error}). Run it with "
               "--frontend torch (the default).", file=sys.stderr)

@@ -57,25 +57,29 @@ def test_kernel_sources_and_benchmark_packages_import_no_framework() -> None:
     assert loaded == "", f"imported: {loaded}"
 
 
-# A process where torch is not installed: a meta-path finder answers "no such module" for it first.
-_WITHOUT_TORCH = textwrap.dedent(
+# A process where a framework is not installed: a meta-path finder answers "no such module" for it first.
+_WITHOUT = textwrap.dedent(
     """
     import sys
 
-    class NoTorch:
+    class Missing:
         def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
+            if name == MISSING or name.startswith(MISSING + "."):
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
 
-    sys.meta_path.insert(0, NoTorch())
+    sys.meta_path.insert(0, Missing())
     """
 )
 
 
+def _without(framework: str, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", f"MISSING = {framework!r}\n" + _WITHOUT + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=120)
+
+
 def _without_torch(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+    return _without("torch", code)
 
 
 def test_import_sparsecore_torch_without_torch_names_the_extra() -> None:
@@ -104,6 +108,38 @@ def test_the_demo_without_torch_names_the_extra_in_one_line() -> None:
     message = completed.stderr.strip()
     assert "Traceback" not in message and message.count("\n") == 0, message
     assert message.startswith("error: ") and "pip install 'sparsecore[torch]'" in message, message
+
+
+def test_import_sparsecore_jax_without_jax_names_the_extra() -> None:
+    completed = _without(
+        "jax",
+        """
+        try:
+            import sparsecore.jax
+        except ModuleNotFoundError as error:
+            assert error.name == "jax", error.name
+            print("MESSAGE:" + str(error))
+        """
+    )
+    assert completed.returncode == 0, completed.stderr
+    message = completed.stdout.split("MESSAGE:", 1)[1]
+    assert "pip install 'sparsecore[jax]'" in message and "JAX" in message, message
+
+
+def test_the_jax_demo_without_jax_names_the_extra_in_one_line() -> None:
+    completed = _without(
+        "jax",
+        """
+        import sys
+        import runpy
+        sys.argv = ["demo", "--frontend", "jax"]
+        runpy.run_module("sparsecore.demo", run_name="__main__")
+        """
+    )
+    assert completed.returncode == 2, completed.stderr
+    message = completed.stderr.strip()
+    assert "Traceback" not in message and message.count("\n") == 0, message
+    assert message.startswith("error: ") and "pip install 'sparsecore[jax]'" in message, message
 
 
 def test_without_torch_the_core_still_convolves() -> None:

@@ -24,6 +24,18 @@ See docs/jax.md.
 
 from __future__ import annotations
 
+try:
+    import jax as _jax  # a missing jax is named here, not deep in a submodule
+
+    del _jax
+except ModuleNotFoundError as _missing:
+    if _missing.name != "jax":
+        raise
+    raise ModuleNotFoundError(
+        "sparsecore.jax is the JAX frontend and needs JAX, which is not installed here; install it with "
+        "pip install 'sparsecore[jax]' (or see https://docs.jax.dev for a GPU build). The core, sparsecore, "
+        "runs without it (NumPy arrays)", name="jax") from None
+
 from .buckets import Buckets, CapacityError, CapacityPolicy, Fixed
 from .functional import (
     conv_transpose,

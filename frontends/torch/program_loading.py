@@ -16,7 +16,10 @@ first, and hands torch only an archive where none of those paths can run:
 - the example inputs load under ``torch.load(weights_only=True)``, so torch's
   fallback never runs (a `SparseConvTensor` is an allowed global once
   ``sparsecore.torch`` is imported);
-- the members add up to at most ``max_bytes`` once uncompressed.
+- the members add up to at most ``max_bytes`` once uncompressed;
+- once loaded, the graph's sparsecore ops agree with each other and with the
+  weights the file stores (`program_checks.check_program`): an edited kernel
+  size is refused here, not after a rulebook of its size was built.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import zipfile
 from typing import Union
 
 import torch
+
+from .program_checks import check_program
 
 __all__ = ["load_program"]
 
@@ -90,7 +95,8 @@ def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32) -> to
 
     Raises:
         ValueError: the file is larger than ``max_bytes``, not a ``.pt2`` archive, or holds a member
-            that would be unpickled without restriction (the message names it).
+            that would be unpickled without restriction (the message names it), or its graph's
+            sparsecore ops disagree with each other or with the stored weights (naming the node).
     """
     shown = os.fspath(path)
     size = os.path.getsize(path)
@@ -125,4 +131,6 @@ def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32) -> to
             except Exception as error:  # noqa: BLE001 - any failure of the restricted load refuses the file
                 raise _refuse(shown, f"holds example inputs ({name}) that torch.load(weights_only=True) refuses "
                               f"({_reason(error)})") from None
-    return torch.export.load(io.BytesIO(data))
+    program = torch.export.load(io.BytesIO(data))
+    check_program(program, shown)
+    return program
