@@ -7,10 +7,18 @@ the output's active sites, which themselves come from the dense op on the
 occupancy mask. Covers 1-3 spatial axes, odd / even / anisotropic kernels,
 strides, paddings, dilations, output padding, groups, batches, empty inputs,
 and `jax.test_util.check_grads` on every op.
+
+Every case runs on "jnp" and "callback"; the two emulated GPU branches of the
+callback run a covering subset (`DEVICE_CONV_CASES`, `DEVICE_POOL_CASES`: every
+kind, dimensionality, groups, dilation, output padding and an empty input on
+each, checked by `test_device_subsets_cover_every_class`). A case's inputs and
+its dense oracle's value and gradients are computed once (`_conv_expected`,
+`_pool_expected`) and shared by its impls.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -201,21 +209,30 @@ def _prepare_conv(case, seed):
     return x, indices, features, out_sites, weight, bias, oracle
 
 
-def _check_layer(x, n_in, out_sites, layer, oracle, weight, bias, features, rng, args_for_grad):
-    """Runs ``layer`` jitted with value_and_grad and compares it with the dense oracle."""
-    x = x.with_plan(sj.plan(layer, x, weight, bias))  # eager geometry, no arithmetic
-    shape = jax.eval_shape(layer, x, weight, bias)
-    out_name = shape.sites_name
-    np.testing.assert_array_equal(x.plan.site(out_name).numpy_indices(), out_sites)
-    cotangent = random_features(rng, out_sites.shape[0], shape.features.shape[1])
-    padded_cotangent = jnp.zeros(shape.features.shape).at[: out_sites.shape[0]].set(cotangent)
+@dataclass(frozen=True)
+class Expected:
+    """One case's inputs and its dense float64 oracle, shared by the impls that run the case.
 
-    def sparse_loss(f, w, b):
-        out = layer(x.replace(f), w, b).features
-        return jnp.vdot(out, padded_cotangent), out
+    ``x`` holds the layer's input (no plan yet); ``n_in`` its true rows; ``out_sites`` the oracle's output
+    sites; ``cotangent`` ``[len(out_sites), C_out]`` the loss weights; ``value``, ``out`` and ``grads`` the
+    dense loss, its output rows and its gradients with respect to ``argnums`` of (features, weight, bias).
+    """
 
-    (value, out), grads = jax.jit(jax.value_and_grad(sparse_loss, argnums=args_for_grad, has_aux=True))(
-        x.features, weight, bias)
+    x: object
+    n_in: int
+    out_sites: np.ndarray
+    weight: object
+    bias: object
+    argnums: tuple
+    cotangent: np.ndarray
+    value: float
+    out: np.ndarray
+    grads: tuple
+
+
+def _dense_expected(x, features, out_sites, oracle, weight, bias, rng, channels, argnums):
+    """Runs the dense oracle once, jitted with value_and_grad on JAX's CPU device: an `Expected`."""
+    cotangent = random_features(rng, out_sites.shape[0], channels)
 
     def dense_loss(f, w, b):
         out = oracle(f, w, b)
@@ -226,27 +243,71 @@ def _check_layer(x, n_in, out_sites, layer, oracle, weight, bias, features, rng,
     cpu = jax.devices("cpu")[0]
     on_cpu = jax.device_put((np.asarray(features), weight, bias), cpu)
     with jax.default_device(cpu):
-        (expected_value, expected_out), expected = jax.jit(
-            jax.value_and_grad(dense_loss, argnums=args_for_grad, has_aux=True))(*on_cpu)
-    np.testing.assert_allclose(np.asarray(out[: out_sites.shape[0]]), np.asarray(expected_out), **TOL)
+        (value, out), grads = jax.jit(jax.value_and_grad(dense_loss, argnums=argnums, has_aux=True))(*on_cpu)
+    return Expected(x, int(features.shape[0]), out_sites, weight, bias, argnums, cotangent, float(value),
+                    np.asarray(out), tuple(np.asarray(g) for g in grads))
+
+
+def _check_layer(layer, expected):
+    """Runs ``layer`` jitted with value_and_grad and compares it with the dense oracle's `Expected`."""
+    x, weight, bias, out_sites, n_in = expected.x, expected.weight, expected.bias, expected.out_sites, expected.n_in
+    x = x.with_plan(sj.plan(layer, x, weight, bias))  # eager geometry, no arithmetic
+    shape = jax.eval_shape(layer, x, weight, bias)
+    out_name = shape.sites_name
+    np.testing.assert_array_equal(x.plan.site(out_name).numpy_indices(), out_sites)
+    assert shape.features.shape[1] == expected.cotangent.shape[1], (shape.features.shape, expected.cotangent.shape)
+    padded_cotangent = jnp.zeros(shape.features.shape).at[: out_sites.shape[0]].set(expected.cotangent)
+
+    def sparse_loss(f, w, b):
+        out = layer(x.replace(f), w, b).features
+        return jnp.vdot(out, padded_cotangent), out
+
+    (value, out), grads = jax.jit(jax.value_and_grad(sparse_loss, argnums=expected.argnums, has_aux=True))(
+        x.features, weight, bias)
+    np.testing.assert_allclose(np.asarray(out[: out_sites.shape[0]]), expected.out, **TOL)
     assert not np.any(np.asarray(out[out_sites.shape[0]:])), "padding rows must be zero"
-    np.testing.assert_allclose(float(value), float(expected_value), **TOL)
-    np.testing.assert_allclose(np.asarray(grads[0][:n_in]), np.asarray(expected[0]), **TOL)
+    np.testing.assert_allclose(float(value), expected.value, **TOL)
+    np.testing.assert_allclose(np.asarray(grads[0][:n_in]), expected.grads[0], **TOL)
     assert not np.any(np.asarray(grads[0][n_in:])), "padding rows get no gradient"
-    for got, want in zip(grads[1:], expected[1:]):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+    assert len(grads) == len(expected.grads)
+    for got, want in zip(grads[1:], expected.grads[1:]):
+        np.testing.assert_allclose(np.asarray(got), want, **TOL)
 
 
-@pytest.mark.parametrize("impl", ORACLE_IMPLS)
-@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: c.name)
-def test_conv_matches_dense(case, impl, monkeypatch):
-    impl = _use_impl(impl, monkeypatch)
+def _impl_cases(cases, device_cases):
+    """(case, impl) pairs: every case on `IMPLS`, the named subset on each emulated GPU branch."""
+    by_name = {case.name: case for case in cases}
+    pairs = [pytest.param(case, impl, id=f"{case.name}-{impl}") for case in cases for impl in IMPLS]
+    for impl, names in device_cases.items():
+        pairs += [pytest.param(by_name[name], impl, id=f"{name}-{impl}") for name in names]
+    return pairs
+
+
+# The emulated GPU branches run these cases: on each, every kind (subm, regular, transposed, inverse), every
+# dimensionality, groups, dilation, output padding, an even kernel and an empty input.
+DEVICE_CONV_CASES = {
+    "callback-device": ["1d-transposed-k4s3p1op2", "2d-regular-k3d2g2", "2d-inverse-k2s2g2", "3d-subm-k3",
+                        "3d-regular-empty"],
+    "callback-device-map": ["1d-subm-k5d2", "2d-transposed-k3s2p1op1g2", "3d-inverse-k3s2p1",
+                            "3d-regular-k(3,1,2)s(2,1,1)d(1,2,1)", "3d-subm-empty"],
+}
+
+
+@functools.cache
+def _conv_expected(name):
+    """The inputs and dense oracle of conv case ``name`` (computed once, shared by its impls)."""
+    case = next(case for case in CONV_CASES if case.name == name)
     seed = zlib.crc32(f"conv {case.name}".encode())
-    x, in_sites, features, out_sites, weight, bias, oracle = _prepare_conv(case, seed)
+    x, _, features, out_sites, weight, bias, oracle = _prepare_conv(case, seed)
     argnums = (0, 1, 2) if bias is not None else (0, 1)
-    layer = _sparse_layer(case, impl)
-    _check_layer(x, in_sites.shape[0], out_sites, layer, oracle, weight, bias, features,
-                 np.random.default_rng(seed + 1), argnums)
+    return _dense_expected(x, features, out_sites, oracle, weight, bias, np.random.default_rng(seed + 1), case.cout,
+                           argnums)
+
+
+@pytest.mark.parametrize("case, impl", _impl_cases(CONV_CASES, DEVICE_CONV_CASES))
+def test_conv_matches_dense(case, impl, monkeypatch):
+    expected = _conv_expected(case.name)  # before `_use_impl` patches anything
+    _check_layer(_sparse_layer(case, _use_impl(impl, monkeypatch)), expected)
 
 
 @dataclass(frozen=True)
@@ -314,19 +375,54 @@ def _prepare_pool(case, seed):
     return x, indices, features, out_sites, oracle
 
 
-@pytest.mark.parametrize("impl", ORACLE_IMPLS)
-@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: c.name)
-def test_pool_matches_dense(case, impl, monkeypatch):
-    impl = _use_impl(impl, monkeypatch)
+# On each emulated GPU branch: max and avg, each regular and submanifold, 1-3 axes, dilation, an empty input.
+DEVICE_POOL_CASES = {
+    "callback-device": ["1d-max-k3s1p1d2", "2d-avg-k3s2p1", "3d-max-subm-k3", "2d-avg-subm-k3d2", "3d-avg-empty"],
+    "callback-device-map": ["1d-avg-k2", "2d-max-k3s2p1", "3d-max-aniso", "2d-avg-subm-k3d2", "3d-max-subm-k3",
+                            "3d-max-empty"],
+}
+
+
+@functools.cache
+def _pool_expected(name):
+    """The inputs and dense oracle of pool case ``name`` (computed once, shared by its impls)."""
+    case = next(case for case in POOL_CASES if case.name == name)
     seed = zlib.crc32(f"pool {case.name}".encode())
-    x, indices, features, out_sites, oracle = _prepare_pool(case, seed)
+    x, _, features, out_sites, oracle = _prepare_pool(case, seed)
+    return _dense_expected(x, features, out_sites, oracle, None, None, np.random.default_rng(seed + 1),
+                           case.channels, (0,))
+
+
+@pytest.mark.parametrize("case, impl", _impl_cases(POOL_CASES, DEVICE_POOL_CASES))
+def test_pool_matches_dense(case, impl, monkeypatch):
+    expected = _pool_expected(case.name)  # before `_use_impl` patches anything
+    impl = _use_impl(impl, monkeypatch)
     run = sj.sparse_max_pool if case.which == "max" else sj.sparse_avg_pool
 
     def layer(t, w, b):
         return run(t, case.kernel, case.stride, case.padding, case.dilation, subm=case.subm, impl=impl)
 
-    _check_layer(x, indices.shape[0], out_sites, layer, oracle, None, None, features,
-                 np.random.default_rng(seed + 1), (0,))
+    _check_layer(layer, expected)
+
+
+def test_device_subsets_cover_every_class():
+    """Each emulated GPU branch runs every conv kind, 1-3 axes, groups, dilation, output padding, an even
+    kernel and an empty input, and every pool (max / avg, regular / submanifold) on 1-3 axes."""
+    conv_by_name = {case.name: case for case in CONV_CASES}
+    pool_by_name = {case.name: case for case in POOL_CASES}
+    assert sorted(DEVICE_CONV_CASES) == sorted(DEVICE_POOL_CASES) == sorted(set(ORACLE_IMPLS) - set(IMPLS))
+    for impl in DEVICE_CONV_CASES:
+        convs = [conv_by_name[name] for name in DEVICE_CONV_CASES[impl]]
+        assert {c.kind for c in convs} == {"subm", "regular", "transposed", "inverse"}, impl
+        assert {c.ndim for c in convs} == {1, 2, 3}, impl
+        assert any(c.groups > 1 for c in convs) and any(c.num == 0 for c in convs), impl
+        assert any(max(c.dilation) > 1 for c in convs) and any(max(c.output_padding) > 0 for c in convs), impl
+        assert any(any(k % 2 == 0 for k in c.kernel) for c in convs), impl
+        pools = [pool_by_name[name] for name in DEVICE_POOL_CASES[impl]]
+        assert {(p.which, p.subm) for p in pools} == {(w, s) for w in ("max", "avg") for s in (False, True)}, impl
+        assert {p.ndim for p in pools} == {1, 2, 3}, impl
+        assert any(p.num == 0 for p in pools) and any(as_tuple(p.dilation, p.ndim) != (1,) * p.ndim
+                                                      for p in pools), impl
 
 
 @pytest.mark.parametrize("which", ["max", "avg"])
