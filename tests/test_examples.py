@@ -87,9 +87,10 @@ def test_train_segmentation(framework: str, needs: tuple[str, ...], checkpoint: 
 
 def test_quantize_int8(tmp_path: Path) -> None:
     _needs("torch", "tqdm")  # it imports train_segmentation_torch, which shows a tqdm progress bar
-    out = _run([str(EXAMPLES / "quantize_int8.py"), "--epochs", "1", "--qat-epochs", "1", "--scenes", "2",
-                "--calib-scenes", "2", "--val-scenes", "1", "--points", "3000", "--timing-voxels", "5000",
-                "--timing-repeats", "1", "--out", str(tmp_path / "run")], tmp_path, timeout=600)
+    out = _run([str(EXAMPLES / "quantize_int8.py"), "--epochs", "1", "--qat-epochs", "1", "--scenes", "1",
+                "--calib-scenes", "1", "--val-scenes", "1", "--batch-size", "1", "--points", "1000",
+                "--timing-voxels", "1000", "--timing-repeats", "1", "--out", str(tmp_path / "run")], tmp_path,
+               timeout=600)
     assert "PTQ int8 val mIoU" in out and "QAT int8 val mIoU" in out and "reloaded: same logits" in out
     assert "int8 / float32" in out
     assert (tmp_path / "run" / "unet_int8.pt").is_file()
@@ -104,7 +105,7 @@ def test_demo_jax_frontend(tmp_path: Path) -> None:
 
 def test_deploy_onnx(tmp_path: Path) -> None:
     _needs("torch", "onnx")
-    out = _run([str(EXAMPLES / "deploy_onnx.py"), "--crop", "96", "--repeat", "1"], tmp_path)
+    out = _run([str(EXAMPLES / "deploy_onnx.py"), "--crop", "48", "--repeat", "1"], tmp_path)
     assert "torch/jax: none" in out and "runtime outputs match the torch models" in out
     assert out.count("SparseConvolution") >= 18 and "ScatterDense" in out and "Transpose" in out
 
