@@ -2,6 +2,8 @@
 
 No timing is asserted: only that every row is there, carries a sparsecore
 time, and (where spconv is importable) a spconv time and a passing check.
+The same run draws its ``--plot`` PNG (where matplotlib is installed), and
+its ``--json`` is plotted again with ``plots.plot_rows``.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ def _spconv_importable() -> bool:
 @pytest.mark.slow
 def test_cpu_benchmark_on_small_synthetic_scene(tmp_path: Path) -> None:
     json_path = tmp_path / "rows.json"
+    plot_path = tmp_path / "figures" / "cpu.png"  # a missing directory is created
+    plotting = importlib.util.find_spec("matplotlib") is not None
     completed = subprocess.run(
         [sys.executable, "-m", "sparsecore.benchmark", "cpu", "--synthetic", "--scale", "small",
-         "--repeat", "1", "--json", str(json_path)],
+         "--repeat", "1", "--json", str(json_path), *(["--plot", str(plot_path)] if plotting else [])],
         capture_output=True,
         text=True,
         timeout=600,
@@ -51,6 +55,17 @@ def test_cpu_benchmark_on_small_synthetic_scene(tmp_path: Path) -> None:
             assert row["ratio_spconv_over_sparsecore"] is not None
     else:
         assert all(row["spconv_ms"] is None for row in rows)
+    if plotting:
+        from sparsecore.benchmark.plots import load_rows, plot_rows
+
+        _assert_png(plot_path)
+        header, loaded = load_rows(json_path)
+        _assert_png(plot_rows("cpu", header, loaded, tmp_path / "replot.png"))
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 1000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_synthetic_scene_is_a_valid_sparse_input() -> None:

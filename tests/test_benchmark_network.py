@@ -5,7 +5,9 @@ sparsecore time and, where spconv is importable, that spconv agrees. The
 network's backward is checked against a directional derivative of its
 forward. The CUDA path of the suite (CUDA-event clock, device transfers,
 memory hook, the TF32 child process) is dry-run on a stand-in ``cupy``
-module that keeps NumPy arrays, so the core runs on its NumPy backend.
+module that keeps NumPy arrays, so the core runs on its NumPy backend. The
+CPU smoke run also draws its ``--plot`` PNG (where matplotlib is installed),
+and its ``--json`` is plotted again with ``plots.plot_rows``.
 """
 
 from __future__ import annotations
@@ -133,8 +135,11 @@ def test_time_limit_skips_the_cases_left() -> None:
 
 def test_network_benchmark_on_small_synthetic_scene_cpu(tmp_path: Path) -> None:
     json_path, markdown_path = tmp_path / "rows.json", tmp_path / "rows.md"
+    plot_path = tmp_path / "figures" / "network.png"  # a missing directory is created
+    plotting = importlib.util.find_spec("matplotlib") is not None
     completed = _run_benchmark(["network", "--device", "cpu", "--scale", "small", "--repeat", "1",
-                                "--json", str(json_path), "--markdown", str(markdown_path)])
+                                "--json", str(json_path), "--markdown", str(markdown_path),
+                                *(["--plot", str(plot_path)] if plotting else [])])
     assert completed.returncode == 0, completed.stdout + completed.stderr
     document = json.loads(json_path.read_text())
     rows = document["rows"]
@@ -159,6 +164,12 @@ def test_network_benchmark_on_small_synthetic_scene_cpu(tmp_path: Path) -> None:
         assert len(errors) == 4 and all(0 < error < 1e-3 for error in errors), note
     else:
         assert all(row["spconv_ms"] is None for row in rows)
+    if plotting:
+        from sparsecore.benchmark.plots import load_rows, plot_rows
+
+        for path in (plot_path, plot_rows("network", *load_rows(json_path), tmp_path / "replot.png")):
+            assert path.is_file() and path.stat().st_size > 1000
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 _STAND_IN_CUPY = '''

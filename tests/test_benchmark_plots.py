@@ -1,7 +1,9 @@
 """``--plot`` of the benchmark: the PNGs are written from the rows the tables print.
 
 No timing is asserted; the plots are only checked to exist as non-empty PNG
-files. The command-line runs are the small synthetic scenes (seconds each).
+files. The command line's ``--plot`` is run by the benchmarks' smoke runs
+(tests/test_benchmark.py, tests/test_benchmark_network.py), which also replot
+their JSON; here the plots are drawn from rows made in the test.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from sparsecore.benchmark import cases, report
 from sparsecore.benchmark.cases import Row
+from sparsecore.benchmark.network_suite import case_row_keys
+from sparsecore.benchmark.plots import load_rows, plot_rows
 
 pytest.importorskip("matplotlib")
 
@@ -20,37 +25,30 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _run_benchmark(arguments: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sparsecore.benchmark", *arguments], capture_output=True,
-                          text=True, timeout=120, cwd=REPOSITORY)
-
-
 def _assert_png(path: Path) -> None:
     assert path.is_file() and path.stat().st_size > 1000
     assert path.read_bytes()[:8] == PNG_SIGNATURE
 
 
-@pytest.mark.parametrize(
-    "arguments",
-    [
-        ["network", "--device", "cpu", "--scale", "small"],
-        ["cpu", "--synthetic", "--scale", "small", "--repeat", "1"],
-    ],
-    ids=["network", "cpu"],
-)
-def test_plot_option_writes_a_png(tmp_path: Path, arguments: list[str]) -> None:
-    plot_path = tmp_path / "figures" / "tmp.png"  # a missing directory is created
+@pytest.mark.parametrize("suite", ["cpu", "network"])
+def test_rows_read_back_from_json_plot_as_a_png(tmp_path: Path, suite: str) -> None:
+    """``load_rows`` reads what ``report.write_json`` wrote; ``plot_rows`` draws it (a missing folder is made).
+
+    The command line's ``--plot`` and a replot of a real run's JSON are exercised by the smoke runs of
+    tests/test_benchmark.py (cpu) and tests/test_benchmark_network.py (network).
+    """
+    if suite == "cpu":
+        keys = cases.expected_row_keys()
+    else:
+        keys = case_row_keys("synthetic float32", ("native",), layers=True)
+    rows = [Row(case, stage, 1.0 + index, None if index % 3 == 0 else 2.0 + index, "ok", [f"note {index}"])
+            for index, (case, stage) in enumerate(keys)]
+    header = {"date": "2026-12-05T00:00:00+00:00", "cpu": "test", "spconv": "compared"}
     json_path = tmp_path / "rows.json"
-    completed = _run_benchmark([*arguments, "--plot", str(plot_path), "--json", str(json_path)])
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    _assert_png(plot_path)
-
-    from sparsecore.benchmark.plots import load_rows, plot_rows
-
-    header, rows = load_rows(json_path)
-    replot = tmp_path / "replot.png"
-    plot_rows(arguments[0], header, rows, replot)
-    _assert_png(replot)
+    report.write_json(json_path, header, rows)
+    loaded_header, loaded = load_rows(json_path)
+    assert loaded_header == header and [row.as_dict() for row in loaded] == [row.as_dict() for row in rows]
+    _assert_png(plot_rows(suite, loaded_header, loaded, tmp_path / "figures" / f"{suite}.png"))
 
 
 def test_network_plot_of_several_cases_and_spconv_layer_times(tmp_path: Path) -> None:
