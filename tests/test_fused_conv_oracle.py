@@ -14,6 +14,8 @@ running without a single read back to the host.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -38,6 +40,21 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 CASES = (do.sample_cases("regular", 4, base_seed=6100) + do.sample_cases("subm", 4, base_seed=6200)
          + do.sample_cases("transposed", 4, base_seed=6300))
 INVERSE = do.sample_cases("regular", 3, base_seed=6400)
+# The 3-D inverse case (a 5x5x2 kernel: two mask words) on one batch instead of three: 195 sites, 4 row tiles.
+INVERSE[2] = dataclasses.replace(INVERSE[2], batch_size=1)
+
+# A covering design instead of every case in every dtype: each case runs one SIMT dtype (float32, float64)
+# and one tensor-core dtype (float16, bfloat16), so that every dtype meets every kind (regular, subm,
+# transposed, inverse), every dimensionality, groups, bias and two mask words (the 36- and 50-offset
+# kernels of CASES[2] and INVERSE[2]).
+_DESIGN = (("float32", "float16"), ("float64", "bfloat16"), ("float64", "float16"), ("float32", "bfloat16"),
+           ("float64", "bfloat16"), ("float32", "float16"), ("float32", "bfloat16"), ("float64", "float16"),
+           ("float32", "float16"), ("float64", "bfloat16"), ("float32", "bfloat16"), ("float64", "bfloat16"))
+_INVERSE_DESIGN = (("float64", "float16"), ("float32", "bfloat16"), ("float32", "bfloat16"))
+CASE_DTYPES = [pytest.param(case, dtype_name, id=f"{case}-{dtype_name}")
+               for case, dtypes in zip(CASES, _DESIGN) for dtype_name in dtypes]
+INVERSE_DTYPES = [pytest.param(case, dtype_name, id=f"{case}-{dtype_name}")
+                  for case, dtypes in zip(INVERSE, _INVERSE_DESIGN) for dtype_name in dtypes]
 
 
 def _geometry(case: do.ConvCase, kind: str | None = None) -> sc.ConvGeometry:
@@ -96,8 +113,21 @@ def _run_against_oracle(dtype_name: str, fn, features, weight, bias, grad_output
     _check(grad_weight, oracle.grad_weight, magnitude.grad_weight, dtype_name, "grad_weight")
 
 
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_dtype_design_covers_every_kind_dimensionality_groups_bias_and_two_mask_words():
+    runs = [(case, dtype_name) for case, dtypes in zip(CASES, _DESIGN) for dtype_name in dtypes]
+    inverse_runs = [(case, dtype_name) for case, dtypes in zip(INVERSE, _INVERSE_DESIGN) for dtype_name in dtypes]
+    for dtype_name in DTYPES:
+        met = {case.kind for case, name in runs if name == dtype_name}
+        met |= {"inverse" for _, name in inverse_runs if name == dtype_name}
+        assert met == {"regular", "subm", "transposed", "inverse"}, (dtype_name, met)
+        assert {case.ndim for case, name in runs if name == dtype_name} == {1, 2, 3}, dtype_name
+        assert any(case.groups > 1 for case, name in runs if name == dtype_name), dtype_name
+        assert any(case.seed % 2 for case, name in runs if name == dtype_name), dtype_name  # with a bias
+        assert any(int(np.prod(case.kernel_size)) > 32 for case, name in runs + inverse_runs
+                   if name == dtype_name), dtype_name
+
+
+@pytest.mark.parametrize("case, dtype_name", CASE_DTYPES)
 def test_conv_on_the_kernel_backend_against_the_dense_oracle(case, dtype_name):
     backend = emulated_backend()
     features, indices, weight = case.inputs()
@@ -110,8 +140,7 @@ def test_conv_on_the_kernel_backend_against_the_dense_oracle(case, dtype_name):
     _run_against_oracle(dtype_name, fn, features, weight, bias, grad_output, sites, rulebook, case.groups, backend)
 
 
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("case", INVERSE, ids=str)
+@pytest.mark.parametrize("case, dtype_name", INVERSE_DTYPES)
 def test_inverse_conv_on_the_kernel_backend_against_the_dense_oracle(case, dtype_name):
     backend = emulated_backend()
     _, indices, _ = case.inputs()
@@ -168,11 +197,12 @@ def test_feature_passes_read_nothing_back_and_derive_no_pairs():
     """Once a layer's rulebook exists, its conv and pool passes never wait for the device."""
     backend = device_arrays.device_backend(emulated_backend())
     rng = do.make_rng(6500)
-    indices = do.random_indices(rng, (10, 9, 8), 2, 0.3)
+    shape = (6, 6, 5)  # ~100 sites: two row tiles
+    indices = do.random_indices(rng, shape, 2, 0.3)
     device = device_arrays.to_device
-    subm = sc.build_rulebook(device(indices), (10, 9, 8), 2, sc.ConvGeometry.create(3, 3, kind="subm"),
+    subm = sc.build_rulebook(device(indices), shape, 2, sc.ConvGeometry.create(3, 3, kind="subm"),
                              backend=backend)
-    down = sc.build_pool_rulebook(device(indices), (10, 9, 8), 2, 2, backend=backend)
+    down = sc.build_pool_rulebook(device(indices), shape, 2, 2, backend=backend)
     features = device(rng.uniform(-1, 1, (indices.shape[0], 8)).astype(np.float32))
     weight = device(rng.uniform(-1, 1, (8, 3, 3, 3, 8)).astype(np.float32))
     with device_arrays.forbid_host_reads():

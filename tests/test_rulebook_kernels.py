@@ -8,6 +8,8 @@ The tests run twice (``kernel_path``): on the compiled kernels and on their NumP
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -86,10 +88,11 @@ def _assert_same_rulebook(actual, expected, what):
 
 @pytest.mark.parametrize("ndim,kernel,dilation", [(1, 5, 2), (2, 3, 1), (2, (5, 3), (1, 2)), (3, 3, 1), (3, 5, 1),
                                                   (3, (3, 1, 5), (2, 1, 1)), (4, 3, 1)])
-def test_fused_subm_pairs_equal_the_windowed_lookup(ndim, kernel, dilation):  # subm twin and kernel alike
+def test_fused_subm_pairs_equal_the_windowed_lookup(ndim, kernel, dilation, monkeypatch):  # twin and kernel alike
+    monkeypatch.setattr(_rulebook_kernels, "_CHUNK", 1024)  # work items of 1,024 keys instead of 16,384
     rng = np.random.default_rng(14_000 + ndim)
     shape = tuple(int(v) for v in rng.integers(4, 40 if ndim < 4 else 9, size=ndim))
-    indices = _scattered_sites(rng, shape, 3, 40_000)  # more sites than one work item (16,384 keys)
+    indices = _scattered_sites(rng, shape, 3, 4_000)  # more sites than one work item
     geometry = sc.ConvGeometry.create(ndim, kernel, dilation=dilation, kind="subm")
     fused = sc.build_rulebook(indices, shape, 3, geometry)
     generic = sc.build_rulebook(indices, shape, 3, geometry, backend=_WindowedLookupBackend())
@@ -98,17 +101,34 @@ def test_fused_subm_pairs_equal_the_windowed_lookup(ndim, kernel, dilation):  # 
 
 @pytest.mark.parametrize("kind,stride,padding", [("subm", 1, 0), ("regular", 2, 1), ("regular", (1, 3, 2), 0),
                                                   ("transposed", 2, 1)])
-def test_cpu_rulebooks_are_identical_at_every_thread_count(kind, stride, padding):
+def test_cpu_rulebooks_are_identical_at_every_thread_count(kind, stride, padding, kernel_path, monkeypatch):
+    # Thresholds lowered instead of a large cloud: every build runs on the pool (SERIAL_MAX_WORK), and the
+    # subm kernels split 2,500 sites into 10 work items of 256 keys (_CHUNK), several per thread.
+    monkeypatch.setattr(_cpu_kernels, "SERIAL_MAX_WORK", 0)
+    monkeypatch.setattr(_rulebook_kernels, "_CHUNK", 256)
     rng = np.random.default_rng(14_100)
-    shape = (30, 90, 80)
-    indices = _scattered_sites(rng, shape, 2, 50_000)
+    shape = (12, 30, 25)
+    indices = _scattered_sites(rng, shape, 2, 2_500)
     geometry = (sc.ConvGeometry.create(3, 3, kind="subm") if kind == "subm"
                 else sc.ConvGeometry.create(3, 3, stride, padding, kind=kind))
+    lanes = []  # the threads each compiled kernel was given
+    pooled = _rulebook_kernels.kernel_threads
+
+    @contextlib.contextmanager
+    def recorded(work):
+        with pooled(work) as count:
+            lanes.append(count)
+            yield count
+
+    monkeypatch.setattr(_rulebook_kernels, "kernel_threads", recorded)
     built = []
     counts = (1, 2)  # the pool may hold no more (SPARSECORE_NUM_THREADS); the work split is fixed anyway
     for threads in counts:
         with sc.num_threads(threads):
             built.append(sc.build_rulebook(indices, shape, 2, geometry))
+        if kernel_path == "compiled":
+            assert lanes and set(lanes) == {threads}, (threads, lanes)  # each kernel ran on the whole pool
+        lanes.clear()
     for threads, rulebook in zip(counts[1:], built[1:]):
         _assert_same_rulebook(rulebook, built[0], f"{threads} threads vs 1")
     naive = do.naive_rulebook(indices, shape, 2, kind, 3, stride, padding, 1, 0)
