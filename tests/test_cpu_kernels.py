@@ -68,10 +68,13 @@ def test_neighbour_table_empty():
     assert (table == -1).all()
 
 
-@pytest.mark.parametrize("specialised, groups, in_per_group, out_per_group",
-                         [(False, 2, 3, 5), (True, 2, 3, 5), (False, 1, 16, 32), (True, 4, 8, 4)],
-                         ids=["generic", "specialised", "generic16x32", "specialised4x8x4"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+# the generic kernel at both dtypes; each compiled-in shape at one dtype, both dtypes among them (a
+# specialisation is compiled per shape and dtype, and these shapes run nowhere else)
+@pytest.mark.parametrize("specialised, groups, in_per_group, out_per_group, dtype",
+                         [(False, 2, 3, 5, np.float32), (False, 2, 3, 5, np.float64), (True, 2, 3, 5, np.float64),
+                          (False, 1, 16, 32, np.float32), (False, 1, 16, 32, np.float64), (True, 4, 8, 4, np.float32)],
+                         ids=["generic-float32", "generic-float64", "specialised-float64", "generic16x32-float32",
+                              "generic16x32-float64", "specialised4x8x4-float32"])
 def test_accumulate_rows_against_pair_loop(specialised, groups, in_per_group, out_per_group, dtype, monkeypatch):
     if specialised:  # compile the channel counts in even for this small layer
         monkeypatch.setattr(_cpu_kernels, "SPECIALISE_MIN_PAIR_FLOPS", 0)
@@ -133,9 +136,17 @@ _LAYERS = [("subm", 5, 7, 1), ("regular", 6, 4, 2), ("subm", 4, 4, 4), ("subm", 
            ("subm", 16, 32, 1)]
 
 
-@pytest.mark.parametrize("dataflow, kind, channels_in, channels_out, groups",
-                         [(dataflow,) + layer for dataflow in ("fused", "tiled", "per_offset") for layer in _LAYERS
-                          if dataflow != "tiled" or layer[3] == 1])  # the tiled dataflow: ungrouped layers
+# the tiled dataflow (ungrouped layers) on both kernel paths; the fused and per-offset dataflows call no
+# tiled kernel (the path changes only how the rulebook is built, which test_rulebook_kernels checks both
+# ways): each layer on one path, the two paths alternating
+_PATHS = ("compiled", "numpy-twin")
+_DATAFLOW_CASES = ([("tiled", path) + layer for layer in _LAYERS if layer[3] == 1 for path in _PATHS]
+                   + [(dataflow, _PATHS[(index + shift) % 2]) + layer
+                      for shift, dataflow in enumerate(("fused", "per_offset")) for index, layer in enumerate(_LAYERS)])
+
+
+@pytest.mark.parametrize("dataflow, kernel_path, kind, channels_in, channels_out, groups", _DATAFLOW_CASES,
+                         indirect=["kernel_path"])
 def test_every_cpu_dataflow_matches_the_dense_oracle(dataflow, kind, channels_in, channels_out, groups, monkeypatch,
                                                     kernel_path):
     calls = []

@@ -12,11 +12,14 @@ whether a kernel was just compiled or loaded from the cache either.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -27,26 +30,32 @@ torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[1]
 
-SCRIPT = textwrap.dedent(
+SHAPE, BATCH = (6, 20, 20), 2
+
+SCRIPT = f"SHAPE, BATCH = {SHAPE}, {BATCH}\n" + textwrap.dedent(
     """
-    import json, sys
+    import sys
     import numpy as np
     import sparsecore as sc
-    from sparsecore.backends import _cpu_kernels
+    from sparsecore.backends import _cpu_kernels, numpy_backend
 
     _cpu_kernels.SERIAL_MAX_WORK = 0  # these small layers too run on every thread
     _cpu_kernels.TILE_ITEMS = 2  # and the tiled passes on many work items
     _cpu_kernels.SMALL_GEMM_WORK = 48 * 48 * 20  # with their GEMMs sliced (20 rows at 48 channels, 7 at 80)
     _cpu_kernels.SMALL_GEMM_MIN_ROWS = 1
+    # the size thresholds scaled down with this small cloud: each step takes the path it takes on 3,000
+    # sites of a 12 x 40 x 40 grid (compiled submanifold and strided pair kernels, compiled tiled passes at
+    # 16 channels and more, NumPy twins for the tile plans, the 4-channel tiled passes and the key sorts)
+    _cpu_kernels.NUMPY_MAX_WORK = 1 << 16
+    numpy_backend._RADIX_MIN_KEYS = 512
 
     rng = np.random.default_rng(20261202)
-    shape, batch, channels = (12, 40, 40), 2, 48  # 48: the tiled dataflow, forward and backward
-    cells = rng.choice(batch * int(np.prod(shape)), 3000, replace=False)
+    shape, batch, channels = SHAPE, BATCH, 48  # 48: the tiled dataflow, forward and backward
+    cells = rng.choice(batch * int(np.prod(shape)), 750, replace=False)  # 12 blocks of 64 rows
     indices = np.stack(np.unravel_index(cells, (batch,) + shape), 1).astype(np.int32)
     features = rng.standard_normal((len(indices), channels)).astype(np.float32)
-    out = {"indices": indices.tolist(), "features": features.tolist()}
     wide = rng.standard_normal((len(indices), 80)).astype(np.float32)
-    out["wide_features"] = wide.tolist()
+    out = {"indices": indices, "features": features, "wide_features": wide}
     narrow = np.ascontiguousarray(features[:, :16])  # 16 -> 16: tiled
     tiny = np.ascontiguousarray(features[:, :4])  # 4 -> 4: tiled too
     for name, kind, stride in (("subm", "subm", 1), ("regular", "regular", 2), ("wide", "subm", 1),
@@ -61,13 +70,11 @@ SCRIPT = textwrap.dedent(
         y = sc.conv_forward(source, weight, rulebook, groups=groups)
         grad = rng.standard_normal(y.shape).astype(np.float32)
         grad_features, grad_weight = sc.conv_backward(grad, source, weight, rulebook, groups=groups)
-        out[name] = {
-            "weight": weight.tolist(), "grad": grad.tolist(),
-            "sites": rulebook.output_indices.tolist(), "y": y.tolist(),
-            "grad_features": grad_features.tolist(), "grad_weight": grad_weight.tolist(),
-        }
-    out["threads"] = sc.get_num_threads()
-    json.dump(out, sys.stdout)
+        fields = dict(weight=weight, grad=grad, sites=rulebook.output_indices, y=y, grad_features=grad_features,
+                      grad_weight=grad_weight)
+        out.update({name + "." + field: value for field, value in fields.items()})
+    out["threads"] = np.array(sc.get_num_threads())
+    np.savez(sys.argv[1], **out)  # exact bits, and fast (JSON text of these arrays took seconds)
     """
 )
 
@@ -88,7 +95,6 @@ def _kernel_cache() -> str:
     items summed with other roundings when loaded from the cache than when just compiled)."""
     import atexit
     import shutil
-    import tempfile
 
     path = tempfile.mkdtemp(prefix="sparsecore-numba-cache-")
     atexit.register(shutil.rmtree, path, True)  # compiled kernels, a few MB: gone with the test process
@@ -97,29 +103,54 @@ def _kernel_cache() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _run(threads: int) -> dict:
+    """The script's arrays at ``threads`` threads: ``indices``, ``features``, ``wide_features``, ``threads`` and,
+    per layer ``name``, ``name.weight``, ``name.grad``, ``name.sites``, ``name.y``, ``name.grad_features`` and
+    ``name.grad_weight``."""
     environment = _environment(threads)
     environment["NUMBA_CACHE_DIR"] = _kernel_cache()
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                            env=environment, check=True, timeout=300)
-    return json.loads(result.stdout)
+    with tempfile.TemporaryDirectory(prefix="sparsecore-threads-") as folder:
+        path = os.path.join(folder, "run.npz")
+        subprocess.run([sys.executable, "-c", SCRIPT, path], capture_output=True, text=True, env=environment,
+                       check=True, timeout=300)
+        with np.load(path) as arrays:
+            return {key: arrays[key] for key in arrays.files}
 
 
 def _dense_oracle(run: dict, name: str, stride: int, padding: int) -> tuple:
-    shape, batch = (12, 40, 40), 2
-    indices = torch.tensor(run["indices"], dtype=torch.long)
-    source = np.asarray(run["wide_features" if name == "wide" else "features"])
+    """The dense float64 forward and gradients of layer ``name`` on ``run``'s inputs, read at its sites (every
+    thread count's run draws the same inputs from one seed: each distinct input is computed once)."""
+    source = run["wide_features" if name == "wide" else "features"]
+    inputs = (run["indices"], source, run[name + ".weight"], run[name + ".grad"], run[name + ".sites"])
+    digest = hashlib.sha256()
+    for array in inputs:
+        digest.update(repr((array.dtype.str, array.shape)).encode() + np.ascontiguousarray(array).tobytes())
+    return _dense_oracle_of(name, stride, padding, _Inputs(digest.hexdigest(), inputs))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """A layer's input arrays, equal and hashed by the digest of their bytes."""
+
+    digest: str
+    arrays: tuple = dataclasses.field(compare=False, hash=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_oracle_of(name: str, stride: int, padding: int, inputs: _Inputs) -> tuple:
+    indices, source, weight, grad, sites = inputs.arrays
     if name in ("narrow", "tiny"):
         source = source[:, :{"narrow": 16, "tiny": 4}[name]]
+    indices = torch.tensor(indices, dtype=torch.long)
     features = torch.tensor(source, dtype=torch.float64, requires_grad=True)
-    weight = torch.tensor(run[name]["weight"], dtype=torch.float64, requires_grad=True)
-    dense = torch.zeros((batch,) + shape + (features.shape[1],), dtype=torch.float64)
+    weight = torch.tensor(weight, dtype=torch.float64, requires_grad=True)
+    dense = torch.zeros((BATCH,) + SHAPE + (features.shape[1],), dtype=torch.float64)
     dense = dense.index_put(tuple(indices.T), features).permute(0, 4, 1, 2, 3)
     groups = features.shape[1] // weight.shape[-1]
     result = torch.nn.functional.conv3d(dense, weight.permute(0, 4, 1, 2, 3), stride=stride,
                                         padding=padding, groups=groups)
-    sites = torch.tensor(run[name]["sites"], dtype=torch.long)
+    sites = torch.tensor(sites, dtype=torch.long)
     picked = result.permute(0, 2, 3, 4, 1)[tuple(sites.T)]
-    (picked * torch.tensor(run[name]["grad"], dtype=torch.float64)).sum().backward()
+    (picked * torch.tensor(grad, dtype=torch.float64)).sum().backward()
     return picked.detach().numpy(), features.grad.numpy(), weight.grad.numpy()
 
 
@@ -130,9 +161,9 @@ def test_conv_correct_at_thread_count(threads: int) -> None:
     for name, stride in (("subm", 1), ("regular", 2), ("wide", 1), ("grouped", 1), ("narrow", 1), ("tiny", 1),
                          ("grouped_wide", 1)):
         expected_y, expected_grad_features, expected_grad_weight = _dense_oracle(run, name, stride, 1)
-        np.testing.assert_allclose(run[name]["y"], expected_y, rtol=1e-4, atol=1e-3)
-        np.testing.assert_allclose(run[name]["grad_features"], expected_grad_features, rtol=1e-4, atol=1e-3)
-        np.testing.assert_allclose(run[name]["grad_weight"], expected_grad_weight, rtol=1e-4, atol=2e-3)
+        np.testing.assert_allclose(run[name + ".y"], expected_y, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(run[name + ".grad_features"], expected_grad_features, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(run[name + ".grad_weight"], expected_grad_weight, rtol=1e-4, atol=2e-3)
 
 
 def test_bitwise_identical_at_1_2_and_4_threads() -> None:
@@ -140,9 +171,10 @@ def test_bitwise_identical_at_1_2_and_4_threads() -> None:
     assert [run["threads"] for run in runs.values()] == [1, 2, 4]
     for name in ("subm", "regular", "wide", "grouped", "narrow", "tiny", "grouped_wide"):
         for field in ("y", "grad_features", "grad_weight"):
-            reference = np.asarray(runs[1][name][field], dtype=np.float32)
+            reference = runs[1][name + "." + field]
+            assert reference.dtype == np.float32
             for threads in (2, 4):
-                np.testing.assert_array_equal(np.asarray(runs[threads][name][field], dtype=np.float32), reference,
+                np.testing.assert_array_equal(runs[threads][name + "." + field], reference,
                                               err_msg=f"{name} {field} at {threads} threads")
 
 
