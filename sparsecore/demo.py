@@ -332,9 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--frontend", default="torch", choices=("torch", "jax"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    args = parser.parse_args(argv)
-    if args.frontend == "jax":
+    args, unknown = parser.parse_known_args(argv)
+    if args.frontend == "jax":  # the JAX demo's own options (e.g. --impl) go to its parser
         return _jax_demo(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         import torch
     except ModuleNotFoundError as error:
