@@ -120,13 +120,58 @@ def test_generated_reference_is_up_to_date(tmp_path: Path) -> None:
     assert not stale, f"docs/{stale} are stale: run `python docs/generate_reference.py`"
 
 
-def test_doc_links_point_to_existing_files() -> None:
-    link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+LINKED_PAGES = (ROOT / "README.md", *sorted(DOCS.glob("*.md")), ROOT / "examples" / "README.md",
+                ROOT / "tools" / "README.md", ROOT / "data" / "README.md")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives ``page``'s headings (code blocks left out): lower case, punctuation
+    dropped, spaces to hyphens, ``-1``, ``-2``, ... on repeats."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, repeat = slug, 0
+        while candidate in anchors:
+            repeat += 1
+            candidate = f"{slug}-{repeat}"
+        anchors.add(candidate)
+    return anchors
+
+
+def test_doc_links_point_to_existing_files_and_headings() -> None:
+    """Every relative link between the pages resolves: the file exists and, for ``page.md#anchor``,
+    the page has that heading (pages get split and sections move; a link must move with them)."""
+    link = re.compile(r"\]\(([^)\s]*)\)")
     broken = []
-    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
-        for target in link.findall(page.read_text(encoding="utf-8")):
+    for page in [path for path in LINKED_PAGES if path.exists()]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+        for target in link.findall(text):
             if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (page.parent / target).exists():
-                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+            path_part, _, anchor = target.partition("#")
+            resolved = (page.parent / path_part) if path_part else page
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                broken.append(f"{page.relative_to(ROOT)} -> {target} (no such heading)")
     assert not broken, broken
+
+
+def test_readme_is_read_in_five_minutes() -> None:
+    """The front door stays short (issue 40: about 1,200 words at most, counted as ``wc -w`` does)."""
+    words = len((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert words <= 1200, f"README.md has {words} words; move detail to docs/ (at most 1,200)"
+
+
+def test_readme_speed_table_numbers_come_from_the_benchmarks_page() -> None:
+    """Every number in the README's speed table appears in docs/benchmarks.md (copied, never retyped)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Speed", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("| ---")][1:]
+    assert rows, "README.md's Speed section has no table"
+    benchmarks = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    for row in rows:
+        for cell in row.strip("|").split("|")[1:]:
+            for number in re.findall(r"\d[\d.,]*x?", cell):
+                assert number in benchmarks, f"README speed table: {number!r} ({row.strip()}) is not in docs/benchmarks.md"
