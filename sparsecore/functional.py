@@ -55,7 +55,7 @@ def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | No
 
 def _layer(x: SparseTensor, geometry: ConvGeometry, indice_key: str | None) -> FoundRulebook:
     """The layer's rulebook and the cache its output holds (the input's cache is left as it is)."""
-    return find_layer_rulebook(x.rulebooks.value, x.sites, geometry, indice_key)
+    return find_layer_rulebook(x.rulebooks.value, x.sites, geometry, indice_key, capacity=x.capacity)
 
 
 def _output(x: SparseTensor, features: Any, found: FoundRulebook) -> SparseTensor:
