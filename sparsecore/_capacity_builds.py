@@ -108,13 +108,15 @@ def capacity_rulebook(indices: Any, shape: tuple[int, ...], out_shape: tuple[int
         geometry: a subm, regular or transposed `ConvGeometry`.
         backend: the backend.
         assume_unique: the sites are known valid (no site checks).
-        capacity: output rows to allocate (strided and transposed layers), >= 1.
+        capacity: output rows to allocate (strided and transposed layers; a submanifold layer's are its
+            input's rows), >= 0.
         layer: the layer's name for its `CapacityStatus`.
         exact_build: ``(sites, assume_unique) -> Rulebook``, the exact build, for a backend that
             does not build neighbour maps; None on a kernel backend.
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be a positive int (the output rows of a capacity build), got {capacity!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"capacity must be a non-negative int (the output rows of a capacity build), got "
+                         f"{capacity!r}")
     if exact_build is None:
         return _kernel_rulebook(indices, shape, out_shape, batch, geometry, backend, not assume_unique, capacity,
                                 layer)
