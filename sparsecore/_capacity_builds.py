@@ -29,10 +29,8 @@ from .pair_map import PairMap
 __all__ = ["capacity_rulebook", "exact_of", "padded_rows"]
 
 
-def _kernel_rulebook(indices: Any, shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int,
+def _kernel_rulebook(Rulebook: type, indices: Any, shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int,
                      geometry: ConvGeometry, backend: ArrayBackend, check: bool, capacity: int, layer: str) -> Any:
-    from .rulebook import Rulebook
-
     indices = indices if indices.flags.c_contiguous else backend.xp.ascontiguousarray(indices)
     count = int(indices.shape[0])
     if geometry.kind == "subm":
@@ -70,11 +68,9 @@ def _padded_pairs(exact: Any, num_input: int, num_output: int, capacity: int) ->
                    tuple(starts), num_input, num_output, tuple(exact.kernel_size), -1, trusted=True)
 
 
-def _host_rulebook(indices: Any, shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int,
+def _host_rulebook(Rulebook: type, indices: Any, shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int,
                    geometry: ConvGeometry, backend: ArrayBackend, assume_unique: bool, capacity: int, layer: str,
                    exact_build: Callable[[Any, bool], Any]) -> Any:
-    from .rulebook import Rulebook
-
     xp = backend.xp
     rows = int(indices.shape[0])
     valid = true_rows(indices)
@@ -96,12 +92,13 @@ def _host_rulebook(indices: Any, shape: tuple[int, ...], out_shape: tuple[int, .
                     capacity=status, exact=exact if needed <= capacity else None)
 
 
-def capacity_rulebook(indices: Any, shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int,
+def capacity_rulebook(rulebook_type: type, indices: Any, shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int,
                       geometry: ConvGeometry, backend: ArrayBackend, assume_unique: bool, capacity: int, layer: str,
                       exact_build: Callable[[Any, bool], Any] | None) -> Any:
     """A capacity build's `Rulebook` (see the module docstring).
 
     Args:
+        rulebook_type: `sparsecore.rulebook.Rulebook` (given by its module: no import cycle).
         indices: int32 ``[N, 1 + D]`` sites; rows whose batch index is -1 are padding (last).
         shape, out_shape: the input and output grids.
         batch: batch elements.
@@ -118,9 +115,9 @@ def capacity_rulebook(indices: Any, shape: tuple[int, ...], out_shape: tuple[int
         raise ValueError(f"capacity must be a non-negative int (the output rows of a capacity build), got "
                          f"{capacity!r}")
     if exact_build is None:
-        return _kernel_rulebook(indices, shape, out_shape, batch, geometry, backend, not assume_unique, capacity,
+        return _kernel_rulebook(rulebook_type, indices, shape, out_shape, batch, geometry, backend, not assume_unique, capacity,
                                 layer)
-    return _host_rulebook(indices, shape, out_shape, batch, geometry, backend, assume_unique, capacity, layer,
+    return _host_rulebook(rulebook_type, indices, shape, out_shape, batch, geometry, backend, assume_unique, capacity, layer,
                           exact_build)
 
 

@@ -317,7 +317,7 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
         out_shape = shape if geometry.kind == "subm" else _output_shape(shape, batch, geometry)
         exact = None if maps else (lambda sites, checked: build_rulebook(
             sites, shape, batch, geometry, assume_unique=checked, backend=backend))
-        return capacity_rulebook(indices, shape, out_shape, batch, geometry, backend, assume_unique, int(capacity),
+        return capacity_rulebook(Rulebook, indices, shape, out_shape, batch, geometry, backend, assume_unique, int(capacity),
                                  layer or geometry.describe(), exact)
     if geometry.kind in ("subm", "regular", "transposed"):
         if maps:

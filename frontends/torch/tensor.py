@@ -17,10 +17,12 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from sparsecore.capacity import as_capacity_policy
 from sparsecore.geometry import normalize_per_axis
 from sparsecore.interop import as_batch_size
 
 from ._convert import as_int32_indices, core_context, core_view
+from .capacity import check_tensor_capacity, dense_of_padded, device_count, valid_rows
 from .fx import ProxyableSparseMeta
 from .indice_data import IndiceData
 from .tensor_checks import (as_shape_list, check_selection, check_sites, dense_zeros, feature_functions,
@@ -58,6 +60,8 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         grid, voxel_num, benchmark, permanent_thrust_allocator, enable_timer, force_algo:
             accepted for spconv compatibility (stored; sparsecore needs no grid or allocator).
         indice_dict: rulebooks by ``indice_key`` to start from.
+        capacity: None (exact mode) or capacity mode (`sparsecore.capacity`, docs/capture.md): builds
+            with no read back; rows of batch index -1 are padding; sites checked by `check_capacity`.
 
     Raises:
         ValueError / TypeError: on malformed shapes or dtypes, mismatched row counts,
@@ -70,14 +74,17 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
                  grid: Optional[torch.Tensor] = None, voxel_num: Optional[torch.Tensor] = None,
                  indice_dict: Optional[dict] = None, benchmark: bool = False,
                  permanent_thrust_allocator: bool = False, enable_timer: bool = False,
-                 force_algo: Any = None) -> None:
+                 force_algo: Any = None, capacity: Any = None) -> None:
         shape = as_shape_list(spatial_shape)
         indices = as_int32_indices(indices)  # int64 & co. converted once when the values fit int32
         validate(features, indices, shape, batch_size)
-        check_sites(indices, shape, int(batch_size))
+        policy = as_capacity_policy(capacity)
+        if policy is None:
+            check_sites(indices, shape, int(batch_size))
         self._init(features, indices, shape, int(batch_size), grid, voxel_num, indice_dict, benchmark,
                    trusted=True)
         self.force_algo = force_algo
+        self.capacity, self._sites_unchecked = policy, policy is not None  # the first build checks the sites
 
     def _init(self, features, indices, spatial_shape, batch_size, grid, voxel_num, indice_dict,
               benchmark, trusted: bool = False) -> None:
@@ -99,6 +106,8 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         # batch_size, or unpickling, clears it; `_ensure_valid` checks again once.
         self._trusted = trusted
         self._core_indices: tuple[Any, Any] | None = None
+        self.capacity = None  # capacity mode's policy (sparsecore.capacity), None in exact mode
+        self._sites_unchecked = False
 
     @classmethod
     def _derived(cls, source: "SparseConvTensor", features: torch.Tensor, indices: torch.Tensor,
@@ -116,6 +125,8 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         out._timer = source._timer
         out.force_algo = source.force_algo
         out.int8_scale = source.int8_scale
+        out.capacity = source.capacity
+        out._sites_unchecked = source._sites_unchecked and indices is source._indices
         if core_indices is not None:
             out._core_indices = (indices, core_indices)
         elif source._core_indices is not None and source._core_indices[0] is indices:
@@ -219,6 +230,8 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
             self._core_indices = cached
         return cached[1]
 
+    device_count, valid_rows, check_capacity = property(device_count), valid_rows, check_tensor_capacity  # capacity
+
     # ------------------------------------------------------------------ derived tensors
 
     def replace_feature(self, feature: torch.Tensor) -> "SparseConvTensor":
@@ -293,7 +306,10 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         channels = self._features.shape[1]
         out = dense_zeros(self._features, self.batch_size, self.spatial_shape, channels_first_memory=channels_first)
         index = self.indices.to(self._features.device).long()
-        out = out.index_put(tuple(index.unbind(1)), self._features)  # keeps the zeros' memory layout
+        if self.capacity is not None:  # capacity mode: the padding rows left out
+            out = dense_of_padded(self, out, index)
+        else:
+            out = out.index_put(tuple(index.unbind(1)), self._features)  # keeps the zeros' memory layout
         if not channels_first:
             return out
         return out.movedim(-1, 1).contiguous()  # already contiguous: no copy

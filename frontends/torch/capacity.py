@@ -1,0 +1,105 @@
+"""Capacity mode in `sparsecore.torch`: what reduces over rows must leave the padding out.
+
+A `SparseConvTensor` made with ``capacity=...`` (`sparsecore.capacity`) has
+padding rows after its true ones (batch index -1): the layers compute nothing
+from them, but a module that reduces over rows would count them. Here:
+
+- `masked_batch_norm`: a training-mode ``BatchNorm1d`` (``nn.BatchNorm1d``,
+  `SparseBatchNorm`) over the true rows only: batch statistics and the running
+  statistics' update from the true rows, the padding rows' outputs set to 0
+  (so their gradient is 0); in eval mode it is the module itself (row-wise).
+  Device ops only (a mask, sums), no read back: it captures in a CUDA graph.
+  Its sums differ from torch's own kernel in the last bits: the true rows equal
+  exact mode's to float rounding, not bitwise.
+- `masked_features`: the features with the padding rows zeroed (for a loss, a
+  dense grid or a global pool written by the user).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsecore.capacity import check_capacity
+
+__all__ = ["masked_batch_norm", "masked_features", "has_padding", "device_count", "valid_rows",
+           "check_tensor_capacity", "dense_of_padded"]
+
+
+def has_padding(x: Any) -> bool:
+    """Whether ``x`` is a capacity-mode `SparseConvTensor` (its rows may end in padding)."""
+    return getattr(x, "capacity", None) is not None
+
+
+def masked_features(x: Any) -> torch.Tensor:
+    """``x.features`` with capacity mode's padding rows set to 0 (no read back)."""
+    return x.features * x.valid_rows().unsqueeze(1).to(x.features.dtype)
+
+
+def masked_batch_norm(module: nn.modules.batchnorm._BatchNorm, features: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+    """``module`` (a 1-D batch norm) on ``features [N, C]`` whose rows ``valid`` (bool ``[N]``) are the true ones.
+
+    Training mode (or no running statistics): normalised by the true rows' mean and biased variance; the
+    running mean and (unbiased) variance updated from them as ``BatchNorm1d`` does, ``num_batches_tracked``
+    counted. Eval mode: the module as it is (row-wise). Padding rows come out as 0.
+    """
+    use_batch = module.training or module.running_mean is None
+    if not use_batch:
+        out = module(features)
+        return out * valid.unsqueeze(1).to(out.dtype)
+    mask = valid.unsqueeze(1).to(features.dtype)
+    count = mask.sum()
+    safe = count.clamp(min=1)
+    mean = (features * mask).sum(0) / safe
+    centred = (features - mean) * mask
+    variance = (centred * centred).sum(0) / safe
+    out = centred * torch.rsqrt(variance + module.eps)
+    if module.affine:
+        out = out * module.weight + module.bias
+    out = out * mask
+    if module.training and module.track_running_stats and module.running_mean is not None:
+        with torch.no_grad():
+            if module.num_batches_tracked is not None:
+                module.num_batches_tracked.add_(1)
+            momentum = module.momentum
+            if momentum is None:  # a cumulative average, as BatchNorm1d's
+                momentum = 1.0 / float(module.num_batches_tracked)
+            unbiased = variance * (count / (count - 1).clamp(min=1))
+            module.running_mean.mul_(1 - momentum).add_(mean.detach().to(module.running_mean.dtype), alpha=momentum)
+            module.running_var.mul_(1 - momentum).add_(unbiased.detach().to(module.running_var.dtype),
+                                                       alpha=momentum)
+    return out
+
+
+def device_count(x: Any) -> torch.Tensor:
+    """The true rows, an int32 ``[1]`` tensor on the tensor's device (no read back): in capacity mode the rows
+    before the padding, in exact mode all of them."""
+    return (x.indices[:, 0] >= 0).sum(dtype=torch.int32).reshape(1)
+
+
+def valid_rows(x: Any) -> torch.Tensor:
+    """bool ``[N]``: True for the true rows, False for capacity mode's padding (no read back)."""
+    return x.indices[:, 0] >= 0
+
+
+def check_tensor_capacity(x: Any) -> dict:
+    """Reads the counts and site checks of the capacity builds in ``x``'s rulebooks (one read back), teaches
+    them to its policy, and raises `sparsecore.CapacityOverflowError` for a layer that overflowed (or the
+    site checks' ValueError). Returns ``{layer: rows needed}``; empty in exact mode (`sparsecore.check_capacity`)."""
+    rulebooks = [getattr(data, "rulebook", None) for data in x.indice_dict.values()]
+    cache = getattr(x.indice_dict, "geometry_cache", None)
+    if cache is not None:
+        rulebooks += list(cache.canonical.values())
+    return check_capacity([rulebook for rulebook in rulebooks if rulebook is not None], x.capacity)
+
+
+def dense_of_padded(x: Any, out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out`` (zeros ``[B, *spatial, C]``) with ``x``'s true rows written at ``index`` (long ``[N, 1 + D]``); the
+    padding rows add zeros at site 0 (no read back)."""
+    valid = x.valid_rows()
+    index = index * valid.unsqueeze(1)
+    values = x.features * valid.unsqueeze(1).to(x.features.dtype)
+    return out.index_put(tuple(index.unbind(1)), values, accumulate=True)
