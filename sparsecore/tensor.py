@@ -9,7 +9,7 @@ from ._dispatch import array_library, check_same_device, from_core_array
 from ._kernel_builds import check_sites
 from .capacity import as_capacity_policy, check_capacity
 from .interop import as_batch_size, as_features, as_indices, as_spatial_shape
-from .dense import from_dense, to_dense
+from .dense import from_dense, padded_to_dense, to_dense
 from .layer_geometry import GeometryCache, InputSites, sites_identity
 from .rulebook import Rulebook
 
@@ -191,8 +191,9 @@ class SparseTensor:
 
     def dense(self, channels_first: bool = True) -> Any:
         """The dense grid: ``[B, C, *spatial]`` (or ``[B, *spatial, C]``)."""
-        dense = to_dense(self.core_features, self.core_indices, self.spatial_shape, self.batch_size,
-                         channels_first=channels_first)
+        densify = to_dense if self.capacity is None else padded_to_dense  # capacity mode: no read back
+        dense = densify(self.core_features, self.core_indices, self.spatial_shape, self.batch_size,
+                        channels_first=channels_first)
         return from_core_array(dense, like=self.features)
 
     @classmethod
