@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +18,12 @@ def _module():
     return module
 
 
-def test_without_a_gpu_it_measures_nothing_and_exits_cleanly(tmp_path: Path) -> None:
+def test_without_a_gpu_it_measures_nothing_and_exits_cleanly(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     module = _module()
     if module.gpu_missing() is None:
         pytest.skip("a GPU is here: the check would measure")
-    result = subprocess.run([sys.executable, str(SCRIPT), "--json", str(tmp_path / "out.json")],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "no GPU here" in result.stdout and "nothing measured" in result.stdout
+    assert module.main(["--json", str(tmp_path / "out.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "no GPU here" in printed and "nothing measured" in printed
     assert not (tmp_path / "out.json").exists()
