@@ -304,9 +304,19 @@ def check_capacity(rulebooks: Iterable[Any], policy: BuildCapacityPolicy | None 
 def true_rows(indices: Any) -> int:
     """The rows of a capacity-mode site array before its padding (rows whose batch index is -1 come last).
 
-    A host read: for the NumPy builders (on the host it costs nothing).
+    A host read: for the NumPy builders (on the host it costs nothing) and a result's final count.
+
+    Raises:
+        ValueError: a row of batch index -1 (padding) before a true row.
     """
     if indices.shape[0] == 0:
         return 0
-    batch = indices[:, 0]
-    return int((batch >= 0).sum())
+    padding = indices[:, 0] == -1
+    rows = int(indices.shape[0]) - int(padding.sum())
+    if rows and bool(padding[:rows].any()):
+        first = int(padding[:rows].argmax())
+        raise ValueError(
+            f"indices: row {first} has batch index -1 (a capacity-mode padding row) but true rows follow it; "
+            "padding rows come after every true row (fill a static buffer's tail with -1)"
+        )
+    return rows

@@ -215,3 +215,11 @@ def test_the_bound_respects_the_memory_budget():
     with memory.budget("4M"):
         bound = capacity_bound(geometry, 10**6, (500, 500, 500), 1)
     assert bound * 4 * (4 + 2 * 27) <= 4 * 2**20 < (bound + 1) * 4 * (4 + 2 * 27) + 4 * 2**20
+
+
+def test_padding_rows_must_come_last():
+    _, shape, indices, features, params = _case(2, seed=5)
+    sites = np.concatenate([indices[:10], np.full((3, 3), -1, np.int32), indices[10:20]])
+    values = np.concatenate([features[:10], np.zeros((3, networks.CHANNELS), np.float32), features[10:20]])
+    with pytest.raises(ValueError, match="padding rows come after every true row"):
+        networks.forward(values, sites, shape, 2, params, capacity=True)
