@@ -194,3 +194,34 @@ def test_make_graphed_callables_and_reduce_overhead_run_an_inference_model():  #
     compiled = torch.compile(forward, mode="reduce-overhead")
     for _ in range(3):
         torch.testing.assert_close(compiled(features, indices), expected)
+
+
+def test_capacity_mode_on_the_emulated_kernels_matches_exact_mode(monkeypatch):
+    """The torch frontend on the GPU backend's code path (every build and pass on the emulated kernels, as
+    tests/test_torch_emulated.py routes them): capacity mode's true rows and gradients equal exact mode's."""
+    import dataclasses
+
+    from sparsecore import conv, pool, rulebook
+
+    try:
+        from .cuda_emulation.emulated_launcher import RecordingLauncher
+        from .kernel_targets import emulated_backend
+    except ImportError:
+        from cuda_emulation.emulated_launcher import RecordingLauncher
+        from kernel_targets import emulated_backend
+
+    base = emulated_backend()
+    launcher = RecordingLauncher(base.launcher)
+    backend = dataclasses.replace(base, launcher=launcher)
+    for module in (conv, pool, rulebook):
+        monkeypatch.setattr(module, "backend_for", lambda array: backend)
+    exact_model = _model(True)
+    model = copy.deepcopy(exact_model)
+    exact, rows = _step(exact_model, _input(60, count=30), 0)
+    x = _input(60, count=30, padding=11, capacity=True)
+    out, _ = _step(model, x, 0)
+    assert "sc_map_strided_capacity" in launcher.kernel_names()
+    torch.testing.assert_close(out.features[:rows], exact.features, rtol=1e-10, atol=1e-10)
+    for (name, a), (_, b) in zip(exact_model.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-10, msg=name)
+    assert out.features.shape[0] > rows and (out.indices[rows:] == -1).all()
