@@ -125,13 +125,14 @@ def _sparse(output: Any) -> Any:
 
 
 def _true_rows(output: Any) -> Any:
-    """A sparse output cut to its true rows (one read of the count); a dense one as it is."""
+    """A copy of the output (a recorded graph's next replay overwrites its arrays): a sparse output cut to its
+    true rows (one read of the count), a dense one whole."""
     tensor = _sparse(output)
     if tensor is None:
-        return output
+        return type(output)(output.dense.copy(), None)
     rows = true_rows(tensor.core_indices)
-    cut = SparseTensor(tensor.core_features[:rows], tensor.core_indices[:rows], tensor.spatial_shape,
-                       tensor.batch_size, tensor.rulebooks, _checked=True)
+    cut = SparseTensor(tensor.core_features[:rows].copy(), tensor.core_indices[:rows].copy(), tensor.spatial_shape,
+                       tensor.batch_size, _checked=True)
     return type(output)(output.dense, cut)
 
 
