@@ -1,4 +1,4 @@
-"""Capacity mode in sparsecore.torch (`SparseConvTensor(..., capacity=...)`, frontends/torch/capacity.py).
+"""Capacity mode in sparsecore.torch (`SparseConvTensor.capacity_mode(...)`, frontends/torch/capacity.py).
 
 Oracle: exact mode on the same model, weights and inputs. Without batch norm the true rows of the output
 and every gradient are bitwise equal (the core runs the exact passes on the true rows), but the biases'
@@ -52,8 +52,10 @@ def _input(seed: int, count: int = 70, padding: int = 0, capacity=None) -> spcon
     features = rng.uniform(-1, 1, (count, 3))
     indices = np.concatenate([indices, np.full((padding, 4), -1, np.int32)])
     features = np.concatenate([features, np.zeros((padding, 3))])
-    return spconv.SparseConvTensor(torch.from_numpy(features).requires_grad_(), torch.from_numpy(indices), SHAPE, 2,
-                                   capacity=capacity)
+    values, sites = torch.from_numpy(features).requires_grad_(), torch.from_numpy(indices)
+    if capacity is None:
+        return spconv.SparseConvTensor(values, sites, SHAPE, 2)
+    return spconv.SparseConvTensor.capacity_mode(values, sites, SHAPE, 2, capacity)
 
 
 def _step(model: nn.Module, x: spconv.SparseConvTensor, grad_seed: int):
@@ -131,10 +133,12 @@ def test_overflow_and_site_problems_are_reported_by_check_capacity():
         out.check_capacity()
     x = _input(31, capacity=True)
     assert x.device_count.tolist() == [70]
+    with pytest.raises(ValueError, match="needs a capacity policy"):
+        spconv.SparseConvTensor.capacity_mode(x.features, x.indices, SHAPE, 2, None)
     indices = x.indices.clone()
     indices[5] = indices[9]
     with pytest.raises(ValueError, match="duplicate"):  # the CPU's exact builders check at once
-        model(spconv.SparseConvTensor(x.features, indices, SHAPE, 2, capacity=True))
+        model(spconv.SparseConvTensor.capacity_mode(x.features, indices, SHAPE, 2, True))
 
 
 @pytest.mark.gpu
@@ -148,7 +152,7 @@ def test_cuda_graph_captures_a_forward_and_a_training_step():  # pragma: no cove
     static_indices = source.indices.to(device)
 
     def step():
-        out = model(spconv.SparseConvTensor(static_features, static_indices, SHAPE, 2, capacity=policy))
+        out = model(spconv.SparseConvTensor.capacity_mode(static_features, static_indices, SHAPE, 2, policy))
         loss = masked_features(out).square().sum()
         loss.backward()
         optimizer.step()
@@ -185,7 +189,7 @@ def test_make_graphed_callables_and_reduce_overhead_run_an_inference_model():  #
     features, indices = source.features.detach().float().to(device), source.indices.to(device)
 
     def forward(values: torch.Tensor, sites: torch.Tensor) -> torch.Tensor:
-        return masked_features(model(spconv.SparseConvTensor(values, sites, SHAPE, 2, capacity=policy)))
+        return masked_features(model(spconv.SparseConvTensor.capacity_mode(values, sites, SHAPE, 2, policy)))
 
     with torch.no_grad():
         expected = forward(features, indices)

@@ -108,7 +108,9 @@ def _torch_rows(torch: Any, scene: Any, layers: Any, dtype_name: str, repeats: i
     policy = sc.LearnedCapacity()
 
     def forward(capacity: Any) -> Any:
-        return model(spconv.SparseConvTensor(features, indices, shape, 1, capacity=capacity))
+        if capacity is None:
+            return model(spconv.SparseConvTensor(features, indices, shape, 1))
+        return model(spconv.SparseConvTensor.capacity_mode(features, indices, shape, 1, capacity))
 
     def train(capacity: Any) -> Any:
         optimizer.zero_grad(set_to_none=False)

@@ -1,6 +1,7 @@
 """Capacity mode in `sparsecore.torch`: what reduces over rows must leave the padding out.
 
-A `SparseConvTensor` made with ``capacity=...`` (`sparsecore.capacity`) has
+A `SparseConvTensor` made by ``SparseConvTensor.capacity_mode(...)`` (`capacity_tensor`,
+`sparsecore.capacity`) has
 padding rows after its true ones (batch index -1): the layers compute nothing
 from them, but a module that reduces over rows would count them. Here:
 
@@ -22,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsecore.capacity import check_capacity
+from sparsecore.capacity import as_capacity_policy, check_capacity
 
-__all__ = ["masked_batch_norm", "masked_features", "has_padding", "device_count", "valid_rows",
+__all__ = ["capacity_tensor", "masked_batch_norm", "masked_features", "has_padding", "device_count", "valid_rows",
            "check_tensor_capacity", "dense_of_padded"]
 
 
@@ -103,3 +104,40 @@ def dense_of_padded(x: Any, out: torch.Tensor, index: torch.Tensor) -> torch.Ten
     index = index * valid.unsqueeze(1)
     values = x.features * valid.unsqueeze(1).to(x.features.dtype)
     return out.index_put(tuple(index.unbind(1)), values, accumulate=True)
+
+
+def capacity_tensor(cls: type, features: torch.Tensor, indices: torch.Tensor, spatial_shape: Any, batch_size: int,
+                    capacity: Any = True, indice_dict: Any = None) -> Any:
+    """``SparseConvTensor.capacity_mode(features, indices, spatial_shape, batch_size, capacity=True)``: a tensor
+    in capacity mode (`sparsecore.capacity`, docs/capture.md).
+
+    Every layer on it and on the tensors derived from it builds at a capacity with no read back; rows whose
+    batch index is -1 are padding (after the true rows: a static input buffer's tail); the sites are checked
+    by the first layer's build and read by ``check_capacity``, not here (the constructor's checks read back).
+
+    Args:
+        features: ``[N, C]`` float tensor.
+        indices: ``[N, 1 + D]`` integer tensor (int32 kept, others converted when they fit).
+        spatial_shape: ``D`` ints.
+        batch_size: batch elements.
+        capacity: the policy: True or ``"learned"`` (a new `sparsecore.LearnedCapacity`; pass one policy
+            object to every step so that it learns), ``"bound"``, rows, or a policy.
+        indice_dict: rulebooks by ``indice_key`` to start from.
+
+    Raises:
+        ValueError / TypeError: malformed shapes or dtypes (as the constructor), or ``capacity`` None.
+    """
+    from .tensor_checks import as_shape_list, validate
+    from ._convert import as_int32_indices
+
+    policy = as_capacity_policy(capacity)
+    if policy is None:
+        raise ValueError("capacity_mode needs a capacity policy (True, 'learned', 'bound', rows or a policy), got "
+                         "None; for exact mode use the SparseConvTensor constructor")
+    shape = as_shape_list(spatial_shape)
+    indices = as_int32_indices(indices)
+    validate(features, indices, shape, batch_size)
+    out = cls.__new__(cls)
+    out._init(features, indices, shape, int(batch_size), None, None, indice_dict, False, trusted=True)
+    out.capacity, out._sites_unchecked = policy, True
+    return out

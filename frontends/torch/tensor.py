@@ -17,12 +17,11 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from sparsecore.capacity import as_capacity_policy
 from sparsecore.geometry import normalize_per_axis
 from sparsecore.interop import as_batch_size
 
 from ._convert import as_int32_indices, core_context, core_view
-from .capacity import check_tensor_capacity, dense_of_padded, device_count, valid_rows
+from .capacity import capacity_tensor, check_tensor_capacity, dense_of_padded, device_count, valid_rows
 from .fx import ProxyableSparseMeta
 from .indice_data import IndiceData
 from .tensor_checks import (as_shape_list, check_selection, check_sites, dense_zeros, feature_functions,
@@ -60,8 +59,6 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         grid, voxel_num, benchmark, permanent_thrust_allocator, enable_timer, force_algo:
             accepted for spconv compatibility (stored; sparsecore needs no grid or allocator).
         indice_dict: rulebooks by ``indice_key`` to start from.
-        capacity: None (exact mode) or capacity mode (`sparsecore.capacity`, docs/capture.md): builds
-            with no read back; rows of batch index -1 are padding; sites checked by `check_capacity`.
 
     Raises:
         ValueError / TypeError: on malformed shapes or dtypes, mismatched row counts,
@@ -74,17 +71,14 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
                  grid: Optional[torch.Tensor] = None, voxel_num: Optional[torch.Tensor] = None,
                  indice_dict: Optional[dict] = None, benchmark: bool = False,
                  permanent_thrust_allocator: bool = False, enable_timer: bool = False,
-                 force_algo: Any = None, capacity: Any = None) -> None:
+                 force_algo: Any = None) -> None:
         shape = as_shape_list(spatial_shape)
         indices = as_int32_indices(indices)  # int64 & co. converted once when the values fit int32
         validate(features, indices, shape, batch_size)
-        policy = as_capacity_policy(capacity)
-        if policy is None:
-            check_sites(indices, shape, int(batch_size))
+        check_sites(indices, shape, int(batch_size))
         self._init(features, indices, shape, int(batch_size), grid, voxel_num, indice_dict, benchmark,
                    trusted=True)
         self.force_algo = force_algo
-        self.capacity, self._sites_unchecked = policy, policy is not None  # the first build checks the sites
 
     def _init(self, features, indices, spatial_shape, batch_size, grid, voxel_num, indice_dict,
               benchmark, trusted: bool = False) -> None:
@@ -230,7 +224,9 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
             self._core_indices = cached
         return cached[1]
 
-    device_count, valid_rows, check_capacity = property(device_count), valid_rows, check_tensor_capacity  # capacity
+    # capacity mode (docs/capture.md): a tensor made by `capacity_mode`, its count on the device, its one read
+    capacity_mode = classmethod(capacity_tensor)
+    device_count, valid_rows, check_capacity = property(device_count), valid_rows, check_tensor_capacity
 
     # ------------------------------------------------------------------ derived tensors
 
