@@ -105,11 +105,11 @@ def test_cpu_capacity_mode_gives_the_exact_true_rows_and_gradients(ndim):
 @pytest.mark.parametrize("ndim", [1, 3, 4])
 def test_emulated_capacity_mode_reads_nothing_back_and_matches_exact_mode(device, ndim):
     reads = device
-    rng, shape, indices, features, params = _case(ndim, seed=1)
+    rng, shape, indices, features, params = _case(ndim, count=60 if ndim == 1 else 32, seed=1)
     put = device_arrays.to_device
     exact = networks.forward(features, indices, shape, 2, params, put=put)
     policy = LearnedCapacity()
-    for step in range(2):
+    for step in range(2 if ndim == 1 else 1):  # the bound, then the learned capacities (1-D: cheap)
         reads.clear()
         with device_arrays.forbid_host_reads():
             run = networks.forward(features, indices, shape, 2, params, capacity=policy, put=put)
@@ -223,3 +223,27 @@ def test_padding_rows_must_come_last():
     values = np.concatenate([features[:10], np.zeros((3, networks.CHANNELS), np.float32), features[10:20]])
     with pytest.raises(ValueError, match="padding rows come after every true row"):
         networks.forward(values, sites, shape, 2, params, capacity=True)
+
+
+@pytest.mark.gpu
+def test_cupy_capacity_step_does_not_synchronise():  # pragma: no cover - needs a GPU
+    """On CuPy a capacity-mode forward with its builds, and a backward, run under cupyx.allow_synchronize(False)."""
+    import cupy
+    import cupyx
+
+    rng, shape, indices, features, params = _case(3, seed=6)
+    policy = LearnedCapacity()
+    put = cupy.asarray
+    exact = networks.forward(features, indices, shape, 2, params, put=put)
+    sc.check_capacity(networks.rulebooks(networks.forward(features, indices, shape, 2, params, capacity=policy,
+                                                          put=put)), policy)
+    sites, values = put(indices), put(features)
+    cupy.cuda.Device().synchronize()
+    with cupyx.allow_synchronize(False):
+        run = networks.forward(values, sites, shape, 2, params, capacity=policy, put=put)
+        grad = cupy.zeros(run.output.shape, dtype=run.output.dtype)
+        grad[:8] = 1
+        networks.backward(run, grad, params, put=put)
+    rows = exact.output.shape[0]
+    np.testing.assert_allclose(cupy.asnumpy(run.output[:rows]), cupy.asnumpy(exact.output), rtol=1e-5, atol=1e-5)
+    run.tensor.check_capacity()
