@@ -229,3 +229,20 @@ def test_capacity_mode_on_the_emulated_kernels_matches_exact_mode(monkeypatch):
     for (name, a), (_, b) in zip(exact_model.named_parameters(), model.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-10, msg=name)
     assert out.features.shape[0] > rows and (out.indices[rows:] == -1).all()
+
+
+@pytest.mark.parametrize("pool", ["SparseGlobalMaxPool", "SparseGlobalAvgPool"])
+def test_global_pools_leave_the_padding_out(pool):
+    model = _model(False)
+    head = getattr(spconv, pool)()
+    exact_input, capacity_input = _input(70), _input(70, padding=12, capacity=True)
+    exact = head(model(exact_input))
+    out = head(model(capacity_input))
+    assert out.shape == exact.shape == (2, 4)
+    torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)  # the max bitwise, the mean to rounding
+    if pool == "SparseGlobalMaxPool":
+        assert torch.equal(out, exact)
+    weight = torch.randn(2, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (exact * weight).sum().backward()
+    (out * weight).sum().backward()
+    torch.testing.assert_close(capacity_input.features.grad[:70], exact_input.features.grad, rtol=1e-10, atol=1e-12)

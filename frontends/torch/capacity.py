@@ -12,8 +12,11 @@ from them, but a module that reduces over rows would count them. Here:
   Device ops only (a mask, sums), no read back: it captures in a CUDA graph.
   Its sums differ from torch's own kernel in the last bits: the true rows equal
   exact mode's to float rounding, not bitwise.
-- `masked_features`: the features with the padding rows zeroed (for a loss, a
-  dense grid or a global pool written by the user).
+- `masked_features`: the features with the padding rows zeroed (for a loss or a
+  reduction written by the user);
+- `padded_global_pool`: `SparseGlobalMaxPool` / `SparseGlobalAvgPool` over the
+  true rows (the padding goes to a spare batch element that is cut off), with
+  no read back (the exact pools group rows by batch on the host).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 
 from sparsecore.capacity import as_capacity_policy, check_capacity
 
-__all__ = ["capacity_tensor", "masked_batch_norm", "masked_features", "has_padding", "device_count", "valid_rows",
+__all__ = ["capacity_tensor", "padded_global_pool", "masked_batch_norm", "masked_features", "has_padding", "device_count", "valid_rows",
            "check_tensor_capacity", "dense_of_padded"]
 
 
@@ -141,3 +144,22 @@ def capacity_tensor(cls: type, features: torch.Tensor, indices: torch.Tensor, sp
     out._init(features, indices, shape, int(batch_size), None, None, indice_dict, False, trusted=True)
     out.capacity, out._sites_unchecked = policy, True
     return out
+
+
+def padded_global_pool(features: torch.Tensor, indices: torch.Tensor, batch_size: int, kind: str) -> torch.Tensor:
+    """``[B, C]`` channel-wise max (``kind="max"``) or mean (``"avg"``) over each batch element's true rows.
+
+    Padding rows (batch index -1) are sent to a spare element ``B`` that is cut off; an element without
+    rows gives 0. Device ops only (``index_add`` / ``scatter_reduce``), differentiable by torch.
+    """
+    batch = indices[:, 0].long()
+    batch = torch.where(batch >= 0, batch, torch.full_like(batch, batch_size))
+    channels = features.shape[1]
+    if kind == "avg":
+        sums = features.new_zeros(batch_size + 1, channels).index_add(0, batch, features)
+        counts = features.new_zeros(batch_size + 1).index_add(0, batch, torch.ones_like(features[:, 0]))
+        return (sums / counts.clamp(min=1).unsqueeze(1))[:batch_size]
+    lowest = torch.finfo(features.dtype).min
+    out = features.new_full((batch_size + 1, channels), lowest).scatter_reduce(
+        0, batch.unsqueeze(1).expand(-1, channels), features, "amax", include_self=True)[:batch_size]
+    return torch.where(out == lowest, torch.zeros_like(out), out)
