@@ -247,3 +247,13 @@ def test_cupy_capacity_step_does_not_synchronise():  # pragma: no cover - needs 
     rows = exact.output.shape[0]
     np.testing.assert_allclose(cupy.asnumpy(run.output[:rows]), cupy.asnumpy(exact.output), rtol=1e-5, atol=1e-5)
     run.tensor.check_capacity()
+
+
+def test_core_global_pools_leave_the_padding_out():
+    _, shape, indices, features, params = _case(3, seed=7)
+    exact = sc.SparseTensor(features, indices, shape, 2)
+    sites = np.concatenate([indices, np.full((9, 4), -1, np.int32)])
+    values = np.concatenate([features, np.ones((9, networks.CHANNELS), np.float32)])  # padding: any values
+    padded = sc.SparseTensor(values, sites, shape, 2, capacity=True)
+    for pool in (sc.global_max_pool, sc.global_avg_pool):
+        assert pool(padded).tobytes() == pool(exact).tobytes()
