@@ -176,6 +176,12 @@ def sparse_add(*tensors: SparseTensor) -> SparseTensor:
         for other in tensors[1:]:
             total = total + other.core_features
         return first.replace(from_core_array(total, like=first.features))
+    if any(t.capacity is not None for t in tensors):
+        raise ValueError(
+            "sparse_add of tensors on different sites is not available in capacity mode (its union's size "
+            "depends on the data, a read back); add tensors on the very same sites, or run this step in exact "
+            "mode (capacity=None)"
+        )
     # every SparseTensor's sites were checked unique where it was made
     union, rows = union_sites([t.core_indices for t in tensors], first.spatial_shape, first.batch_size,
                               assume_unique=all(t._checked for t in tensors))

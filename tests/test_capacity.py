@@ -257,3 +257,12 @@ def test_core_global_pools_leave_the_padding_out():
     padded = sc.SparseTensor(values, sites, shape, 2, capacity=True)
     for pool in (sc.global_max_pool, sc.global_avg_pool):
         assert pool(padded).tobytes() == pool(exact).tobytes()
+
+
+def test_sparse_add_of_other_sites_is_refused_in_capacity_mode():
+    _, shape, indices, features, _ = _case(2, seed=8)
+    first = sc.SparseTensor(features[:30], indices[:30], shape, 2, capacity=True)
+    second = sc.SparseTensor(features[30:], indices[30:], shape, 2, capacity=True)
+    assert sc.sparse_add(first, first).core_features.tobytes() == (features[:30] * 2).tobytes()
+    with pytest.raises(ValueError, match="not available in capacity mode"):
+        sc.sparse_add(first, second)
