@@ -246,3 +246,10 @@ def test_global_pools_leave_the_padding_out(pool):
     (exact * weight).sum().backward()
     (out * weight).sum().backward()
     torch.testing.assert_close(capacity_input.features.grad[:70], exact_input.features.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_sparse_add_of_other_sites_is_refused_in_capacity_mode():
+    first, second = _input(80, capacity=True), _input(81, capacity=True)
+    assert torch.equal(spconv.functional.sparse_add(first, first).features, first.features * 2)
+    with pytest.raises(ValueError, match="not available in capacity mode"):
+        spconv.functional.sparse_add(first, second)
