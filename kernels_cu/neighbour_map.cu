@@ -21,7 +21,8 @@
 //      ((b * P_0 + c_0 + margin_0) * P_1 + c_1 + margin_1) ...,  P_d = extent_d + 2 margin_d
 //    (the layout of sparsecore.hashing.pack_keys). A site outside the grid
 //    (b not in [0, batch_size) or c_d not in [0, extent_d)) is not inserted.
-//    sc_map_check_sites (the first, untrusted layer only) ORs into
+//    sc_map_check_sites (the first, untrusted layer only; with skip_padding, rows whose batch index is -1
+//    are a capacity-mode input's padding and are skipped) ORs into
 //    problems[slot] the bits (1 << shift) for a site outside the grid and
 //    (2 << shift) for a site whose key holds a smaller row (a duplicate).
 //
@@ -210,12 +211,16 @@ __global__ void sc_map_insert_sites(const int* __restrict__ indices, long long n
 // Section 1: the problem bits of the sites, after sc_map_insert_sites on the same table. Launch over n threads.
 __global__ void sc_map_check_sites(const int* __restrict__ indices, long long n, int ndim, long long batch_size,
                                    SC_AXES(extent), SC_AXES(margin), const long long* __restrict__ table,
-                                   long long capacity, long long* problems, long long slot, int shift) {
+                                   long long capacity, long long* problems, long long slot, int shift,
+                                   int skip_padding) {
   const sc::Axes extent = SC_AXES_VALUE(extent);
   const sc::Axes margin = SC_AXES_VALUE(margin);
   const long long no_shift[sc::kMapAxes] = {0, 0, 0, 0};
   sc::for_each_element(n, 1, [&](long long i, long long, long long) {
     const int* site = indices + i * (ndim + 1);
+    if (skip_padding && site[0] == -1) {  // a padding row of a capacity-mode input (sparsecore.capacity)
+      return;
+    }
     if (!sc::site_in_grid(site, ndim, batch_size, extent)) {
       sc::or_bits(problems + slot, 1LL << shift);
     } else if (sc::find_row(table, capacity, sc::padded_key(site, ndim, extent, margin, no_shift)) != i) {
@@ -280,7 +285,84 @@ __global__ void sc_map_mark_outputs(const int* __restrict__ indices, int ndim, l
   });
 }
 
-// Section 3e: both sides of the map and the output sites. Launch over n + total threads.
+namespace sc {
+
+// Section 3e, one item e of n + total: an input row, or the output row first at sorted position e - n.
+// Output rows o >= capacity are not written (a capacity build's overflow: the count it needed is reported
+// apart), and an input row's entry naming one is -1.
+__device__ __forceinline__ void strided_item(const int* __restrict__ indices, long long n, int ndim,
+                                             long long batch_size, const StridedGeometry& geometry, int transposed,
+                                             int volume, int words, const long long* __restrict__ order,
+                                             const long long* __restrict__ ranks, long long total,
+                                             long long capacity, int* __restrict__ output_indices,
+                                             int* __restrict__ output_neighbours,
+                                             unsigned int* __restrict__ output_masks,
+                                             int* __restrict__ input_neighbours,
+                                             unsigned int* __restrict__ input_masks, long long e) {
+  auto sorted_key = [&](long long t) {
+    return candidate_key(indices, ndim, batch_size, geometry, transposed, volume, order[t]);
+  };
+  if (e < n) {  // input row e
+    int* row = input_neighbours + e * volume;
+    unsigned int word = 0u;
+    for (int k = 0; k < volume; ++k) {
+      const long long key = candidate_key(indices, ndim, batch_size, geometry, transposed, volume, e * volume + k);
+      int output = -1;
+      if (key >= 0) {
+        long long low = 0;  // the first sorted position whose key is >= key
+        long long high = total;
+        while (low < high) {
+          const long long middle = low + (high - low) / 2;
+          if (sorted_key(middle) < key) {
+            low = middle + 1;
+          } else {
+            high = middle;
+          }
+        }
+        const long long found = ranks[low] - 1;
+        output = found < capacity ? static_cast<int>(found) : -1;
+      }
+      row[k] = output;
+      add_mask_bit(input_masks + e * words, k, volume, output >= 0, &word);
+    }
+    return;
+  }
+  const long long t = e - n;  // sorted position t: the first of its key's run?
+  if (ranks[t] == (t == 0 ? 0 : ranks[t - 1])) {
+    return;
+  }
+  const long long o = ranks[t] - 1;
+  if (o >= capacity) {
+    return;
+  }
+  const long long key = sorted_key(t);
+  long long rest = key;
+  for (int d = ndim - 1; d >= 0; --d) {
+    output_indices[o * (ndim + 1) + 1 + d] = static_cast<int>(rest % geometry.out.value[d]);
+    rest /= geometry.out.value[d];
+  }
+  output_indices[o * (ndim + 1)] = static_cast<int>(rest);
+  int* row = output_neighbours + o * volume;
+  unsigned int* row_masks = output_masks + o * words;
+  for (int k = 0; k < volume; ++k) {
+    row[k] = -1;
+  }
+  for (int w = 0; w < words; ++w) {
+    row_masks[w] = 0u;
+  }
+  for (long long u = t; u < total && sorted_key(u) == key; ++u) {
+    const long long f = order[u];
+    const long long i = f / volume;
+    const int k = static_cast<int>(f - i * volume);
+    row[k] = static_cast<int>(i);
+    row_masks[k >> 5] |= 1u << (k & 31);
+  }
+}
+
+}  // namespace sc
+
+// Section 3e: both sides of the map and the output sites (exact mode: the output count was read back and
+// every table holds exactly that many rows). Launch over n + total threads.
 __global__ void sc_map_strided(const int* __restrict__ indices, long long n, int ndim, long long batch_size,
                                SC_STRIDED_GEOMETRY, int transposed, int volume, int words,
                                const long long* __restrict__ order, const long long* __restrict__ ranks,
@@ -288,61 +370,34 @@ __global__ void sc_map_strided(const int* __restrict__ indices, long long n, int
                                int* __restrict__ output_neighbours, unsigned int* __restrict__ output_masks,
                                int* __restrict__ input_neighbours, unsigned int* __restrict__ input_masks) {
   const sc::StridedGeometry geometry = SC_STRIDED_GEOMETRY_VALUE;
-  auto sorted_key = [&](long long t) {
-    return sc::candidate_key(indices, ndim, batch_size, geometry, transposed, volume, order[t]);
-  };
   sc::for_each_element(n + total, 1, [&](long long e, long long, long long) {
-    if (e < n) {  // input row e
-      int* row = input_neighbours + e * volume;
-      unsigned int word = 0u;
-      for (int k = 0; k < volume; ++k) {
-        const long long key = sc::candidate_key(indices, ndim, batch_size, geometry, transposed, volume,
-                                                e * volume + k);
-        int output = -1;
-        if (key >= 0) {
-          long long low = 0;  // the first sorted position whose key is >= key
-          long long high = total;
-          while (low < high) {
-            const long long middle = low + (high - low) / 2;
-            if (sorted_key(middle) < key) {
-              low = middle + 1;
-            } else {
-              high = middle;
-            }
-          }
-          output = static_cast<int>(ranks[low] - 1);
-        }
-        row[k] = output;
-        sc::add_mask_bit(input_masks + e * words, k, volume, output >= 0, &word);
-      }
-      return;
+    sc::strided_item(indices, n, ndim, batch_size, geometry, transposed, volume, words, order, ranks, total,
+                     total + 1, output_indices, output_neighbours, output_masks, input_neighbours, input_masks, e);
+  });
+}
+
+// Section 3e of a capacity build (sparsecore.capacity): no read back. The output tables hold `capacity` rows,
+// filled with padding (sites -1, neighbours -1, masks 0) before the launch; rows past the capacity are never
+// written. Item 0 also writes status[0] = the output count the build needed (capped at INT32_MAX, it may exceed
+// the capacity: the overflow) and status[1] = the problem bits a checked build's last mark carried
+// (ranks[total - 1] >> problem_shift). Launch over n + total threads (total >= 1).
+__global__ void sc_map_strided_capacity(const int* __restrict__ indices, long long n, int ndim,
+                                        long long batch_size, SC_STRIDED_GEOMETRY, int transposed, int volume,
+                                        int words, const long long* __restrict__ order,
+                                        const long long* __restrict__ ranks, long long total,
+                                        int* __restrict__ output_indices, int* __restrict__ output_neighbours,
+                                        unsigned int* __restrict__ output_masks,
+                                        int* __restrict__ input_neighbours, unsigned int* __restrict__ input_masks,
+                                        long long capacity, int* __restrict__ status, int problem_shift) {
+  const sc::StridedGeometry geometry = SC_STRIDED_GEOMETRY_VALUE;
+  sc::for_each_element(n + total, 1, [&](long long e, long long, long long) {
+    if (e == 0) {
+      const long long last = ranks[total - 1];
+      const long long needed = last & ((1LL << problem_shift) - 1);
+      status[0] = static_cast<int>(needed < 2147483647LL ? needed : 2147483647LL);
+      status[1] = static_cast<int>(last >> problem_shift);
     }
-    const long long t = e - n;  // sorted position t: the first of its key's run?
-    if (ranks[t] == (t == 0 ? 0 : ranks[t - 1])) {
-      return;
-    }
-    const long long o = ranks[t] - 1;
-    const long long key = sorted_key(t);
-    long long rest = key;
-    for (int d = ndim - 1; d >= 0; --d) {
-      output_indices[o * (ndim + 1) + 1 + d] = static_cast<int>(rest % geometry.out.value[d]);
-      rest /= geometry.out.value[d];
-    }
-    output_indices[o * (ndim + 1)] = static_cast<int>(rest);
-    int* row = output_neighbours + o * volume;
-    unsigned int* row_masks = output_masks + o * words;
-    for (int k = 0; k < volume; ++k) {
-      row[k] = -1;
-    }
-    for (int w = 0; w < words; ++w) {
-      row_masks[w] = 0u;
-    }
-    for (long long u = t; u < total && sorted_key(u) == key; ++u) {
-      const long long f = order[u];
-      const long long i = f / volume;
-      const int k = static_cast<int>(f - i * volume);
-      row[k] = static_cast<int>(i);
-      row_masks[k >> 5] |= 1u << (k & 31);
-    }
+    sc::strided_item(indices, n, ndim, batch_size, geometry, transposed, volume, words, order, ranks, total,
+                     capacity, output_indices, output_neighbours, output_masks, input_neighbours, input_masks, e);
   });
 }

@@ -7,6 +7,14 @@ feature passes (gather-GEMM-scatter, pooling).
 """
 
 from . import _dispatch
+from .capacity import (
+    BoundCapacity,
+    CapacityOverflowError,
+    CapacityStatus,
+    FixedCapacity,
+    LearnedCapacity,
+    check_capacity,
+)
 from .conv import conv_backward, conv_forward
 from .dense import from_dense, to_dense, union_sites
 from .functional import (
@@ -41,6 +49,12 @@ from .voxelization import BatchedVoxels, VoxelGrid, Voxels, gather_voxel_feature
 __version__ = "0.1.0"
 
 __all__ = [
+    "BoundCapacity",
+    "CapacityOverflowError",
+    "CapacityStatus",
+    "FixedCapacity",
+    "LearnedCapacity",
+    "check_capacity",
     "CONV_KINDS",
     "ConvGeometry",
     "FoundRulebook",

@@ -49,6 +49,7 @@ from ._conv_products import (
     offset_matrices,
     weight_from_matrices,
 )
+from ._capacity_builds import exact_of, padded_rows
 from ._dispatch import check_same_device, to_core_array
 from ._rulebook_views import index_rows, map_view, pair_view, refuse_bfloat16, runs_fused_passes
 from ._validation import as_features
@@ -102,6 +103,10 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap | Neig
     backend = backend if backend is not None else backend_for(features)
     if runs_fused_passes(backend):  # one sc_implicit_gemm launch over the map
         return backend.fused_passes.conv_forward(features, weight, map_view(rulebook, backend.xp), bias, groups)
+    exact = exact_of(rulebook)
+    if exact is not None:  # a padded capacity build on the host: the exact pass on the true rows, then padding
+        out = conv_forward(features[:exact.num_input], weight, exact, bias, groups, backend=backend)
+        return padded_rows(out, rulebook.num_output, 0 if bias is None else bias.astype(out.dtype, copy=False))
     refuse_bfloat16(features=features, weight=weight, bias=bias)
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
@@ -183,6 +188,11 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         grad_features, grad_weight = backend.fused_passes.conv_backward(grad_output, features, weight,
                                                                         map_view(rulebook, backend.xp), groups)
         return grad_features, grad_weight if grad_weight.dtype == weight.dtype else grad_weight.astype(weight.dtype)
+    exact = exact_of(rulebook)
+    if exact is not None:  # a padded capacity build on the host: the exact pass on the true rows
+        grad_features, grad_weight = conv_backward(grad_output[:exact.num_output], features[:exact.num_input],
+                                                   weight, exact, groups, backend=backend)
+        return padded_rows(grad_features, rulebook.num_input), grad_weight
     refuse_bfloat16(features=features, weight=weight, grad_output=grad_output)
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)

@@ -11,7 +11,31 @@ from .backends import backend_for
 from .hashing import pack_keys, unpack_keys
 from .memory_budget import check_dense
 
-__all__ = ["to_dense", "from_dense", "union_sites"]
+__all__ = ["to_dense", "padded_to_dense", "from_dense", "union_sites"]
+
+
+def padded_to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_size: int,
+                    channels_first: bool = True) -> Any:
+    """`to_dense` of capacity mode's rows (`sparsecore.capacity`): rows whose batch index is -1 are padding and
+    left out, with no read back (no site checks: the builds checked the sites; no data-sized operation).
+
+    The padding rows are written to a spare batch element that is cut off.
+    """
+    shape = as_spatial_shape(spatial_shape)
+    batch = as_batch_size(batch_size)
+    xp = array_module(features)
+    check_dense(batch + 1, shape, features.shape[1], features.dtype.itemsize, features)  # sparsecore.memory_budget
+    channels = features.shape[1]
+    dense = xp.zeros((batch + 1, channels) + shape if channels_first else (batch + 1,) + shape + (channels,),
+                     dtype=features.dtype)
+    padding = indices[:, 0] < 0
+    columns = [xp.where(padding, batch if axis == 0 else 0, indices[:, axis]) for axis in range(indices.shape[1])]
+    values = xp.where(padding[:, None], features.dtype.type(0), features)
+    if channels_first:
+        dense[(columns[0], slice(None), *columns[1:])] = values
+    else:
+        dense[tuple(columns)] = values
+    return xp.ascontiguousarray(dense[:batch])
 
 
 def to_dense(features: Any, indices: Any, spatial_shape: Sequence[int], batch_size: int,

@@ -17,6 +17,7 @@ from .conv import check_weight_layout, conv_forward
 from .dense import union_sites
 from .geometry import ConvGeometry, PerAxis
 from .pool import avg_pool_forward, global_avg_pool_forward, global_max_pool_forward, max_pool_forward
+from .capacity import true_rows
 from .layer_geometry import FoundRulebook, find_layer_rulebook
 from .rulebook import Rulebook
 from .tensor import RulebookCache, SparseTensor
@@ -55,7 +56,7 @@ def layer_rulebook(x: SparseTensor, geometry: ConvGeometry, indice_key: str | No
 
 def _layer(x: SparseTensor, geometry: ConvGeometry, indice_key: str | None) -> FoundRulebook:
     """The layer's rulebook and the cache its output holds (the input's cache is left as it is)."""
-    return find_layer_rulebook(x.rulebooks.value, x.sites, geometry, indice_key)
+    return find_layer_rulebook(x.rulebooks.value, x.sites, geometry, indice_key, capacity=x.capacity)
 
 
 def _output(x: SparseTensor, features: Any, found: FoundRulebook) -> SparseTensor:
@@ -130,16 +131,22 @@ def sparse_avg_pool(x: SparseTensor, kernel_size: PerAxis, stride: PerAxis | Non
     return _output(x, avg_pool_forward(x.core_features, found.rulebook), found)
 
 
+def _true_sites(x: SparseTensor) -> tuple[Any, Any]:
+    """``x``'s features and sites without capacity mode's padding (the global pools group rows on the host)."""
+    if x.capacity is None:
+        return x.core_features, x.core_indices
+    rows = true_rows(x.core_indices)
+    return x.core_features[:rows], x.core_indices[:rows]
+
+
 def global_max_pool(x: SparseTensor) -> Any:
     """``[B, C]`` channel-wise maximum per batch element (0 for an empty element), in ``x``'s library."""
-    return from_core_array(global_max_pool_forward(x.core_features, x.core_indices, x.batch_size)[0],
-                           like=x.features)
+    return from_core_array(global_max_pool_forward(*_true_sites(x), x.batch_size)[0], like=x.features)
 
 
 def global_avg_pool(x: SparseTensor) -> Any:
     """``[B, C]`` channel-wise mean per batch element (0 for an empty element), in ``x``'s library."""
-    return from_core_array(global_avg_pool_forward(x.core_features, x.core_indices, x.batch_size),
-                           like=x.features)
+    return from_core_array(global_avg_pool_forward(*_true_sites(x), x.batch_size), like=x.features)
 
 
 def sparse_add(*tensors: SparseTensor) -> SparseTensor:
@@ -169,6 +176,12 @@ def sparse_add(*tensors: SparseTensor) -> SparseTensor:
         for other in tensors[1:]:
             total = total + other.core_features
         return first.replace(from_core_array(total, like=first.features))
+    if any(t.capacity is not None for t in tensors):
+        raise ValueError(
+            "sparse_add of tensors on different sites is not available in capacity mode (its union's size "
+            "depends on the data, a read back); add tensors on the very same sites, or run this step in exact "
+            "mode (capacity=None)"
+        )
     # every SparseTensor's sites were checked unique where it was made
     union, rows = union_sites([t.core_indices for t in tensors], first.spatial_shape, first.batch_size,
                               assume_unique=all(t._checked for t in tensors))

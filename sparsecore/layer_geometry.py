@@ -51,12 +51,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Hashable, Mapping
 
+from .capacity import as_capacity_policy, layer_capacity
 from .geometry import ConvGeometry
 from .reuse import check_inverse_fits, check_rulebook_fits
 from .rulebook import Rulebook, build_rulebook, inverse_rulebook
 
 __all__ = ["InputSites", "GeometryCache", "FoundRulebook", "find_layer_rulebook", "sites_identity",
-           "SitesIdentity"]
+           "SitesIdentity", "capacity_layer_name"]
 
 _EMPTY: Mapping[Any, Rulebook] = MappingProxyType({})
 
@@ -186,8 +187,16 @@ def _inverse(cache: GeometryCache, sites: InputSites, geometry: ConvGeometry, ke
     return FoundRulebook(inverse_rulebook(saved), cache, reused=True)
 
 
+def capacity_layer_name(layer: str, geometry: ConvGeometry, spatial_shape: tuple[int, ...],
+                        indice_key: str | None = None) -> str:
+    """A layer's name for its capacity policy: what it is, its key, and the grid it reads (stable across steps)."""
+    key = f" [{indice_key}]" if indice_key else ""
+    return f"{layer or geometry.describe()}{key} on grid {tuple(int(size) for size in spatial_shape)}"
+
+
 def find_layer_rulebook(cache: GeometryCache, sites: InputSites, geometry: ConvGeometry,
-                        indice_key: str | None = None, *, layer: str = "") -> FoundRulebook:
+                        indice_key: str | None = None, *, layer: str = "",
+                        capacity: Any = None) -> FoundRulebook:
     """The rulebook of a layer with ``geometry`` on ``sites``, found in ``cache`` or built.
 
     The rules (reuse, ``indice_key``, inverse, sharing) are the module's docstring.
@@ -199,6 +208,9 @@ def find_layer_rulebook(cache: GeometryCache, sites: InputSites, geometry: ConvG
             its kernel size is read: the rest comes from the paired layer).
         indice_key: spconv's key, or None.
         layer: the layer's name, for messages (e.g. ``"SubMConv3d"``).
+        capacity: None (exact mode), or a `sparsecore.capacity` policy (or what
+            `sparsecore.capacity.as_capacity_policy` takes): a new rulebook is a capacity build,
+            its capacity the policy's for the layer named `capacity_layer_name`.
 
     Returns:
         `FoundRulebook`: the rulebook and the cache to hand to the output.
@@ -232,8 +244,17 @@ def find_layer_rulebook(cache: GeometryCache, sites: InputSites, geometry: ConvG
         if indice_key is not None and saved is None:
             cache = cache.with_alias(indice_key, known)
         return FoundRulebook(known, cache, reused=True)
-    rulebook = build_rulebook(sites.indices, sites.spatial_shape, sites.batch_size, geometry,
-                              assume_unique=sites.checked)
+    policy = as_capacity_policy(capacity)
+    if policy is None:
+        rulebook = build_rulebook(sites.indices, sites.spatial_shape, sites.batch_size, geometry,
+                                  assume_unique=sites.checked)
+    else:
+        name = capacity_layer_name(layer, geometry, sites.spatial_shape, indice_key)
+        rows = int(sites.indices.shape[0])
+        size = rows if geometry.kind == "subm" else layer_capacity(
+            policy, name, geometry, rows, geometry.output_spatial_shape(sites.spatial_shape), sites.batch_size)
+        rulebook = build_rulebook(sites.indices, sites.spatial_shape, sites.batch_size, geometry,
+                                  assume_unique=sites.checked, capacity=size, layer=name)
     cache = cache.with_canonical(canonical, rulebook)
     if indice_key is not None:
         cache = cache.with_alias(indice_key, rulebook)

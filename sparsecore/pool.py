@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._capacity_builds import exact_of, padded_rows
 from ._dispatch import array_module, check_same_device, to_core_array
 from ._validation import as_batch_size, as_features
 from ._chunks import check_padded_pairs
@@ -87,6 +88,10 @@ def max_pool_forward(features: Any, rulebook: Rulebook | PairMap | NeighbourMap,
         ``(out [N_out, C], argmax [N_out, C] int32)``, ``argmax`` holding the input
         row that gave each maximum.
     """
+    exact = exact_of(rulebook)
+    if exact is not None and not runs_fused_passes(backend or backend_for(features)):  # a padded capacity build
+        out, argmax = max_pool_forward(features[:exact.num_input], exact, backend=backend)
+        return padded_rows(out, rulebook.num_output), padded_rows(argmax, rulebook.num_output, -1)
     backend, source, view = _pass_operands(features, rulebook, backend, "forward")
     if runs_fused_passes(backend):
         return backend.fused_passes.max_pool_forward(source, view)
@@ -142,6 +147,11 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
         backend = backend if backend is not None else backend_for(grad_output)
         if runs_fused_passes(backend):  # per input row over the map's input side
             return backend.fused_passes.max_pool_backward(grad_output, argmax, map_view(rulebook, backend.xp))
+        exact = exact_of(rulebook)
+        if exact is not None:  # a padded capacity build on the host: the exact pass on the true rows
+            grad = max_pool_backward(grad_output[:exact.num_output], argmax[:exact.num_output], exact.num_input,
+                                     rulebook=exact, backend=backend)
+            return padded_rows(grad, num_input)
         refuse_bfloat16(grad_output=grad_output)
         rulebook = pair_view(rulebook)
         check_padded_pairs(rulebook, backend)
@@ -175,6 +185,9 @@ def avg_pool_forward(features: Any, rulebook: Rulebook | PairMap | NeighbourMap,
     Returns:
         ``[N_out, C]`` in the features' dtype.
     """
+    exact = exact_of(rulebook)
+    if exact is not None and not runs_fused_passes(backend or backend_for(features)):  # a padded capacity build
+        return padded_rows(avg_pool_forward(features[:exact.num_input], exact, backend=backend), rulebook.num_output)
     backend, source, view = _pass_operands(features, rulebook, backend, "forward")
     if runs_fused_passes(backend):
         return backend.fused_passes.avg_pool_forward(source, view)
@@ -194,6 +207,10 @@ def avg_pool_backward(grad_output: Any, rulebook: Rulebook | PairMap | Neighbour
     Returns:
         ``[N_in, C]``.
     """
+    exact = exact_of(rulebook)
+    if exact is not None and not runs_fused_passes(backend or backend_for(grad_output)):  # a padded capacity build
+        return padded_rows(avg_pool_backward(grad_output[:exact.num_output], exact, backend=backend),
+                           rulebook.num_input)
     backend, source, view = _pass_operands(grad_output, rulebook, backend, "backward")
     if runs_fused_passes(backend):
         return backend.fused_passes.avg_pool_backward(source, view)

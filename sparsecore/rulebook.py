@@ -82,6 +82,11 @@ class Rulebook:
         output_indices: int32 ``[N_out, 1 + D]``, the output sites.
         stored_pairs: the `PairMap`, when the builder wrote pairs; else None.
         stored_map: the `NeighbourMap`, when the builder wrote a map; else None.
+        capacity: a capacity build's `sparsecore.capacity.CapacityStatus` (its count and site
+            checks, on the device), or None (exact mode, or nothing to report).
+        exact: a capacity build on the NumPy backend: the exact rulebook of the true rows, on
+            which the CPU passes run (the padded rows sliced off before, added after: the true
+            rows are bitwise those of exact mode); else None.
     """
 
     geometry: ConvGeometry
@@ -92,6 +97,8 @@ class Rulebook:
     output_indices: Any = dataclasses.field(repr=False)
     stored_pairs: PairMap | None = dataclasses.field(default=None, repr=False)
     stored_map: NeighbourMap | None = dataclasses.field(default=None, repr=False)
+    capacity: Any = dataclasses.field(default=None, repr=False)
+    exact: "Rulebook | None" = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.stored_pairs is None and self.stored_map is None:
@@ -270,7 +277,8 @@ def _mapped(indices: Any, shape: tuple[int, ...], batch: int, geometry: ConvGeom
 
 def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
                    geometry: ConvGeometry, *, assume_unique: bool = False,
-                   backend: ArrayBackend | None = None) -> Rulebook:
+                   backend: ArrayBackend | None = None, capacity: int | None = None,
+                   layer: str = "") -> Rulebook:
     """Builds the rulebook of a subm, regular or transposed layer.
 
     Args:
@@ -281,6 +289,11 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
         assume_unique: skip the range and duplicate-site checks, for sites the
             library produced itself (outputs of a previous layer).
         backend: the primitives to run on; by default the backend of ``indices``.
+        capacity: None (exact mode), or the output rows of a capacity build
+            (`sparsecore.capacity`): a strided or transposed layer's outputs are allocated at
+            ``capacity`` rows, padded, with no read back; rows of ``indices`` whose batch index
+            is -1 are padding (last). A submanifold layer's output rows are its input's.
+        layer: the layer's name in a capacity build's `CapacityStatus`.
 
     Returns:
         The `Rulebook`.
@@ -295,9 +308,17 @@ def build_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: int,
     indices, shape, batch = _prepare(indices, spatial_shape, batch_size, geometry.ndim)
     backend = backend if backend is not None else backend_for(indices)
     maps = _kernel_builds.builds_neighbour_maps(backend)
-    if not assume_unique and not maps:  # a kernel backend checks the sites in its build (one read back)
+    if not assume_unique and not maps and capacity is None:  # a kernel backend checks the sites in its build
         check_indices_in_range(indices, shape, batch)
     check_rulebook_build(geometry, indices, shape, batch)  # sparsecore.memory_budget
+    if capacity is not None and geometry.kind in ("subm", "regular", "transposed"):
+        from ._capacity_builds import capacity_rulebook
+
+        out_shape = shape if geometry.kind == "subm" else _output_shape(shape, batch, geometry)
+        exact = None if maps else (lambda sites, checked: build_rulebook(
+            sites, shape, batch, geometry, assume_unique=checked, backend=backend))
+        return capacity_rulebook(Rulebook, indices, shape, out_shape, batch, geometry, backend, assume_unique, int(capacity),
+                                 layer or geometry.describe(), exact)
     if geometry.kind in ("subm", "regular", "transposed"):
         if maps:
             return _mapped(indices, shape, batch, geometry, backend, assume_unique)
@@ -314,10 +335,12 @@ def build_pool_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: 
                         kernel_size: PerAxis, stride: PerAxis | None = None, padding: PerAxis = 0,
                         dilation: PerAxis = 1, *, subm: bool = False,
                         assume_unique: bool = False,
-                        backend: ArrayBackend | None = None) -> Rulebook:
+                        backend: ArrayBackend | None = None, capacity: int | None = None,
+                        layer: str = "") -> Rulebook:
     """The rulebook of a pooling window (stride defaults to the kernel size, as in spconv).
 
-    With ``subm=True`` the outputs are the input sites (odd kernels only).
+    With ``subm=True`` the outputs are the input sites (odd kernels only). ``capacity`` and
+    ``layer``: a capacity build, as `build_rulebook`'s.
     """
     ndim = as_indices(indices, len(as_spatial_shape(spatial_shape))).shape[1] - 1
     geometry = ConvGeometry.create(
@@ -325,7 +348,7 @@ def build_pool_rulebook(indices: Any, spatial_shape: Sequence[int], batch_size: 
         kind="subm" if subm else "regular",
     )
     return build_rulebook(indices, spatial_shape, batch_size, geometry, assume_unique=assume_unique,
-                          backend=backend)
+                          backend=backend, capacity=capacity, layer=layer)
 
 
 def inverse_rulebook(rulebook: Rulebook) -> Rulebook:
@@ -348,7 +371,12 @@ def inverse_rulebook(rulebook: Rulebook) -> Rulebook:
     geometry = dataclasses.replace(rulebook.geometry, kind="inverse")
     if rulebook.stored_map is not None:  # the regular map with its sides exchanged
         return Rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape, rulebook.batch_size,
-                        rulebook.output_indices, rulebook.input_indices, stored_map=rulebook.stored_map.swapped())
-    return _made_rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape,
-                          rulebook.batch_size, rulebook.output_indices, rulebook.input_indices,
-                          rulebook.pair_output, rulebook.pair_input, rulebook.offset_starts)
+                        rulebook.output_indices, rulebook.input_indices, stored_map=rulebook.stored_map.swapped(),
+                        capacity=rulebook.capacity)
+    inverse = _made_rulebook(geometry, rulebook.output_spatial_shape, rulebook.input_spatial_shape,
+                             rulebook.batch_size, rulebook.output_indices, rulebook.input_indices,
+                             rulebook.pair_output, rulebook.pair_input, rulebook.offset_starts)
+    if rulebook.capacity is None and rulebook.exact is None:
+        return inverse
+    return dataclasses.replace(inverse, capacity=rulebook.capacity,
+                               exact=None if rulebook.exact is None else inverse_rulebook(rulebook.exact))

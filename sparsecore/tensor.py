@@ -7,8 +7,9 @@ from typing import Any, Iterator, Sequence
 
 from ._dispatch import array_library, check_same_device, from_core_array
 from ._kernel_builds import check_sites
+from .capacity import as_capacity_policy, check_capacity
 from .interop import as_batch_size, as_features, as_indices, as_spatial_shape
-from .dense import from_dense, to_dense
+from .dense import from_dense, padded_to_dense, to_dense
 from .layer_geometry import GeometryCache, InputSites, sites_identity
 from .rulebook import Rulebook
 
@@ -86,6 +87,11 @@ class SparseTensor:
         spatial_shape: ``D`` positive ints (1 to 4 axes).
         batch_size: number of batch elements.
         rulebooks: a cache to share; a fresh one when omitted.
+        capacity: None (exact mode, the default), or capacity mode (`sparsecore.capacity`):
+            True / ``"learned"`` / ``"bound"`` / rows / a policy. Every layer on this tensor and
+            on the tensors derived from it then builds at a capacity with no read back: rows
+            whose batch index is -1 are padding (last), and the sites are checked in the first
+            build, read by `sparsecore.check_capacity` (``x.check_capacity()``), not here.
 
     Raises:
         ValueError / TypeError: on malformed shapes, dtypes, devices, out-of-range
@@ -98,6 +104,7 @@ class SparseTensor:
     spatial_shape: tuple[int, ...]
     batch_size: int
     rulebooks: RulebookCache = field(default_factory=RulebookCache)
+    capacity: Any = None
     _checked: bool = field(default=False, repr=False)
     core_features: Any = field(init=False, repr=False)
     core_indices: Any = field(init=False, repr=False)
@@ -108,7 +115,8 @@ class SparseTensor:
         indices = as_indices(self.indices, len(shape))
         features = as_features(self.features, indices.shape[0])
         check_same_device(features=features, indices=indices)
-        if not self._checked:
+        object.__setattr__(self, "capacity", as_capacity_policy(self.capacity))
+        if not self._checked and self.capacity is None:  # capacity mode: checked in the first build
             check_sites(indices, shape, batch)  # on the GPU one kernel pass and one read back
             object.__setattr__(self, "_checked", True)
         object.__setattr__(self, "spatial_shape", shape)
@@ -144,7 +152,7 @@ class SparseTensor:
         """The same sites with new features ``[N, C']``, sharing this tensor's rulebook cache
         (spconv's ``replace_feature``) unless ``rulebooks`` gives the one to hold."""
         out = SparseTensor(features, self.indices, self.spatial_shape, self.batch_size,
-                           self.rulebooks if rulebooks is None else rulebooks, _checked=self._checked)
+                           self.rulebooks if rulebooks is None else rulebooks, self.capacity, _checked=self._checked)
         if out.indices is self.indices:  # one core view of the sites: cached rulebooks match by identity
             object.__setattr__(out, "core_indices", self.core_indices)
         return out
@@ -159,10 +167,21 @@ class SparseTensor:
         built on it are found by identity (`sites`).
         """
         out = SparseTensor(features, indices, tuple(spatial_shape), self.batch_size,
-                           self.rulebooks if rulebooks is None else rulebooks, _checked=True)
+                           self.rulebooks if rulebooks is None else rulebooks, self.capacity, _checked=True)
         if core_indices is not None and tuple(core_indices.shape) == tuple(out.core_indices.shape):
             object.__setattr__(out, "core_indices", core_indices)
         return out
+
+    def check_capacity(self) -> dict[str, int]:
+        """Reads the counts and site checks of the capacity builds in this tensor's rulebook cache (one read
+        back), teaches them to its policy, and raises `sparsecore.capacity.CapacityOverflowError` (or the site
+        checks' ValueError) for the first layer that failed (`sparsecore.capacity.check_capacity`).
+
+        Returns:
+            ``{layer name: output rows needed}``; empty in exact mode.
+        """
+        return check_capacity([*self.rulebooks.value.canonical.values(), *self.rulebooks.value.aliases.values()],
+                              self.capacity)
 
     @property
     def sites(self) -> InputSites:
@@ -172,8 +191,9 @@ class SparseTensor:
 
     def dense(self, channels_first: bool = True) -> Any:
         """The dense grid: ``[B, C, *spatial]`` (or ``[B, *spatial, C]``)."""
-        dense = to_dense(self.core_features, self.core_indices, self.spatial_shape, self.batch_size,
-                         channels_first=channels_first)
+        densify = to_dense if self.capacity is None else padded_to_dense  # capacity mode: no read back
+        dense = densify(self.core_features, self.core_indices, self.spatial_shape, self.batch_size,
+                        channels_first=channels_first)
         return from_core_array(dense, like=self.features)
 
     @classmethod

@@ -323,3 +323,40 @@ def test_feature_pass_scratch_counts_the_results_apart() -> None:
                                                                                  sites * 16 * 4)
     assert (backward.reference_bytes, backward.result_bytes) == (sites * 16 * 4, sites * 16 * 4 + 27 * 16 * 16 * 4)
     assert forward.peak_bytes >= forward.result_bytes and backward.peak_bytes >= backward.result_bytes
+
+
+def test_capacity_mode_counts_no_read_back_and_reports_its_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--capacity``: after one warm-up the forward with its builds and the backward read nothing back (the
+    emulation refuses reads: its `DeviceArray` hook is the oracle of the read count), with the same launches
+    as exact mode; the rows allocated hold the rows needed."""
+    import sparsecore as sc
+    from tests.cuda_emulation import device_arrays
+
+    target = host_operations.emulation_target()
+    scene = _strip_scene()
+    refused: list[str] = []
+    original_refuse = device_arrays._refuse
+    tally = host_counting.Tally(target.internal_files)
+
+    def refuse(what: str) -> None:
+        if tally.pass_name is not None:
+            refused.append(what)
+        original_refuse(what)
+
+    device_arrays._refuse = refuse
+    try:
+        document = host_operations.count_network(target, scene, "strip", LAYERS, skip_feature_kernels=True,
+                                                 tally=tally, capacity=sc.LearnedCapacity())
+    finally:
+        device_arrays._refuse = original_refuse
+    exact = host_operations.count_network(target, scene, "strip", LAYERS, skip_feature_kernels=True)
+    assert refused == []
+    for pass_name in host_operations.PASSES:
+        operations, launches, matmuls, reads = host_operations.pass_counts(document, pass_name)
+        exact_operations, exact_launches, _, exact_reads = host_operations.pass_counts(exact, pass_name)
+        assert reads == 0 and launches == exact_launches
+        assert operations == exact_operations - exact_reads
+    pools = [entry for entry in document["capacity"] if "Pool" in entry["layer"]]
+    assert pools and all(entry["needed"] <= entry["capacity"] for entry in pools)
+    text = host_operations.format_capacity(document)
+    assert "layer outputs and tables" in text and pools[0]["layer"] in text

@@ -18,7 +18,7 @@ Every operation counts once (cheap and dear alike; reads are among the host
 operations), so read the totals as an upper bound and the call sites
 (``--sites``) for what to cut. Run from the repository root:
 
-    python tools/host_operations.py [--scene synthetic|basic] [--run-all] [--json PATH] [--sites 30]
+    python tools/host_operations.py [--scene synthetic|basic] [--run-all] [--json PATH] [--sites 30] [--capacity]
     python tools/host_operations.py --device cuda --scene basic --json gpu.json --compare emulation.json
 
 ``--device emulation`` (the default) runs the network on the emulated kernel
@@ -35,7 +35,9 @@ The end of the report compares the counts with issue 28's targets for the
 emulation (forward with builds <= 200 host operations and <= 6 reads, backward
 <= 100 and no read; per conv layer 1 forward launch and no cuBLAS call, <= 2
 backward launches). No assertion: a measurement; compare counts of one scene
-between commits.
+between commits. ``--capacity`` counts capacity mode (`sparsecore.capacity`: issue 36's
+targets, 0 reads back per step) after one uncounted warm-up step has taught the
+default policy its counts, and prints per pool the rows needed and allocated.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from sparsecore.benchmark import network  # noqa: E402
 
 __all__ = ["CountingTarget", "emulation_target", "cuda_target", "count_network", "PassScratch",
            "feature_pass_scratch", "LayerCount", "layer_counts", "pass_counts", "TargetResult", "target_results",
-           "compare_documents", "format_report", "main"]
+           "compare_documents", "format_report", "capacity_rows", "format_capacity", "main"]
 
 FORMAT = "sparsecore host operations, format 1"
 PASSES = ("forward", "backward")
@@ -160,7 +162,8 @@ def _quiet_garbage() -> Iterator[None]:
 
 def count_network(target: CountingTarget, scene: Any, scene_name: str,
                   layers: tuple[network.NetworkLayer, ...] = network.REFERENCE_NETWORK,
-                  skip_feature_kernels: bool = False, tally: Tally | None = None) -> dict[str, Any]:
+                  skip_feature_kernels: bool = False, tally: Tally | None = None,
+                  capacity: Any = None) -> dict[str, Any]:
     """Counts one forward (rulebooks built) and one backward of ``layers`` on ``scene``.
 
     A first, uncounted forward and backward warms up (compiles the kernels).
@@ -172,6 +175,10 @@ def count_network(target: CountingTarget, scene: Any, scene_name: str,
         layers: the network (a prefix of the reference network in tests).
         skip_feature_kernels: count the feature kernels' launches without running them.
         tally: the `Tally` to count into (a fresh one by default; tests watch its ``pass_name``).
+        capacity: None (exact mode), or a `sparsecore.capacity` policy: capacity mode. The warm-up
+            forward runs in capacity mode too and `sparsecore.check_capacity` (uncounted) teaches the
+            policy its counts, so the counted step runs at the capacities the policy learned; the
+            document then holds ``capacity``: per pool its rows needed and its capacity.
 
     Returns:
         The JSON-ready document: header fields, the layers, and flat ``counts``
@@ -194,12 +201,19 @@ def count_network(target: CountingTarget, scene: Any, scene_name: str,
     started = time.monotonic()
     with _quiet_garbage(), host_counting.routed(is_device, library, backend), \
             host_counting.counting(tally, backend, target.array_type, skip_feature_kernels, target.ufunc_override):
-        warm = network.core_forward(features, indices, shape, weights, layers, backend=backend)
+        warm = network.core_forward(features, indices, shape, weights, layers, backend=backend, capacity=capacity)
+        if capacity is not None:  # the warm-up teaches the policy (one read, not counted)
+            import sparsecore as sc
+
+            needed = sc.check_capacity(warm.rulebooks, capacity)
+            warm = network.core_forward(features, indices, shape, weights, layers, backend=backend,
+                                        capacity=capacity)
         grad = target.to_device(generator.standard_normal(tuple(warm.output.shape)).astype(np.float32))
         network.core_backward(warm, grad, weights, layers, backend=backend)
         target.synchronize()
         tally.pass_name = "forward"
-        state = network.core_forward(features, indices, shape, weights, layers, recorder=tally, backend=backend)
+        state = network.core_forward(features, indices, shape, weights, layers, recorder=tally, backend=backend,
+                                     capacity=capacity)
         tally.pass_name = None
         target.synchronize()
         tally.pass_name = "backward"
@@ -207,7 +221,11 @@ def count_network(target: CountingTarget, scene: Any, scene_name: str,
         tally.pass_name = None
         target.synchronize()
     mode = "feature kernels counted, not run" if skip_feature_kernels else "every kernel run"
-    return {
+    extra: dict[str, Any] = {}
+    if capacity is not None:
+        mode += f", capacity mode ({capacity!r})"
+        extra["capacity"] = capacity_rows(state, layers, needed)
+    return {**extra,
         "format": FORMAT,
         "device": target.name,
         "mode": mode,
@@ -223,6 +241,36 @@ def count_network(target: CountingTarget, scene: Any, scene_name: str,
                         "count": count}
                        for (pass_name, label, stage, site), count in tally.sites.most_common()],
     }
+
+
+def capacity_rows(state: Any, layers: tuple[network.NetworkLayer, ...], needed: dict[str, int]) -> list[dict]:
+    """Per layer of a capacity-mode forward: its output rows needed (exact mode's), the rows allocated, and
+    the bytes of its output features and tables either way (the memory target of issue 36)."""
+    rows = []
+    exact = int(state.rulebooks[0].num_input) if state.rulebooks else 0  # the scene's sites: no padding
+    for layer, rulebook in zip(layers, state.rulebooks):
+        allocated = int(rulebook.num_output)
+        exact = int(needed.get(layer.name, exact))  # a submanifold layer keeps its input's rows
+        volume = 27 if layer.kind == "subm" else 8
+        per_row = 4 * layer.out_channels + 4 * (4 + volume + 1)  # features, then site, neighbour row, mask
+        rows.append({"layer": layer.name, "needed": exact, "capacity": allocated,
+                     "exact_bytes": exact * per_row, "capacity_bytes": allocated * per_row})
+    return rows
+
+
+def format_capacity(document: dict[str, Any]) -> str:
+    """The capacity section of a report: per pool its rows needed and allocated, and the memory ratio."""
+    entries = document.get("capacity")
+    if not entries:
+        return ""
+    lines = ["capacity mode: rows needed (exact mode) and allocated per pool, after one warm-up step"]
+    lines += [f"  {entry['layer']:<36} {entry['needed']:>8} {entry['capacity']:>8}"
+              for entry in entries if entry["needed"] != entry["capacity"] or "Pool" in entry["layer"]]
+    exact = sum(entry["exact_bytes"] for entry in entries)
+    allocated = sum(entry["capacity_bytes"] for entry in entries)
+    lines.append(f"  layer outputs and tables: {allocated / 2**20:.2f} MiB in capacity mode vs {exact / 2**20:.2f} MiB "
+                 f"exact: {allocated / max(exact, 1):.3f}x (target <= 1.5x)")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -547,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true",
                         help="also measure the scratch memory of a SubMConv3d 64->64 forward and backward on the "
                         "scene (peak allocated beyond the results: tracemalloc on the emulation, CuPy's pool on a GPU)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="capacity mode (sparsecore.capacity, the default LearnedCapacity policy after one "
+                        "warm-up step): host operations per step with no read back, and the memory it takes")
     parser.add_argument("--json", metavar="PATH", help="also write the counts as JSON (for --compare)")
     parser.add_argument("--compare", metavar="PATH",
                         help="compare the per-layer counts with another run's --json; exit 1 where they differ")
@@ -556,8 +607,13 @@ def main(argv: list[str] | None = None) -> int:
     scene = network.network_scene(args.scene, "small")
     if not 1 <= args.layers <= len(network.REFERENCE_NETWORK):
         parser.error(f"--layers must be between 1 and {len(network.REFERENCE_NETWORK)}, got {args.layers}")
+    policy = None
+    if args.capacity:
+        import sparsecore as sc
+
+        policy = sc.LearnedCapacity()
     document = count_network(target, scene, args.scene, network.REFERENCE_NETWORK[:args.layers],
-                             skip_feature_kernels=args.device == "emulation" and not args.run_all)
+                             skip_feature_kernels=args.device == "emulation" and not args.run_all, capacity=policy)
     if args.memory:
         passes = feature_pass_scratch(target, scene, 64,
                                       skip_feature_kernels=args.device == "emulation" and not args.run_all)
@@ -567,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     print(format_report(document, args.sites))
+    if args.capacity:
+        print(format_capacity(document))
     if not args.compare:
         return 0
     other = json.loads(Path(args.compare).read_text(encoding="utf-8"))

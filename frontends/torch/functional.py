@@ -57,6 +57,10 @@ def sparse_add(*tens: SparseConvTensor) -> SparseConvTensor:
         for other in tens[1:]:
             total = total + other.features
         return first.replace_feature(total)
+    if any(t.capacity is not None for t in tens):
+        raise ValueError("sparse_add of tensors on different sites is not available in capacity mode (the union's "
+                         "size depends on the data: a read back); add tensors on the very same sites, or run this "
+                         "step in exact mode")
     union, rows = _union_rows(tens)
     dtype = first.features.dtype
     for other in tens[1:]:

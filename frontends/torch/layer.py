@@ -158,9 +158,10 @@ def layer_indice_data(layer: str, x: SparseConvTensor, geometry: sc.ConvGeometry
     core_indices = x.core_indices()
     indices, indice_dict = x._indices, x.indice_dict
     sites = InputSites(sites_identity(core_indices), core_indices, tuple(x._spatial_shape), x._batch_size,
-                       checked=x._trusted)
+                       checked=x._trusted and not x._sites_unchecked)
     with core_context(indices.device):
-        found = find_layer_rulebook(input_cache(indice_dict, indice_key), sites, geometry, indice_key, layer=layer)
+        found = find_layer_rulebook(input_cache(indice_dict, indice_key), sites, geometry, indice_key, layer=layer,
+                                    capacity=x.capacity)
         saved = indice_dict.get(indice_key) if indice_key is not None else None
         data = layer_data(found.rulebook, indices, saved, geometry.kind, algo, neighbour_tensors)
     return data, output_indice_dict(indice_dict, found.cache, indice_key, geometry.kind, data)

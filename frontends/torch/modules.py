@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .capacity import has_padding, masked_batch_norm
 from .conv import SparseConvolution
 from .fx import FxLeafModule, traces_into_containers
 from .layer import SparseModule, start_benchmark
@@ -44,6 +45,8 @@ class _OnFeatures:
 
     def forward(self, input):
         if isinstance(input, SparseConvTensor):
+            if isinstance(self, nn.BatchNorm1d) and has_padding(input):  # statistics of the true rows only
+                return input.replace_feature(masked_batch_norm(self, input.features, input.valid_rows()))
             return input.replace_feature(super().forward(input.features))
         return super().forward(input)
 
@@ -132,7 +135,10 @@ class SparseSequential(SparseModule):
             elif isinstance(input, SparseConvTensor):
                 input._ensure_valid()  # before a feature module (BatchNorm statistics) sees the rows
                 if input.indices.shape[0] != 0:
-                    input = input.replace_feature(module(input.features))
+                    if isinstance(module, nn.BatchNorm1d) and has_padding(input):  # capacity mode: true rows
+                        input = input.replace_feature(masked_batch_norm(module, input.features, input.valid_rows()))
+                    else:
+                        input = input.replace_feature(module(input.features))
             else:
                 input = module(input)
         return input

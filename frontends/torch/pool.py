@@ -18,6 +18,7 @@ import torch
 import sparsecore as sc
 
 from ._convert import check_same_device
+from .capacity import has_padding, padded_global_pool
 from .layer import SparseModule, check_input, geometry_repr, nd_variants, pool_forward
 from .ops import global_avg_pool_features, global_max_pool_features
 from .spconv_rules import MAX_NUM_VOXELS_DURING_TRAINING
@@ -102,14 +103,19 @@ class _SparseGlobalPool(SparseModule):
         layer = type(self).__name__
         check_input(layer, input)
         check_same_device(layer, features=input.features, indices=input.indices)
+        if has_padding(input):  # capacity mode: over the true rows, no read back
+            return padded_global_pool(input.features, input.indices, input.batch_size, self._kind)
         return type(self)._pool_pass(input.features, input.indices, input.batch_size)
 
 
 class SparseGlobalMaxPool(_SparseGlobalPool):
     """Channel-wise max over each batch element's sites: dense ``[B, C]``."""
 
+    _kind = "max"
+
 
 class SparseGlobalAvgPool(_SparseGlobalPool):
     """Channel-wise mean over each batch element's sites: dense ``[B, C]``."""
 
     _pool_pass = staticmethod(global_avg_pool_features)
+    _kind = "avg"

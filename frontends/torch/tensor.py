@@ -21,6 +21,7 @@ from sparsecore.geometry import normalize_per_axis
 from sparsecore.interop import as_batch_size
 
 from ._convert import as_int32_indices, core_context, core_view
+from .capacity import capacity_tensor, check_tensor_capacity, dense_of_padded, device_count, valid_rows
 from .fx import ProxyableSparseMeta
 from .indice_data import IndiceData
 from .tensor_checks import (as_shape_list, check_selection, check_sites, dense_zeros, feature_functions,
@@ -99,6 +100,8 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         # batch_size, or unpickling, clears it; `_ensure_valid` checks again once.
         self._trusted = trusted
         self._core_indices: tuple[Any, Any] | None = None
+        self.capacity = None  # capacity mode's policy (sparsecore.capacity), None in exact mode
+        self._sites_unchecked = False
 
     @classmethod
     def _derived(cls, source: "SparseConvTensor", features: torch.Tensor, indices: torch.Tensor,
@@ -116,6 +119,8 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         out._timer = source._timer
         out.force_algo = source.force_algo
         out.int8_scale = source.int8_scale
+        out.capacity = source.capacity
+        out._sites_unchecked = source._sites_unchecked and indices is source._indices
         if core_indices is not None:
             out._core_indices = (indices, core_indices)
         elif source._core_indices is not None and source._core_indices[0] is indices:
@@ -219,6 +224,10 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
             self._core_indices = cached
         return cached[1]
 
+    # capacity mode (docs/capture.md): a tensor made by `capacity_mode`, its count on the device, its one read
+    capacity_mode = classmethod(capacity_tensor)
+    device_count, valid_rows, check_capacity = property(device_count), valid_rows, check_tensor_capacity
+
     # ------------------------------------------------------------------ derived tensors
 
     def replace_feature(self, feature: torch.Tensor) -> "SparseConvTensor":
@@ -293,7 +302,10 @@ class SparseConvTensor(metaclass=ProxyableSparseMeta):
         channels = self._features.shape[1]
         out = dense_zeros(self._features, self.batch_size, self.spatial_shape, channels_first_memory=channels_first)
         index = self.indices.to(self._features.device).long()
-        out = out.index_put(tuple(index.unbind(1)), self._features)  # keeps the zeros' memory layout
+        if self.capacity is not None:  # capacity mode: the padding rows left out
+            out = dense_of_padded(self, out, index)
+        else:
+            out = out.index_put(tuple(index.unbind(1)), self._features)  # keeps the zeros' memory layout
         if not channels_first:
             return out
         return out.movedim(-1, 1).contiguous()  # already contiguous: no copy

@@ -15,6 +15,12 @@ sizes an allocation:
   a cumsum, the output count read back (the one read; a checked build's
   problem bits travel in the same value), five allocations and one
   ``sc_map_strided``: thirteen operations.
+- a capacity build (`strided_map` with ``capacity``, `sparsecore.capacity`):
+  the same, but the output tables are allocated at the capacity, filled with
+  padding, and ``sc_map_strided_capacity`` writes the count it needed (and a
+  checked build's problem bits) into an int32 ``[2]`` device status instead
+  of the host reading it: no read back, thirteen operations. Rows past the
+  capacity are never written (the overflow the status reports).
 
 The maps' mask-sorted row orders are not sorted here: `sparsecore.neighbour_map.NeighbourMap`
 sorts a side when it is first read, so a pooling layer (whose kernels read the
@@ -69,7 +75,8 @@ def _site_table(device: KernelDevice, indices: Any, count: int, ndim: int, batch
 
 
 def submanifold_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int], batch_size: int,
-                    kernel_size: Sequence[int], dilation: Sequence[int], check: bool) -> tuple[Any, Any, Any]:
+                    kernel_size: Sequence[int], dilation: Sequence[int], check: bool,
+                    skip_padding: bool = False) -> tuple[Any, Any, Any]:
     """A submanifold map's output side (the map is symmetric) in two launches, no read back.
 
     Args:
@@ -80,6 +87,7 @@ def submanifold_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[
         batch_size: batch elements.
         kernel_size, dilation: ``D`` ints each, odd kernel sizes.
         check: also launch ``sc_map_check_sites`` (the first, untrusted layer).
+        skip_padding: the check skips rows whose batch index is -1 (a capacity-mode input's padding).
 
     Returns:
         ``(neighbours int32 [N, K], masks uint32 [N, W], problems)``: ``problems`` is None unchecked,
@@ -102,7 +110,7 @@ def submanifold_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[
     if check:
         device.run("sc_map_check_sites", (), count,
                    (indices, np.int64(count), np.int32(ndim), np.int64(batch_size), *grid, *margin, table,
-                    np.int64(capacity), problems, np.int64(0), np.int32(0)))
+                    np.int64(capacity), problems, np.int64(0), np.int32(0), np.int32(skip_padding)))
     device.run("sc_map_submanifold", (), count,
                (indices, np.int64(count), np.int32(ndim), np.int64(batch_size), *grid, *kernel, *steps, table,
                 np.int64(capacity), np.int32(volume), np.int32(words), neighbours, masks))
@@ -120,7 +128,9 @@ class StridedMap:
         input_neighbours: int32 ``[N_in, K]``.
         input_masks: uint32 ``[N_in, W]``.
         problems: host int, `PROBLEM_OUTSIDE` / `PROBLEM_DUPLICATE` bits of a checked build (0 when
-            unchecked or clean); when nonzero, every array is None.
+            unchecked or clean); when nonzero, every array is None. Always 0 for a capacity build.
+        status: a capacity build's int32 ``[2]`` device array (the output count it needed, then the
+            problem bits of its site checks); None for an exact build.
     """
 
     output_indices: Any
@@ -129,10 +139,12 @@ class StridedMap:
     input_neighbours: Any
     input_masks: Any
     problems: int = 0
+    status: Any = None
 
 
 def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int], batch_size: int,
-                geometry: Any, output_spatial_shape: Sequence[int], check: bool) -> StridedMap:
+                geometry: Any, output_spatial_shape: Sequence[int], check: bool,
+                capacity: int | None = None) -> StridedMap:
     """A regular, transposed or pooling map in four launches, an argsort, a cumsum and one read back.
 
     Args:
@@ -144,6 +156,9 @@ def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int]
         output_spatial_shape: the output grid (``batch_size * prod`` packs into int64: the caller checks).
         check: also check the sites (grid and duplicates: one table, ``sc_map_insert_sites`` and
             ``sc_map_check_sites``), reading the problem bits back with the output count.
+        capacity: None for an exact build; else the output rows to allocate (a capacity build: no read back,
+            the count and the problem bits stay on the device in ``status``; rows of -1 in the input's batch
+            column are padding, skipped, and not reported by the check).
 
     Returns:
         The `StridedMap`.
@@ -164,21 +179,37 @@ def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int]
                np.int32(geometry.kind == "transposed"), np.int32(volume))
     input_neighbours = xp.empty((count, volume), dtype=xp.int32)
     input_masks = xp.empty((count, words), dtype=xp.uint32)
+    if capacity is not None:
+        check_row_count(int(capacity), "the capacity", "strided_map")
+        output_indices = xp.full((int(capacity), ndim + 1), -1, dtype=xp.int32)
+        output_neighbours = xp.full((int(capacity), volume), -1, dtype=xp.int32)
+        output_masks = xp.zeros((int(capacity), words), dtype=xp.uint32)
+        if count == 0:
+            return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours, input_masks,
+                              status=xp.zeros(2, dtype=xp.int32))
     if count == 0:
         return StridedMap(xp.empty((0, ndim + 1), dtype=xp.int32), xp.empty((0, volume), dtype=xp.int32),
                           xp.empty((0, words), dtype=xp.uint32), input_neighbours, input_masks)
     if check:
         grid, no_margin = _axes(spatial_shape), _axes([0] * ndim)
-        table, capacity = _site_table(device, indices, count, ndim, batch_size, grid, no_margin)
+        table, slots = _site_table(device, indices, count, ndim, batch_size, grid, no_margin)
     keys = xp.empty(total, dtype=xp.int64)
     device.run("sc_map_candidates", (), total, (indices, np.int64(count), *shape, *strided, keys))
     order = xp.argsort(keys)
     device.run("sc_map_mark_outputs", (), total, (indices, *shape, *strided, order, np.int64(total), keys))
     if check:  # the problem bits join the last mark, so they come back with the count
         device.run("sc_map_check_sites", (), count,
-                   (indices, np.int64(count), *shape, *grid, *no_margin, table, np.int64(capacity), keys,
-                    np.int64(total - 1), np.int32(_PROBLEM_SHIFT)))
+                   (indices, np.int64(count), *shape, *grid, *no_margin, table, np.int64(slots), keys,
+                    np.int64(total - 1), np.int32(_PROBLEM_SHIFT), np.int32(capacity is not None)))
     ranks = xp.cumsum(keys)  # a new array: no in-place scan asked of CuPy
+    if capacity is not None:  # no read back: the count and the problem bits stay on the device
+        status = xp.empty(2, dtype=xp.int32)
+        device.run("sc_map_strided_capacity", (), count + total,
+                   (indices, np.int64(count), *shape, *strided, np.int32(words), order, ranks, np.int64(total),
+                    output_indices, output_neighbours, output_masks, input_neighbours, input_masks,
+                    np.int64(capacity), status, np.int32(_PROBLEM_SHIFT)))
+        return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours, input_masks,
+                          status=status)
     last = int(ranks[total - 1])  # the build's one read back
     problems, num_output = last >> _PROBLEM_SHIFT, last & ((1 << _PROBLEM_SHIFT) - 1)
     if problems:

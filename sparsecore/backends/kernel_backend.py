@@ -244,16 +244,18 @@ class KernelBackend:
         return _kernel_pairs.conv_candidate_pairs(self.device, indices, geometry, output_spatial_shape)
 
     def submanifold_map(self, indices: Any, spatial_shape: Sequence[int], batch_size: int,
-                        kernel_size: Sequence[int], dilation: Sequence[int], check: bool) -> tuple[Any, Any, Any]:
+                        kernel_size: Sequence[int], dilation: Sequence[int], check: bool,
+                        skip_padding: bool = False) -> tuple[Any, Any, Any]:
         """A submanifold neighbour map's tables in two launches, no read back (`_kernel_maps.submanifold_map`)."""
         return _kernel_maps.submanifold_map(self.device, indices, spatial_shape, batch_size, kernel_size, dilation,
-                                            check)
+                                            check, skip_padding)
 
     def strided_map(self, indices: Any, spatial_shape: Sequence[int], batch_size: int, geometry: Any,
-                    output_spatial_shape: Sequence[int], check: bool) -> Any:
-        """A regular, transposed or pooling neighbour map with one read back (`_kernel_maps.strided_map`)."""
+                    output_spatial_shape: Sequence[int], check: bool, capacity: int | None = None) -> Any:
+        """A regular, transposed or pooling neighbour map with one read back, or none at a ``capacity``
+        (`_kernel_maps.strided_map`)."""
         return _kernel_maps.strided_map(self.device, indices, spatial_shape, batch_size, geometry,
-                                        output_spatial_shape, check)
+                                        output_spatial_shape, check, capacity)
 
     # ------------------------------------------------------------------ int8
 

@@ -169,6 +169,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_map_candidates"),
             KernelSpec("sc_map_mark_outputs"),
             KernelSpec("sc_map_strided"),
+            KernelSpec("sc_map_strided_capacity"),
         ),
     ),
 )

@@ -254,7 +254,7 @@ class CoreForward:
 def core_forward(scene_features: Any, scene_indices: Any, spatial_shape: tuple[int, ...],
                  weights: tuple[Any, ...], layers: tuple[NetworkLayer, ...] = REFERENCE_NETWORK,
                  recorder: Any = NULL_RECORDER, backend: Any | None = None,
-                 spconv_pool_floor: bool = False) -> CoreForward:
+                 spconv_pool_floor: bool = False, capacity: Any = None) -> CoreForward:
     """The network's forward pass, rulebook builds included.
 
     Args:
@@ -271,12 +271,16 @@ def core_forward(scene_features: Any, scene_indices: Any, spatial_shape: tuple[i
             where the floor wins), as spconv's SparseMaxPool3d does (its output
             starts at zero: spconv issue #754). For the agreement check only;
             sparsecore's own max pool takes the maximum of the active inputs.
+        capacity: None (exact builds), or a `sparsecore.capacity` policy: capacity builds (no read
+            back; the first layer's site checks and the pools' counts stay on the device, for
+            `sparsecore.check_capacity` on the state's rulebooks), each pool named by its layer.
 
     Returns:
         The saved state and the output.
     """
     import sparsecore as sc
     from sparsecore._dispatch import array_module
+    from sparsecore.capacity import layer_capacity
 
     subm = sc.ConvGeometry.create(3, 3, kind="subm")
     features, indices, shape = scene_features, scene_indices, tuple(spatial_shape)
@@ -288,14 +292,22 @@ def core_forward(scene_features: Any, scene_indices: Any, spatial_shape: tuple[i
             if layer.kind == "subm":
                 if layer.builds_rulebook:
                     with recorder.interval("rulebooks"):
-                        rulebook = sc.build_rulebook(indices, shape, 1, subm, assume_unique=layer.index > 0)
+                        rulebook = sc.build_rulebook(indices, shape, 1, subm, assume_unique=layer.index > 0,
+                                                     capacity=None if capacity is None else int(indices.shape[0]),
+                                                     layer=layer.name)
                 rulebooks.append(rulebook)
                 argmaxes.append(None)
                 with recorder.interval("convolution"):
                     features = sc.conv_forward(features, weight, rulebook, backend=backend)
             else:
                 with recorder.interval("rulebooks"):
-                    rulebook = sc.build_pool_rulebook(indices, shape, 1, 2, 2, assume_unique=True)
+                    rows = None
+                    if capacity is not None:
+                        pool = sc.ConvGeometry.create(len(shape), 2, 2, kind="regular")
+                        rows = layer_capacity(capacity, layer.name, pool, int(indices.shape[0]),
+                                              pool.output_spatial_shape(shape), 1)
+                    rulebook = sc.build_pool_rulebook(indices, shape, 1, 2, 2, assume_unique=True, capacity=rows,
+                                                      layer=layer.name)
                 rulebooks.append(rulebook)
                 with recorder.interval("pool"):
                     features, argmax = sc.max_pool_forward(features, rulebook)

@@ -69,7 +69,7 @@ __all__ = [
 
 
 def load(path: Union[str, Path], *, dtype: str = "float32", memory_budget: Union[int, str, None] = None,
-         check_finite: Optional[bool] = None) -> Session:
+         check_finite: Optional[bool] = None, capture: bool = False) -> Session:
     """Reads and validates a libspconv ONNX file and returns a `Session` that runs it.
 
     Args:
@@ -79,7 +79,9 @@ def load(path: Union[str, Path], *, dtype: str = "float32", memory_budget: Union
         memory_budget: the most bytes one step of a run may allocate (bytes, ``"8G"``, ``"30%"``);
             None: `sparsecore.memory_budget`'s process-wide budget.
         check_finite: raise `NonFiniteError` naming the first float node whose output holds inf or
-            NaN; None (default): on for float16, off for float32.
+            NaN; None (default): on for float16, off for float32 and for ``capture``.
+        capture: capacity mode, and on CuPy one CUDA graph recorded per input capacity and replayed
+            (`sparsecore.runtime.capture`, docs/capture.md).
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -89,10 +91,11 @@ def load(path: Union[str, Path], *, dtype: str = "float32", memory_budget: Union
         ImportError: the ``onnx`` package is missing.
     """
     return Session(parse_model(read_model(path)), dtype=dtype, memory_budget=memory_budget,
-                   check_finite=check_finite)
+                   check_finite=check_finite, capture=capture)
 
 
 def load_model(model: Any, *, dtype: str = "float32", memory_budget: Union[int, str, None] = None,
-               check_finite: Optional[bool] = None) -> Session:
+               check_finite: Optional[bool] = None, capture: bool = False) -> Session:
     """Like `load`, from an in-memory ``onnx.ModelProto`` (whose external data is already loaded)."""
-    return Session(parse_model(model), dtype=dtype, memory_budget=memory_budget, check_finite=check_finite)
+    return Session(parse_model(model), dtype=dtype, memory_budget=memory_budget, check_finite=check_finite,
+                   capture=capture)

@@ -31,6 +31,7 @@ from ..functional import sparse_conv
 from ..memory_budget import MemoryBudgetError, budget, parse_budget
 from ..tensor import SparseTensor
 from ..threads import serialised_kernels
+from .capture import CapturedRuns
 from .nodes import (AddNode, ConvNode, Graph, GraphError, NonFiniteError, ReluNode, ReshapeNode, ScatterDenseNode,
                     TransposeNode)
 from .quantized import (Int8Value, computes_int8, int8_add, int8_conv, int8_parameters, residual_fusions,
@@ -85,19 +86,25 @@ class Session:
         memory_budget: the most bytes one step of a run may allocate (bytes, ``"8G"`` or ``"30%"``,
             `sparsecore.memory_budget.parse_budget`); None: the process-wide budget.
         check_finite: raise `NonFiniteError` naming the first float node whose output is not finite;
-            None (default): on for float16 sessions, off for float32.
+            None (default): on for float16 sessions, off for float32 and for ``capture``.
+        capture: run in capacity mode and, on CuPy, record one CUDA graph per input capacity and replay it
+            (`sparsecore.runtime.capture`; docs/capture.md). Float nodes only.
 
     Raises:
         GraphError: in a float16 session, a float conv's weight or bias beyond float16's range (named).
     """
 
     def __init__(self, graph: Graph, dtype: str = "float32", *, memory_budget: Union[int, str, None] = None,
-                 check_finite: Optional[bool] = None) -> None:
+                 check_finite: Optional[bool] = None, capture: bool = False) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         self.graph = graph
         self.memory_budget = None if memory_budget is None else parse_budget(memory_budget, "memory_budget")
-        self.check_finite = dtype == "float16" if check_finite is None else bool(check_finite)
+        self.check_finite = dtype == "float16" and not capture if check_finite is None else bool(check_finite)
+        if capture and self.check_finite:
+            raise ValueError("check_finite reads every node's output back, which a captured run cannot: "
+                             "pass check_finite=False with capture=True")
+        self.captured = CapturedRuns() if capture else None
         # libspconv's tensor_name -> scale of the values read as int8 (checked here, before any run)
         self._scales = tensor_scales(graph)
         self._fusions = residual_fusions(graph)  # int8 conv -> Add -> Relu run as one int8 pass
@@ -242,6 +249,9 @@ class Session:
         features = features.astype(self.dtype, copy=False)
         chosen = budget(self.memory_budget) if self.memory_budget is not None else contextlib.nullcontext()
         with chosen, serialised_kernels(features):
+            if self.captured is not None:
+                return self.captured.run(features, to_core_array(indices, "indices"), batch_size, spatial_shape,
+                                         lambda first: self._run(first, keep_rulebooks=True))
             return self._run(SparseTensor(features, indices, spatial_shape, batch_size))
 
     def _check_sites(self, indices: Any, spatial_shape: Any) -> None:
@@ -261,8 +271,10 @@ class Session:
             raise ValueError(f"spatial_shape must have {ndim} entries (this graph's layers are {ndim}-D), got "
                              f"{tuple(spatial_shape)}")
 
-    def _run(self, first: SparseTensor) -> RuntimeOutput:
+    def _run(self, first: SparseTensor, keep_rulebooks: bool = False) -> Any:
+        """The nodes on ``first``: a `RuntimeOutput`, with ``keep_rulebooks`` also the rulebooks the layers used."""
         values: dict[str, Any] = {self.graph.input: first}
+        rulebooks: list = []
         fused: set[int] = set()  # the Add and Relu nodes a fused conv has computed
         for position, node in enumerate(self.graph.nodes):
             for name in self._released[position - 1] if position else ():
@@ -275,10 +287,12 @@ class Session:
                 raise MemoryBudgetError(f"node {node.name!r} ({_op_name(node)}): {error}") from None
             if self.check_finite:
                 self._check_output(node, values[written])
+            if keep_rulebooks and isinstance(values[written], SparseTensor):
+                cache = values[written].rulebooks.value
+                rulebooks += [*cache.aliases.values(), *cache.canonical.values()]
         output = self._float(values[self.graph.output])
-        if isinstance(output, SparseTensor):
-            return RuntimeOutput(None, output)
-        return RuntimeOutput(output, None)
+        result = RuntimeOutput(None, output) if isinstance(output, SparseTensor) else RuntimeOutput(output, None)
+        return (result, rulebooks) if keep_rulebooks else result
 
     def _node(self, node: Any, values: dict[str, Any], fused: set[int]) -> str:
         """Runs one node into ``values``; returns the name it wrote."""
