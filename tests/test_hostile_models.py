@@ -212,3 +212,74 @@ def test_hostile_checkpoints_name_the_key(tmp_path: Path) -> None:
         assert outcome in ("clear", "correct"), (name, outcome, record, done.stderr[-2000:])
     print(f"\nhostile checkpoints: {len(CHECKPOINT_EXPECTED)} cases, "
           + ", ".join(f"{key} {counts[key]}" for key in hostile_cases.OUTCOMES))
+
+
+# ----------------------------------------------------------------------------- programs (.pt2, load_program)
+
+class _DenseNet(__import__("sparsecore.torch", fromlist=["SparseSequential"]).SparseSequential):
+    """subm conv + BatchNorm + ReLU, a strided conv, then .dense(): the pieces the hostile programs edit."""
+
+    def forward(self, x):  # noqa: D102 - the sequential's forward, densified
+        return super().forward(x).dense()
+
+
+def test_hostile_programs_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    import torch
+
+    import sparsecore.torch as spconv
+    from sparsecore.torch.exportable import sites_dynamic_shapes
+    from tests import hostile_programs
+
+    torch.manual_seed(3901)
+    model = _DenseNet(spconv.SubMConv3d(4, 8, 3, indice_key="a"), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                      spconv.SparseConv3d(8, 8, 3, stride=2, padding=1, bias=False)).eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 1.5)
+    rng = make_rng(3902)
+    indices = random_indices(rng, (24, 24, 24), 1, num=300)
+    features = random_features(rng, len(indices), 4).astype(np.float32)
+    example = spconv.SparseConvTensor(torch.from_numpy(features), torch.from_numpy(indices), [24, 24, 24], 1)
+    source = tmp_path / "valid.pt2"
+    torch.export.save(torch.export.export(model, (example,), dynamic_shapes=(sites_dynamic_shapes(),)), source)
+    other = random_indices(rng, (24, 24, 24), 1, num=260)  # other sites than the example's: a fresh input
+    other_features = random_features(rng, len(other), 4).astype(np.float32)
+    np.savez(tmp_path / "input.npz", features=other_features, indices=other, shape=np.array([24, 24, 24]), batch=1)
+    with torch.no_grad():
+        expected = model(spconv.SparseConvTensor(torch.from_numpy(other_features), torch.from_numpy(other),
+                                                 [24, 24, 24], 1)).numpy()
+    marker = tmp_path / "code_ran"
+    cases = hostile_programs.write_program_cases(source, tmp_path, marker)
+    plan = tmp_path / "programs.json"
+    plan.write_text(json.dumps({"input": str(tmp_path / "input.npz"), "cases": [
+        {"name": name, "file": file, "output": str(tmp_path / f"{name}.out.npy")} for name, file, _ in cases]}))
+    done = subprocess.run([sys.executable, "-c", hostile_programs.CHILD, str(plan), str(CAP)], capture_output=True,
+                          text=True, timeout=300, env=_environment(), cwd=tmp_path)
+    records = {json.loads(line)["name"]: json.loads(line) for line in done.stdout.splitlines()
+               if line.startswith("{")}
+    counts: collections.Counter = collections.Counter()
+    failures = []
+    for name, _, error in cases:
+        record = records.get(name)
+        if record is None:
+            outcome = "crash"
+        elif record["outcome"] == "error":
+            outcome = "blow-up" if record["raw_memory"] else "obscure" if error is None else (
+                "clear" if record["type"] == error[0] and re.search(error[1], record["message"], re.S) else "obscure")
+        elif error is not None:
+            outcome = "silent"
+        else:
+            got = np.load(tmp_path / f"{name}.out.npy")
+            outcome = "correct" if np.allclose(got, expected, rtol=1e-5, atol=1e-5) else "silent"
+        counts[outcome] += 1
+        if outcome not in ("clear", "correct"):
+            failures.append(f"{name}: {outcome}: {record}")
+    summary = f"hostile programs: {len(cases)} files, " + ", ".join(
+        f"{key} {counts[key]}" for key in hostile_cases.OUTCOMES)
+    print("\n" + summary)
+    assert not marker.exists(), "a hostile program ran code while loading"
+    assert not failures, summary + "\n" + "\n".join(failures) + "\n--- child stderr\n" + done.stderr[-3000:]
+    assert np.abs(expected).max() > 0.1
+    # every refusal came at load, without inflating the bomb or allocating the new_zeros: peak RSS stays far below
+    # the 3.5 GiB member and the 11.8 GB allocation (the child's imports take about 0.5 GiB)
+    assert max(record["maxrss_kib"] for record in records.values()) < 1.5 * 2**20, records

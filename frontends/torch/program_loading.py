@@ -161,8 +161,8 @@ def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32,
         raise ValueError(f"load_program: {shown} has {size} bytes, more than max_bytes={max_bytes}; "
                          "pass a larger max_bytes for a program you expect to be that large")
     with open(path, "rb") as file:
-        data = file.read(max_bytes + 1)
-    if len(data) > max_bytes:
+        data = file.read(size + 1)  # read(n) allocates n bytes first: the file's size, not max_bytes
+    if len(data) > max(size, max_bytes):
         raise ValueError(f"load_program: {shown} grew past max_bytes={max_bytes} while being read")
 
     def check_total(total: int) -> None:

@@ -102,8 +102,8 @@ def _end_record(data: memoryview) -> tuple[int, int, int, int]:
         _, record_size, _, _, disk64, start64, on_disk64, entries64, size64, offset64 = _unpack(
             "<4sQHHIIQQQQ", data, zip64_at, "the zip64 end record")
         if data[zip64_at:zip64_at + 4] != _ZIP64_END or record_size != 44 or zip64_at + 56 != at - 20:
-            raise ArchiveError("the zip64 end record is not where its locator says, or is not immediately "
-                               "before the locator")
+            raise ArchiveError("the zip64 end record is not where its locator says (bytes before the archive "
+                               "that nothing accounts for, or a second archive in the file)")
         if locator_disk or disks != 1 or disk64 or start64 or on_disk64 != entries64:
             raise ArchiveError("the archive spans several disks")
         for short, wide, what in ((entries, entries64, "entry count"), (size, size64, "central directory size"),
