@@ -134,11 +134,18 @@ def _bomb(target: Path, source: Path, gib: float) -> Path:
 
 
 def _append_raw_member(path: Path, name: str, raw: bytes, size: int) -> Path:
-    """Rebuilds ``path`` with the member ``name`` holding the deflated bytes ``raw`` that declare ``size`` bytes."""
-    members = [entry for entry in _members_raw(path) if entry[0].filename != name]
+    """Rewrites ``path`` with one more member ``name`` holding the deflated bytes ``raw`` that declare ``size``."""
+    entries = [entry for entry in _members_raw(path) if entry[0].filename != name]
+    path.write_bytes(_raw_archive(entries + [(zipfile.ZipInfo(name), raw, 8, 0x12345678, size)]))
+    return path
+
+
+def _raw_archive(entries: list) -> bytes:
+    """A zip64 archive, as torch writes them (zip64 end record and locator), of ``(info, bytes, method, crc,
+    size)`` entries, written by hand (zipfile would compute what a hostile file declares)."""
     out = io.BytesIO()
     central = []
-    for info, data, method, crc, usize in members + [(zipfile.ZipInfo(name), raw, 8, 0x12345678, size)]:
+    for info, data, method, crc, usize in entries:
         encoded = info.filename.encode()
         extra = struct.pack("<HHQQ", 1, 16, usize, len(data))
         offset = out.tell()
@@ -155,8 +162,7 @@ def _append_raw_member(path: Path, name: str, raw: bytes, size: int) -> Path:
     out.write(struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, size_central, start))
     out.write(struct.pack("<4sIQI", b"PK\x06\x07", 0, zip64_at, 1))
     out.write(struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
-    path.write_bytes(out.getvalue())
-    return path
+    return out.getvalue()
 
 
 def _members_raw(path: Path) -> list:
@@ -177,11 +183,19 @@ def _flip_weight_byte(source: Path, target: Path) -> Path:
 
 
 def _two_archives(source: Path, target: Path, marker: Path) -> Path:
-    """A malicious archive (example inputs that would create ``marker``), then the benign one: two readings."""
-    evil = target.with_suffix(".evil")
-    _edit(source, evil, "data/sample_inputs/model.pt", lambda _: _pickled_inputs(marker))
-    target.write_bytes(evil.read_bytes() + source.read_bytes())
-    evil.unlink()
+    """A malicious archive E (example inputs that would create ``marker``), then the benign archive B whose zip64
+    locator points at E's zip64 end record. Python's zipfile reads B (it takes the zip64 record just before the
+    locator), torch's reader follows the locator's offset and reads E, whose example inputs torch.export.load
+    unpickles without restriction once weights_only=True refuses them."""
+    entries = []
+    for info, data in _members(source):
+        data = _pickled_inputs(marker) if info.filename.endswith("sample_inputs/model.pt") else data
+        entries.append((info, data, 0, zlib.crc32(data), len(data)))
+    evil = _raw_archive(entries)
+    benign = bytearray(source.read_bytes())
+    locator = len(benign) - 22 - 20
+    struct.pack_into("<Q", benign, locator + 8, len(evil) - 22 - 20 - 56)
+    target.write_bytes(evil + bytes(benign))
     return target
 
 
