@@ -527,6 +527,9 @@ def write_cases(folder: Path) -> list[Case]:
         cases.append(Case(name, "structure", str(folder / f"{name}.onnx"), inputs,
                           error=("GraphError", f"{name}.onnx' is not a readable ONNX model")))
     cases += _external_cases(base, folder, inputs, check)
+    from tests.hostile_data_cases import write_data_cases  # issue 39's cases (that module imports this one)
+
+    cases += write_data_cases(base, folder, inputs)
     return cases
 
 

@@ -30,13 +30,14 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("torch")
 
-from tests import hostile_cases  # noqa: E402
+from tests import hostile_cases, hostile_data_cases  # noqa: E402
 from tests.runtime_graphs import BATCH, SHAPE, base_expected, base_model  # noqa: E402
 from tests.dense_oracle import make_rng, random_features, random_indices  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CAP = 3 * 2**30  # address space of a child: about 0.5 GiB after imports, so a default budget of about 1.2 GiB
 MEMORY_CASES = ("kernel_81", "padding_300", "subm_kernel_101")
+DATA_MEMORY_CASES = ("external_aliased_8gib", "shared_weight_300_nodes")  # tests/hostile_data_cases.py
 
 
 def _environment(**extra: str) -> dict:
@@ -67,6 +68,11 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     folder = tmp_path_factory.mktemp("hostile")
     cases = hostile_cases.write_cases(folder / "grouped")
     memory = {name: hostile_cases.memory_case(folder / name, name) for name in MEMORY_CASES}
+    _, alias_indices, alias_features = hostile_cases.case_input(3103)
+    aliased_inputs = hostile_cases._save_input(folder, "aliased", alias_features, alias_indices, BATCH, SHAPE)
+    memory["external_aliased_8gib"] = hostile_data_cases.aliased_case(
+        base_model(make_rng(3104)).model(4, "2"), folder / "aliased", aliased_inputs)
+    memory["shared_weight_300_nodes"] = hostile_data_cases.shared_weight_case(folder / "shared")
     rng = make_rng(3130)
     indices = random_indices(rng, SHAPE, BATCH, num=500)
     features = random_features(rng, len(indices), 4).astype(np.float32).astype(np.float64)
@@ -130,6 +136,17 @@ def test_sizes_from_a_file_are_refused_before_they_allocate(hostile_run: Run, na
     outcome = hostile_cases.judge(case, hostile_run.records.get(name), hostile_run.folder)
     assert outcome == "clear", (outcome, hostile_run.records.get(name), hostile_run.statuses.get(name),
                                 hostile_run.stderr[-3000:])
+
+
+@pytest.mark.parametrize("name", DATA_MEMORY_CASES)
+def test_aliased_external_data_and_a_shared_weight_stay_within_the_cap(hostile_run: Run, name: str) -> None:
+    # before issue 39: onnx read the aliased range 2000 times (8 GiB, SIGSEGV under the cap), and the session kept a
+    # float32 copy of the shared weight per node (2.4 GiB here, a MemoryError); now a refusal naming two
+    # initializers, and one converted copy giving the oracle's answer
+    case = hostile_run.memory[name]
+    outcome = hostile_cases.judge(case, hostile_run.records.get(name), hostile_run.folder)
+    assert outcome == ("clear" if case.error else "correct"), (
+        outcome, hostile_run.records.get(name), hostile_run.statuses.get(name), hostile_run.stderr[-3000:])
 
 
 def test_four_threads_share_a_session_under_the_workqueue_layer(hostile_run: Run) -> None:
