@@ -141,7 +141,7 @@ def test_sizes_from_a_file_are_refused_before_they_allocate(hostile_run: Run, na
 @pytest.mark.parametrize("name", DATA_MEMORY_CASES)
 def test_aliased_external_data_and_a_shared_weight_stay_within_the_cap(hostile_run: Run, name: str) -> None:
     # before issue 39: onnx read the aliased range 2000 times (8 GiB, SIGSEGV under the cap), and the session kept a
-    # float32 copy of the shared weight per node (2.4 GiB here, a MemoryError); now a refusal naming two
+    # float32 copy of the shared weight per node (3.2 GiB here, a MemoryError); now a refusal naming two
     # initializers, and one converted copy giving the oracle's answer
     case = hostile_run.memory[name]
     outcome = hostile_cases.judge(case, hostile_run.records.get(name), hostile_run.folder)
