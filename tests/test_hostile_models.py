@@ -192,6 +192,35 @@ CHECKPOINTS = textwrap.dedent(r"""
     cube = rng.standard_normal((3, 3, 3, 3, 3)).astype(np.float32)
     case("rskc_ambiguous", "RSKC", lambda: spconv.SubMConv3d(3, 3, 3, bias=False), torch.from_numpy(cube),
          np.ascontiguousarray(cube.transpose(3, 0, 1, 2, 4)))
+    # issue 39: values torch copies silently, and layouts mistaken for spconv's (strict and loose loads)
+    def values(name, key, value, strict, environment="", expected=None):
+        os.environ.update(SPARSECORE_CHECKPOINT_CHECKS=environment, SPCONV_SAVED_WEIGHT_LAYOUT="")
+        layer = spconv.SubMConv3d(4, 5, 3, bias=True, indice_key="k")
+        state = {k: v.clone() for k, v in layer.state_dict().items()}
+        state[key] = value
+        record = {"name": name}
+        try:
+            layer.load_state_dict(state, strict=strict)
+            loaded = getattr(layer, key.split(".")[-1]).detach().numpy()
+            record.update(outcome="ran", warnings=[], correct=bool(
+                expected is not None and np.array_equal(loaded, expected, equal_nan=True)))
+        except Exception as error:
+            record.update(outcome="error", type=type(error).__name__, message=str(error))
+        os.environ["SPARSECORE_CHECKPOINT_CHECKS"] = ""
+        print(json.dumps(record), flush=True)
+    w = rng.standard_normal((5, 3, 3, 3, 4)).astype(np.float32)
+    nan = w.copy(); nan[1, 2, 0, 1, 3] = np.nan
+    values("nan_weight_strict", "weight", torch.from_numpy(nan), True)
+    values("nan_weight_loose", "weight", torch.from_numpy(nan), False)
+    values("inf_bias", "bias", torch.tensor([0.0, -np.inf, 1.0, 2.0, 3.0]), True)
+    values("int_weight", "weight", torch.from_numpy((w * 10).astype(np.int64)), True)
+    values("bool_bias", "bias", torch.tensor([True, False, True, True, False]), False)
+    values("nan_weight_switch_off", "weight", torch.from_numpy(nan), True, "off", nan)
+    values("torch_dense_layout", "weight", torch.from_numpy(np.ascontiguousarray(w.transpose(0, 4, 1, 2, 3))), True)
+    pointwise = rng.standard_normal((6, 1, 1, 1, 4)).astype(np.float32)
+    one = lambda: spconv.SubMConv3d(4, 6, 1, bias=False)
+    case("transposed_1x1", "", one, torch.from_numpy(np.ascontiguousarray(pointwise.transpose(4, 1, 2, 3, 0))))
+    case("spconv_1x1", "", one, torch.from_numpy(pointwise), pointwise)
 """)
 
 CHECKPOINT_EXPECTED = {
@@ -202,6 +231,19 @@ CHECKPOINT_EXPECTED = {
                                       r"\*kernel, in\].*unset the variable"),
     "rsck_wrong_kernel": ("ValueError", r"state_dict\['weight'\] has shape \[3, 3, 3, 5, 4\].*RSCK.*\[3, 2, 1, 5, 4\]"),
     "rskc_ambiguous": "warning",
+    "nan_weight_strict": ("ValueError", r"state_dict\['weight'\] holds 1 non-finite value\(s\) of 540 \(first: nan at "
+                                        r"\[1, 2, 0, 1, 3\]\).*SPARSECORE_CHECKPOINT_CHECKS=off"),
+    "nan_weight_loose": ("ValueError", r"state_dict\['weight'\] holds 1 non-finite value"),
+    "inf_bias": ("ValueError", r"state_dict\['bias'\] holds 1 non-finite value\(s\) of 5 \(first: -inf at \[1\]\)"),
+    "int_weight": ("TypeError", r"state_dict\['weight'\] has dtype torch.int64, but SubMConv3d.weight is a "
+                                r"torch.float32 parameter"),
+    "bool_bias": ("TypeError", r"state_dict\['bias'\] has dtype torch.bool"),
+    "nan_weight_switch_off": None,
+    "torch_dense_layout": ("ValueError", r"state_dict\['weight'\] has shape \[5, 4, 3, 3, 3\]: torch's dense layout "
+                                         r"\[out, in, \*kernel\].*weight.permute\(0, 2, 3, 4, 1\)"),
+    "transposed_1x1": ("ValueError", r"state_dict\['weight'\] has shape \[4, 1, 1, 1, 6\]: a 1x1 weight saved "
+                                     r"transposed.*weight.view\(in, out\)"),
+    "spconv_1x1": None,
 }
 
 
