@@ -12,7 +12,9 @@ failures (a truncated file, broken JSON, a dangling node name). A case expects a
 error (its type and a pattern naming the member, node or tensor) or, for the valid
 file, the eager model's answer. `CHILD` loads them all in one process under an
 address-space cap; nothing a case holds may run, so one process is safe to share:
-an escape would show as the marker file appearing.
+an escape would show as the marker file appearing. Last, it loads a twin of the
+two-archive file (another marker) with ``torch.export.load``, whose marker must
+appear: the oracle that the case is an exploit.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["CHILD", "write_program_cases"]
+__all__ = ["CHILD", "write_program_cases", "two_archives"]
 
 CHILD = r'''
 import json, resource, sys, time
@@ -53,6 +55,14 @@ for case in cases["cases"]:
     record["seconds"] = time.perf_counter() - start
     record["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps(record), flush=True)
+# the oracle that the two-archive case is real: torch.export.load on a twin file (another marker) runs its code
+import logging, os
+logging.disable(logging.CRITICAL)
+try:
+    torch.export.load(cases["torch_oracle"]["file"])
+except Exception:
+    pass
+print(json.dumps({"name": "torch_oracle", "marker": os.path.exists(cases["torch_oracle"]["marker"])}), flush=True)
 '''
 
 
@@ -182,7 +192,7 @@ def _flip_weight_byte(source: Path, target: Path) -> Path:
     return target
 
 
-def _two_archives(source: Path, target: Path, marker: Path) -> Path:
+def two_archives(source: Path, target: Path, marker: Path) -> Path:
     """A malicious archive E (example inputs that would create ``marker``), then the benign archive B whose zip64
     locator points at E's zip64 end record. Python's zipfile reads B (it takes the zip64 record just before the
     locator), torch's reader follows the locator's offset and reads E, whose example inputs torch.export.load
@@ -215,7 +225,7 @@ def write_program_cases(source: Path, folder: Path, marker: Path) -> list[tuple[
         add(name, _edit(source, folder / f"{name}.pt2", "model_weights_config.json", _json_edit(change)), error)
 
     add("valid", source, None)
-    add("two_archives", _two_archives(source, folder / "two_archives.pt2", marker),
+    add("two_archives", two_archives(source, folder / "two_archives.pt2", marker),
         ("ValueError", "not a .pt2 archive that reads one way only .*second archive"))
     add("pickled_inputs", _edit(source, folder / "pickled_inputs.pt2", "data/sample_inputs/model.pt",
                                 lambda _: _pickled_inputs(marker)),
