@@ -136,7 +136,7 @@ def _deserialize(shown: str, members: list[ArchiveMember]) -> torch.export.Expor
 
 def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32,
                  input_bounds: InputBounds = InputBounds()) -> torch.export.ExportedProgram:
-    """A ``torch.export`` program from ``path``, loaded once the whole file is checked (module docstring).
+    """A ``torch.export`` program from ``path``, a file made elsewhere, loaded without running code from it.
 
     Args:
         path: a ``.pt2`` file written by ``torch.export.save``.
