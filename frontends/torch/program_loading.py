@@ -56,7 +56,7 @@ _MARKS = ("archive_format", "archive_version", "byteorder", ".data/version", ".d
 _GRAPH = "models/model.json"
 _WEIGHTS_CONFIG, _CONSTANTS_CONFIG = "data/weights/model_weights_config.json", "data/constants/model_constants_config.json"
 _INPUTS = "data/sample_inputs/model.pt"
-_REQUIRED = (_GRAPH, _WEIGHTS_CONFIG, _CONSTANTS_CONFIG, "archive_version", "archive_format")
+_REQUIRED = (_GRAPH, _WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _INPUTS, "archive_version", "archive_format")
 _FIX = ("export the program again with sparsecore.torch (torch.export.save); load only files you trust with "
         "torch.export.load")
 
@@ -182,9 +182,8 @@ def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32,
                    if name.startswith(folder + prefix)}
         check_payload_config(f"load_program: {shown}: {config}", named[config], records)
     _check_graph(shown, named[_GRAPH])
-    if _INPUTS in named:
-        named[_INPUTS] = load_example_inputs(f"load_program: {shown}: {_INPUTS}", named[_INPUTS], input_bounds,
-                                             max_bytes)
+    named[_INPUTS] = load_example_inputs(f"load_program: {shown}: {_INPUTS}", named[_INPUTS], input_bounds,
+                                         max_bytes)
     checked = [ArchiveMember(root + name, value) for name, value in named.items()]
     del members, named
     program = _deserialize(shown, checked)
