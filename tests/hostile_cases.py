@@ -59,6 +59,7 @@ def run_cases(cases):
         except BaseException as error:
             raw_memory = isinstance(error, MemoryError) and not isinstance(error, MemoryBudgetError)
             record.update(outcome="error", type=type(error).__name__, message=str(error), raw_memory=raw_memory)
+        record["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps(record), flush=True)
 
 

@@ -144,9 +144,12 @@ def test_aliased_external_data_and_a_shared_weight_stay_within_the_cap(hostile_r
     # float32 copy of the shared weight per node (3.2 GiB here, a MemoryError); now a refusal naming two
     # initializers, and one converted copy giving the oracle's answer
     case = hostile_run.memory[name]
-    outcome = hostile_cases.judge(case, hostile_run.records.get(name), hostile_run.folder)
+    record = hostile_run.records.get(name)
+    outcome = hostile_cases.judge(case, record, hostile_run.folder)
     assert outcome == ("clear" if case.error else "correct"), (
-        outcome, hostile_run.records.get(name), hostile_run.statuses.get(name), hostile_run.stderr[-3000:])
+        outcome, record, hostile_run.statuses.get(name), hostile_run.stderr[-3000:])
+    # peak RSS of the child: its imports, the file and one converted weight (11 MiB), far below 8 GiB or 3.2 GiB
+    assert record["maxrss_kib"] < 2**20, record
 
 
 def test_four_threads_share_a_session_under_the_workqueue_layer(hostile_run: Run) -> None:
