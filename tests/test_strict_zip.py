@@ -138,3 +138,11 @@ def test_a_deflate_bomb_is_refused_on_its_declared_size_before_inflating() -> No
     assert read_archive(bomb, max_member_bytes=2**23, max_total_bytes=2**23)[0] == ArchiveMember("root/zeros",
                                                                                                bytes(2**22))
 
+
+
+def test_an_extra_field_longer_than_its_header_is_refused() -> None:
+    from sparsecore.torch.strict_zip import _zip64_extra
+
+    with pytest.raises(ArchiveError, match="member 'n': an extra field of 16 bytes passes the end of its header"):
+        _zip64_extra(struct.pack("<HH", 1, 16) + bytes(8), 0xFFFFFFFF, 5, 0, "n")
+    assert _zip64_extra(struct.pack("<HHQ", 1, 8, 123), 0xFFFFFFFF, 5, 0, "n") == (123, 5, 0)

@@ -5,7 +5,7 @@ and infinity load silently, and so do integer and bool tensors (cast to the
 parameter's float dtype), which no trained float layer holds. Before the copy,
 `check_saved_values` refuses, naming the key:
 
-- a non-floating tensor (int, bool) for a float parameter (``weight``, ``bias``);
+- a non-floating tensor (int, bool, complex) for a float parameter (``weight``, ``bias``);
 - a tensor holding NaN or infinity (the count and the first position named).
 
 ``SPARSECORE_CHECKPOINT_CHECKS=off`` in the environment (read at each load) skips
@@ -52,7 +52,7 @@ def check_saved_values(module: Any, state_dict: dict, prefix: str) -> None:
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor) or not parameter.is_floating_point():
             continue
-        if not (value.is_floating_point() or value.is_complex()):
+        if not value.is_floating_point():
             raise TypeError(f"state_dict[{key!r}] has dtype {value.dtype}, but {type(module).__name__}.{name} is a "
                             f"{parameter.dtype} parameter: a trained layer stores floats, so the checkpoint was "
                             f"written by something else or edited; {_switch()}")

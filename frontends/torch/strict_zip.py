@@ -127,6 +127,8 @@ def _zip64_extra(extra: bytes, size: int, compressed: int, offset: int, name: st
     at = 0
     while at + 4 <= len(extra):
         tag, length = struct.unpack_from("<HH", extra, at)
+        if at + 4 + length > len(extra):
+            raise ArchiveError(f"member {name!r}: an extra field of {length} bytes passes the end of its header")
         if tag == 0x0001:
             values = list(struct.unpack_from(f"<{length // 8}Q", extra, at + 4))
             fields = [size, compressed, offset]
