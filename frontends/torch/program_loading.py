@@ -57,6 +57,7 @@ _GRAPH = "models/model.json"
 _WEIGHTS_CONFIG, _CONSTANTS_CONFIG = "data/weights/model_weights_config.json", "data/constants/model_constants_config.json"
 _INPUTS = "data/sample_inputs/model.pt"
 _REQUIRED = (_GRAPH, _WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _INPUTS, "archive_version", "archive_format")
+_JSON_EXPANSION = 16  # bytes of Python objects per byte of JSON text: about 12 measured on graph-like JSON
 _FIX = ("export the program again with sparsecore.torch (torch.export.save); load only files you trust with "
         "torch.export.load")
 
@@ -104,8 +105,16 @@ def _layout(shown: str, members: tuple[ArchiveMember, ...]) -> tuple[str, dict[s
     return root, named
 
 
+def _check_json_size(shown: str, name: str, data: bytes) -> None:
+    """Parsed JSON takes several times its text in Python objects (here and again in torch): held to the budget."""
+    check_bytes(_JSON_EXPANSION * len(data), f"load_program: parsing {shown}: {name} ({len(data)} bytes of JSON, "
+                f"about {_JSON_EXPANSION} bytes of objects a byte)", "The file declares this size: check where it "
+                "came from.")
+
+
 def _check_graph(shown: str, data: bytes) -> None:
     where = f"load_program: {shown}: {_GRAPH}"
+    _check_json_size(shown, _GRAPH, data)
     try:
         graph = json.loads(data)
         nodes = graph["graph_module"]["graph"]["nodes"]
@@ -180,6 +189,7 @@ def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32,
                                    (_CONSTANTS_CONFIG, "data/constants/", "tensor_")):
         records = {name[len(folder):]: len(value) for name, value in named.items()
                    if name.startswith(folder + prefix)}
+        _check_json_size(shown, config, named[config])
         check_payload_config(f"load_program: {shown}: {config}", named[config], records)
     _check_graph(shown, named[_GRAPH])
     named[_INPUTS] = load_example_inputs(f"load_program: {shown}: {_INPUTS}", named[_INPUTS], input_bounds,
