@@ -6,7 +6,7 @@ by the classes of issue 39: code execution (a second archive whose example input
 would run a command; a pickle in the example inputs), file access by the graph
 (``aten.from_file``, in-place ``fill_``), hangs and memory (a DAG of shared tuples,
 a deflated member of 3.5 GiB, a ``new_zeros`` of 11.8 GB), silent edits (a flipped
-weight byte, strides of 0, float32 bytes read as float16, a swapped weight record,
+weight byte, strides of 0, float32 bytes read as float16, swapped weight records (BatchNorm weight and bias too),
 a conv reading another rulebook's pairs, a grid the file declares) and obscure
 failures (a truncated file, broken JSON, a dangling node name). A case expects an
 error (its type and a pattern naming the member, node or tensor) or, for the valid
@@ -285,8 +285,15 @@ def write_program_cases(source: Path, folder: Path, marker: Path) -> list[tuple[
         entries = config["config"]
         entries["0.weight"]["path_name"], entries["0.bias"]["path_name"] = \
             entries["0.bias"]["path_name"], entries["0.weight"]["path_name"]
-    weights("swapped_weight_records", swap, ("ValueError", "model_weights_config.json (views '0.weight' as .*past the "
-                                                           "end of its record|reads [0-9]+ of the)"))
+    weights("swapped_weight_records", swap, ("ValueError", "model_weights_config.json gives '0.weight' the record "
+                                                           "'weight_1' where torch.export.save writes 'weight_0'"))
+
+    def swap_batch_norm(config: Any) -> None:  # same shape and dtype: only the records' numbering tells
+        entries = config["config"]
+        entries["1.weight"]["path_name"], entries["1.bias"]["path_name"] = \
+            entries["1.bias"]["path_name"], entries["1.weight"]["path_name"]
+    weights("swapped_batch_norm_weight_and_bias", swap_batch_norm,
+            ("ValueError", "gives '1.weight' the record 'weight_[0-9]+' where torch.export.save writes"))
     weights("empty_record_zeros", lambda c: c["config"].update(
         ghost={**c["config"]["0.bias"], "path_name": "weight_0", "tensor_meta": {
             **meta("0.bias")(c), "sizes": [{"as_int": 3 * 10**9}]}}),

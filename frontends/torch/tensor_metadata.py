@@ -15,6 +15,8 @@ empty record. `check_payload_config` refuses, naming the config and the key:
 - sizes, strides or offset that are not plain non-negative ints; a stride below 1
   on an axis of more than one element (an axis of 0 or 1 elements reads no second
   element, so torch writes any stride there);
+- records not numbered in the order of the keys, as torch.export.save numbers
+  them (``weight_0``, ``weight_1``, ...): two records swapped;
 - a view that passes the end of its record, a record whose bytes are not a
   whole number of its dtype's elements, a record that the tensors reading it do
   not reach the end of (bytes of another dtype, or another tensor's record), a
@@ -112,6 +114,21 @@ def _layout(where: str, key: str, entry: Any, records: Mapping[str, int]) -> Ten
     return TensorLayout(key, record, dtype, sizes, strides, offset)
 
 
+def _check_record_order(where: str, layouts: tuple[TensorLayout, ...]) -> None:
+    """torch.export.save numbers the records in the order it writes the config (``weight_0``, ``weight_1``, ...;
+    keys sharing a storage share its record): a record out of that order was swapped with another."""
+    seen: set[str] = set()
+    for layout in layouts:
+        if layout.record in seen:
+            continue
+        stem, _, number = layout.record.rpartition("_")
+        expected = f"{stem}_{len(seen)}"
+        if layout.record != expected:
+            raise _fail(where, f"gives {layout.key!r} the record {layout.record!r} where torch.export.save writes "
+                        f"{expected!r} (it numbers the records in the order of the keys): records were swapped")
+        seen.add(layout.record)
+
+
 def check_payload_config(where: str, data: bytes, records: Mapping[str, int]) -> tuple[TensorLayout, ...]:
     """Checks one weights or constants config against the records the archive stores.
 
@@ -134,6 +151,7 @@ def check_payload_config(where: str, data: bytes, records: Mapping[str, int]) ->
     if not isinstance(entries, dict):
         raise _fail(where, "holds no config object")
     layouts = tuple(_layout(where, str(key), entry, records) for key, entry in entries.items())
+    _check_record_order(where, layouts)
     by_record: dict[str, list[TensorLayout]] = {}
     for layout in layouts:
         by_record.setdefault(layout.record, []).append(layout)
