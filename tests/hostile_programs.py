@@ -3,7 +3,8 @@
 Every case starts from one valid program exported from a small sparsecore model
 (subm conv + BatchNorm + ReLU, a strided conv, ``.dense()``) and changes one thing,
 by the classes of issue 39: code execution (a second archive whose example inputs
-would run a command; a pickle in the example inputs), file access by the graph
+would run a command; a pickle in the example inputs; Python in a symbolic size,
+a guard or an argument name, which torch evaluates), file access by the graph
 (``aten.from_file``, in-place ``fill_``), hangs and memory (a DAG of shared tuples,
 a deflated member of 3.5 GiB, a ``new_zeros`` of 11.8 GB), silent edits (a flipped
 weight byte, strides of 0, float32 bytes read as float16, swapped weight records (BatchNorm weight and bias too),
@@ -12,9 +13,10 @@ failures (a truncated file, broken JSON, a dangling node name). A case expects a
 error (its type and a pattern naming the member, node or tensor) or, for the valid
 file, the eager model's answer. `CHILD` loads them all in one process under an
 address-space cap; nothing a case holds may run, so one process is safe to share:
-an escape would show as the marker file appearing. Last, it loads a twin of the
-two-archive file (another marker) with ``torch.export.load``, whose marker must
-appear: the oracle that the case is an exploit.
+an escape would show as the marker file appearing. Last, it loads twins of the
+two-archive file and of the symbolic-size injection (other markers) with
+``torch.export.load``, whose markers must appear: the oracle that the cases are
+exploits.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["CHILD", "write_program_cases", "two_archives"]
+__all__ = ["CHILD", "write_program_cases", "two_archives", "sympy_injection"]
 
 CHILD = r'''
 import json, resource, sys, time
@@ -58,11 +60,12 @@ for case in cases["cases"]:
 # the oracle that the two-archive case is real: torch.export.load on a twin file (another marker) runs its code
 import logging, os
 logging.disable(logging.CRITICAL)
-try:
-    torch.export.load(cases["torch_oracle"]["file"])
-except Exception:
-    pass
-print(json.dumps({"name": "torch_oracle", "marker": os.path.exists(cases["torch_oracle"]["marker"])}), flush=True)
+for oracle in cases["torch_oracles"]:
+    try:
+        torch.export.load(oracle["file"])
+    except Exception:
+        pass
+    print(json.dumps({"name": oracle["name"], "marker": os.path.exists(oracle["marker"])}), flush=True)
 '''
 
 
@@ -209,6 +212,19 @@ def two_archives(source: Path, target: Path, marker: Path) -> Path:
     return target
 
 
+def _sympy_injection(graph: Any, code: str) -> None:
+    """The first symbolic size's expression made to run ``code`` (torch parses it with sympy.sympify: eval)."""
+    values = graph["graph_module"]["graph"]["sym_int_values"]
+    entry = values[next(iter(values))]["as_expr"]
+    entry["expr_str"] = f"{code} or {entry['expr_str']}"
+
+
+def sympy_injection(source: Path, target: Path, marker: Path) -> Path:
+    """The program with a symbolic size that creates ``marker`` when torch deserializes it."""
+    touch = f"__import__('pathlib').Path('{marker}').touch()"
+    return _edit(source, target, "models/model.json", _json_edit(lambda g: _sympy_injection(g, touch)))
+
+
 def write_program_cases(source: Path, folder: Path, marker: Path) -> list[tuple[str, str, Optional[tuple[str, str]]]]:
     """Writes every hostile variant of the valid program ``source``; returns ``(name, file, (type, pattern))``,
     the pattern None for the valid file."""
@@ -269,6 +285,13 @@ def write_program_cases(source: Path, folder: Path, marker: Path) -> list[tuple[
     graph("dangling_name", lambda g: _argument(_first(g, "torch.ops.aten.relu.default"), "self").update(
         arg={"as_tensor": {"name": "nowhere"}}),
         ("ValueError", "torch cannot deserialize the checked archive \\(.*\\): the graph \\(models/model.json\\)"))
+    touch = f"__import__('pathlib').Path('{marker}').touch()"
+    graph("sympy_expression_runs_code", lambda g: _sympy_injection(g, touch),
+          ("ValueError", "sym_int_values.sym_size_int_[0-9]+.as_expr.expr_str holds .*torch would run it as Python"))
+    graph("guard_runs_code", lambda g: g["guards_code"].append(f"{touch} is None"),
+          ("ValueError", "guards_code\\[[0-9]+\\] .* calls .*a guard calls only"))
+    graph("forward_argument_name_runs_code", lambda g: g["graph_module"]["module_call_graph"][0]["signature"].update(
+        forward_arg_names=[f"x={touch}"]), ("ValueError", "has the forward argument name .*not an identifier"))
     add("broken_json", _edit(source, folder / "broken_json.pt2", "models/model.json", lambda data: data[:-40]),
         ("ValueError", "models/model.json is not the graph JSON torch.export.save writes \\(JSONDecodeError"))
 

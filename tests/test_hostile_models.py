@@ -313,10 +313,13 @@ def test_hostile_programs_are_refused_before_anything_runs(tmp_path: Path) -> No
     marker = tmp_path / "code_ran"
     cases = hostile_programs.write_program_cases(source, tmp_path, marker)
     plan = tmp_path / "programs.json"
-    oracle_marker = tmp_path / "torch_ran_it"
-    oracle = {"file": str(hostile_programs.two_archives(source, tmp_path / "twin.pt2", oracle_marker)),
-              "marker": str(oracle_marker)}
-    plan.write_text(json.dumps({"input": str(tmp_path / "input.npz"), "torch_oracle": oracle, "cases": [
+    oracles = [{"name": "torch_oracle_two_archives", "marker": str(tmp_path / "torch_ran_two_archives"),
+                "file": str(hostile_programs.two_archives(source, tmp_path / "twin.pt2",
+                                                          tmp_path / "torch_ran_two_archives"))},
+               {"name": "torch_oracle_sympy", "marker": str(tmp_path / "torch_ran_sympy"),
+                "file": str(hostile_programs.sympy_injection(source, tmp_path / "twin_sympy.pt2",
+                                                             tmp_path / "torch_ran_sympy"))}]
+    plan.write_text(json.dumps({"input": str(tmp_path / "input.npz"), "torch_oracles": oracles, "cases": [
         {"name": name, "file": file, "output": str(tmp_path / f"{name}.out.npy")} for name, file, _ in cases]}))
     done = subprocess.run([sys.executable, "-c", hostile_programs.CHILD, str(plan), str(CAP)], capture_output=True,
                           text=True, timeout=300, env=_environment(), cwd=tmp_path)
@@ -343,7 +346,8 @@ def test_hostile_programs_are_refused_before_anything_runs(tmp_path: Path) -> No
         f"{key} {counts[key]}" for key in hostile_cases.OUTCOMES)
     print("\n" + summary)
     assert not marker.exists(), "a hostile program ran code while loading"
-    assert records.pop("torch_oracle")["marker"] and oracle_marker.exists(), "the two-archive case is no exploit"
+    for oracle in oracles:  # torch.export.load runs the code of each twin: the cases are exploits
+        assert records.pop(oracle["name"])["marker"] and Path(oracle["marker"]).exists(), oracle
     assert not failures, summary + "\n" + "\n".join(failures) + "\n--- child stderr\n" + done.stderr[-3000:]
     assert np.abs(expected).max() > 0.1
     # every refusal came at load, without inflating the bomb or allocating the new_zeros: peak RSS stays far below

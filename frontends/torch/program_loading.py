@@ -20,7 +20,10 @@ the only archive torch sees:
 3. the configs' tensor metadata agree with the stored bytes
    (`tensor_metadata.check_payload_config`; no pickled tensors);
 4. the graph calls only sparsecore's ops and pure aten ops
-   (`op_allowlist.check_targets`), before torch deserializes it;
+   (`op_allowlist.check_targets`), and the strings torch evaluates as Python
+   (symbolic sizes, guards, argument names) keep to grammars that cannot run
+   anything (`program_strings.check_program_strings`), before torch
+   deserializes it;
 5. the example inputs load under ``weights_only=True`` from a strictly read
    inner archive, are bounded in depth, leaves and bytes before anything walks
    them, and are written again by this process (`example_inputs`);
@@ -47,6 +50,7 @@ from sparsecore.memory_budget import check_bytes
 from .example_inputs import InputBounds, load_example_inputs
 from .op_allowlist import check_allocations, check_targets
 from .program_checks import check_program
+from .program_strings import check_program_strings
 from .strict_zip import ArchiveError, ArchiveMember, pack_archive, read_archive
 from .tensor_metadata import check_payload_config
 
@@ -121,9 +125,10 @@ def _check_graph(shown: str, data: bytes) -> None:
     except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise ValueError(f"{where} is not the graph JSON torch.export.save writes ({type(error).__name__}: "
                          f"{str(error)[:200]}); {_FIX}") from None
-    if not isinstance(nodes, list):
+    if not isinstance(nodes, list) or not isinstance(graph, dict):
         raise ValueError(f"{where} holds no list of nodes; {_FIX}")
     check_targets(where, nodes)
+    check_program_strings(where, graph)
 
 
 def _first_line(error: Exception) -> str:
