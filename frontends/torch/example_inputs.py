@@ -136,4 +136,9 @@ def load_example_inputs(where: str, data: bytes, bounds: InputBounds, max_bytes:
         raise ValueError(f"{where}: the example inputs {error}; they are not walked. {fix}") from None
     buffer = io.BytesIO()
     torch.save(inputs, buffer)
+    try:  # what torch's deserializer will read must load without its fallback too
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"{where}: the example inputs, saved again, do not load under weights_only=True "
+                         f"({type(error).__name__}); {fix}") from None
     return buffer.getvalue()
