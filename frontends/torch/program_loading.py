@@ -165,8 +165,9 @@ def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32,
         ValueError: naming the member, node or tensor and the fix: a file larger than ``max_bytes``, not a
             strict zip archive, a member no sparsecore program has or that would be unpickled without
             restriction, tensor metadata that disagree with the stored bytes, an operator outside
-            `op_allowlist.ALLOWED`, example inputs beyond ``input_bounds``, or sparsecore ops that disagree
-            with each other or with the stored weights.
+            `op_allowlist.ALLOWED`, a string torch would evaluate that is not a plain size expression, guard
+            or name (`program_strings`), example inputs beyond ``input_bounds``, or sparsecore ops that
+            disagree with each other or with the stored weights.
         MemoryBudgetError: the members, or a size the graph fixes, beyond the memory budget.
     """
     shown = os.fspath(path)
@@ -176,8 +177,9 @@ def load_program(path: Union[str, os.PathLike], *, max_bytes: int = 2**32,
                          "pass a larger max_bytes for a program you expect to be that large")
     with open(path, "rb") as file:
         data = file.read(size + 1)  # read(n) allocates n bytes first: the file's size, not max_bytes
-    if len(data) > max(size, max_bytes):
-        raise ValueError(f"load_program: {shown} grew past max_bytes={max_bytes} while being read")
+    if len(data) != size:
+        raise ValueError(f"load_program: {shown} changed size while being read ({size} bytes, then {len(data)}); "
+                         "load it again once it is written")
 
     def check_total(total: int) -> None:
         check_bytes(total, f"load_program: unpacking {shown} ({total} bytes declared by its members)",
