@@ -74,6 +74,24 @@ def _all(*edits: Callable[[list], None]) -> Callable[[list], None]:
     return edit
 
 
+def _copy(op: str, argument: str, source: int, target: int, source_argument: str = "") -> Callable[[list], None]:
+    """An edit giving the ``target``-th ``op`` node the ``argument`` of the ``source``-th (a value defined earlier)."""
+    def edit(nodes: list) -> None:
+        calls = [node for node in nodes if node["target"] == f"torch.ops.sparsecore.{op}.default"]
+        value = next(e["arg"] for e in calls[source]["inputs"] if e["name"] == (source_argument or argument))
+        next(e for e in calls[target]["inputs"] if e["name"] == argument)["arg"] = value
+    return edit
+
+
+def _copy_across(argument: str, source_op: str, target_op: str) -> Callable[[list], None]:
+    def edit(nodes: list) -> None:
+        source = next(n for n in nodes if n["target"] == f"torch.ops.sparsecore.{source_op}.default")
+        target = next(n for n in nodes if n["target"] == f"torch.ops.sparsecore.{target_op}.default")
+        value = next(e["arg"] for e in source["inputs"] if e["name"] == argument)
+        next(e for e in target["inputs"] if e["name"] == argument)["arg"] = value
+    return edit
+
+
 _KERNEL_101 = {"as_ints": [101, 101, 101]}
 _CASES = {
     # the probe's case: every kernel_size 3 -> 101 (rulebooks and convs agree; the stored weights do not)
@@ -94,6 +112,16 @@ _CASES = {
     "batch": (_set("export_rulebook", "batch_size", {"as_int": 0}), "has batch_size 0; expected at least 1"),
     "groups": (_set("export_conv", "groups", {"as_int": 3}), "has groups=3; expected a positive divisor"),
     "pool-mode": (_set("export_pool", "mode", {"as_string": "min"}), "has mode 'min'; expected one of"),
+    # issue 39: pairs of another rulebook, sites of another rulebook, a grid that does not follow from the layers
+    "pairs-of-two-rulebooks": (_copy("export_conv", "pair_output", 0, 1),
+                               "(export_conv) reads pair tensors of several rulebooks"),
+    "pairs-swapped": (_all(_copy("export_conv", "pair_input", 1, 1, "pair_output"),
+                           _copy("export_conv", "pair_output", 0, 1, "pair_input")),
+                      "(export_conv) reads pair tensors of several rulebooks"),
+    "sites-of-another-rulebook": (_copy_across("out_indices", "export_conv", "export_pool"),
+                                  "(export_pool) writes onto the sites 'input_indices', which are not the output sites"),
+    "grid-of-a-later-rulebook": (_set("export_rulebook", "spatial_shape", {"as_ints": [24, 24, 24]}, 2),
+                                 "whose grid is [12, 12, 12] (the output grid of 'export_rulebook_1')"),
 }
 
 

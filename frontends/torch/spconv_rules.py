@@ -22,6 +22,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from .checkpoint_checks import check_saved_layout, check_saved_values
+
 __all__ = [
     "MAX_NUM_VOXELS_DURING_TRAINING",
     "spconv_1x1_weight",
@@ -142,17 +144,24 @@ def weight_layout_hook(module: Any, state_dict: dict, prefix: str, *args: Any) -
     a 3x3x3 kernel under ``RSKC``) loads with a warning naming the key, since the file cannot say
     which it is.
 
+    It also runs `checkpoint_checks` (NaN, infinity, int or bool values for float parameters;
+    torch's dense layout or a transposed 1x1 weight), naming the key.
+
     Raises:
         ValueError: for another layout name, or a weight (named by its key) whose shape is not the
-            layout's (the message says when it is the default layout's instead).
-        TypeError: a weight that is not a torch tensor (named by its key).
+            layout's (the message says when it is the default layout's instead), non-finite values,
+            or a layout `checkpoint_checks.check_saved_layout` recognises.
+        TypeError: a weight that is not a torch tensor, or an int / bool tensor for a float parameter
+            (named by its key).
     """
     name = prefix + MAX_NUM_VOXELS_DURING_TRAINING
     if hasattr(module, MAX_NUM_VOXELS_DURING_TRAINING) and name not in state_dict:
         state_dict[name] = torch.zeros(1, dtype=torch.int32)
+    check_saved_values(module, state_dict, prefix)  # NaN, inf, int or bool for float parameters
     layout = os.environ.get("SPCONV_SAVED_WEIGHT_LAYOUT", "")
     key = prefix + "weight"
     if not layout or layout == "KRSC" or key not in state_dict:
+        check_saved_layout(module, state_dict, prefix)  # torch's dense layout, a transposed 1x1 weight
         return
     if layout not in ("RSKC", "RSCK"):
         raise ValueError(f"SPCONV_SAVED_WEIGHT_LAYOUT must be KRSC, RSKC or RSCK, got {layout!r}")

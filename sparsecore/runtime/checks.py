@@ -4,7 +4,8 @@ A file made elsewhere is input: every problem is found when it is loaded, and
 named (the node by position, name and op type, the initializer or attribute),
 instead of surfacing at run time as another error or as a wrong answer.
 
-- `check_structure`, on the ``ModelProto``: unique initializer and node names,
+- `check_structure`, on the ``ModelProto``: string attributes valid UTF-8
+  (`check_text_attributes`), unique initializer and node names,
   every value written once (the graph input, an initializer or one node's
   output), then ``onnx.checker`` with ``full_check=True`` (SSA form, node
   order, initializer sizes, types, ir version). libspconv's op types exist in
@@ -28,7 +29,8 @@ import numpy as np
 from .nodes import (DOMAINS, SUPPORTED_OPS, AddNode, ConvNode, GraphError, Node, ReshapeNode, ScatterDenseNode,
                     TransposeNode)
 
-__all__ = ["CHECKER_DOMAIN", "describe_node", "check_structure", "check_with_onnx", "check_finite", "check_values"]
+__all__ = ["CHECKER_DOMAIN", "describe_node", "check_structure", "check_text_attributes", "check_with_onnx",
+           "check_finite", "check_values"]
 
 CHECKER_DOMAIN = "spconv"
 """The domain libspconv's ops are checked in (the one `sparsecore.torch.export_onnx` writes)."""
@@ -59,6 +61,7 @@ def check_structure(model: Any) -> None:
     names: dict[str, str] = {}
     for position, node in enumerate(graph.node):
         where = describe_node(position, node)
+        check_text_attributes(where, node)
         if node.name:
             if node.name in names:
                 raise GraphError(f"{where} has the name of {names[node.name]}; node names must be unique (the "
@@ -81,6 +84,23 @@ def check_structure(model: Any) -> None:
             raise GraphError(f"the graph output {value.name!r} is not written by any node (nor is it the graph input "
                              "or an initializer)")
     check_with_onnx(model)
+
+
+def check_text_attributes(where: str, node: Any) -> None:
+    """Refuses a string attribute whose bytes are not valid UTF-8 (read leniently, two different byte strings
+    could name one rulebook: spconv's ``indice_key`` must be text).
+
+    Raises:
+        GraphError: naming the node and the attribute.
+    """
+    for attribute in node.attribute:
+        for value in ([attribute.s] if attribute.s else []) + list(attribute.strings):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise GraphError(f"{where}: the attribute {attribute.name!r} holds {value[:40]!r}, which is not valid "
+                                 f"UTF-8 ({error.reason} at byte {error.start}); string attributes such as the "
+                                 "rulebook (indice_key) are text: write them as UTF-8") from None
 
 
 def check_with_onnx(model: Any) -> None:

@@ -6,8 +6,9 @@ A file from elsewhere could point that location anywhere: ``../../etc/passwd``,
 an absolute path, a symbolic link, a FIFO that blocks the reader, ``/proc``.
 `read_model` reads the model without its external data, checks every
 location itself (a relative path naming a regular file inside the model's
-folder, reached through no symbolic link, offset and length inside that file),
-and only then has ``onnx`` read the data, which checks the paths again (onnx
+folder, reached through no symbolic link, offset and length plain ASCII
+digits inside that file, no two initializers sharing a byte, their sum within
+the memory budget), and only then has ``onnx`` read the data, which checks the paths again (onnx
 1.23 refuses the same cases; setup.cfg pins the tested versions). Every
 refusal is a `GraphError` naming the initializer and its location.
 """
@@ -19,6 +20,7 @@ import stat
 from pathlib import Path
 from typing import Any, Union
 
+from ..memory_budget import check_bytes
 from .nodes import GraphError
 
 __all__ = ["read_model", "check_external_data"]
@@ -39,11 +41,14 @@ def _external_fields(tensor: Any) -> dict[str, str]:
     return {entry.key: entry.value for entry in tensor.external_data}
 
 
-def _integer_field(tensor: Any, fields: dict[str, str], key: str) -> int:
-    text = fields.get(key, "0")
-    if not text.isdigit():
-        raise GraphError(f"initializer {tensor.name!r}: its external data {key} {text!r} must be a non-negative "
-                         "integer (bytes)")
+def _integer_field(tensor: Any, fields: dict[str, str], key: str, default: int = 0) -> int:
+    """A plain non-negative decimal (ASCII digits only: ``str.isdigit`` also takes "²", which ``int`` refuses)."""
+    text = fields.get(key)
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit() and len(text) <= 20):
+        raise GraphError(f"initializer {tensor.name!r}: its external data {key} {text[:40]!r} must be a non-negative "
+                         "integer of bytes written in ASCII digits 0-9 (at most 20 of them)")
     return int(text)
 
 
@@ -69,10 +74,13 @@ def check_external_data(model: Any, folder: Union[str, Path]) -> None:
 
     Raises:
         GraphError: naming the initializer, for a location that is empty, absolute, leaves the
-            folder (``..``, or a symbolic link anywhere on the way), is not a regular file, or an
-            offset / length beyond the file's end.
+            folder (``..``, or a symbolic link anywhere on the way), is not a regular file, an
+            offset / length that is not plain ASCII digits or passes the file's end, or a range that
+            overlaps another initializer's (or is the same).
+        MemoryBudgetError: the ranges together beyond the memory budget.
     """
     root = os.path.realpath(folder)
+    ranges: dict[tuple[int, int], list[tuple[int, int, str, str]]] = {}  # per data file, (offset, length, name)
     for tensor in _all_tensors(model.graph):
         if tensor.data_location != 1:  # TensorProto.EXTERNAL
             continue
@@ -105,10 +113,33 @@ def check_external_data(model: Any, folder: Union[str, Path]) -> None:
         if not stat.S_ISREG(status.st_mode):
             raise GraphError(f"{where}: not a regular file (a FIFO, device or folder); external data must be a "
                              "regular file")
-        offset, length = _integer_field(tensor, fields, "offset"), _integer_field(tensor, fields, "length")
-        if offset > status.st_size or offset + length > status.st_size:
+        offset = _integer_field(tensor, fields, "offset")
+        if offset > status.st_size:
+            raise GraphError(f"{where}: offset {offset} passes the file's end ({status.st_size} bytes); the data "
+                             "file is truncated or the model edited")
+        length = _integer_field(tensor, fields, "length", status.st_size - offset)  # none: to the file's end
+        if offset + length > status.st_size:
             raise GraphError(f"{where}: offset {offset} + length {length} passes the file's end "
                              f"({status.st_size} bytes); the data file is truncated or the model edited")
+        ranges.setdefault((status.st_dev, status.st_ino), []).append((offset, length, tensor.name, location))
+    _check_ranges(ranges)
+
+
+def _check_ranges(ranges: dict[tuple[int, int], list[tuple[int, int, str, str]]]) -> None:
+    """Each byte of external data belongs to one initializer, and all of them together fit the memory budget."""
+    total = 0
+    for spans in ranges.values():
+        previous = None
+        for offset, length, name, location in sorted(spans):
+            if previous is not None and offset < previous[0] + previous[1]:
+                raise GraphError(f"initializer {name!r} keeps its data in {location!r} at offset {offset} (length "
+                                 f"{length}), inside the bytes of initializer {previous[2]!r} (offset {previous[0]}, "
+                                 f"length {previous[1]}); external-data ranges may not overlap or be reused (a file "
+                                 "could otherwise make the reader load one range many times)")
+            previous = (offset, length, name)
+            total += length
+    check_bytes(total, f"reading the external data of {sum(len(s) for s in ranges.values())} initializers",
+                "The model's data files declare this size.")
 
 
 def read_model(path: Union[str, Path]) -> Any:
