@@ -70,9 +70,10 @@ class CpuFeatures:
     avx512_bf16: bool = False
 
 
-def _cpuinfo_flags() -> frozenset[str] | None:
+def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The first ``flags`` line of a cpuinfo file, as a set; None without the file or the line."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+        with open(path, encoding="utf-8", errors="replace") as handle:
             for line in handle:
                 if line.startswith("flags"):
                     return frozenset(line.partition(":")[2].split())
