@@ -1,0 +1,140 @@
+"""bfloat16 conv passes on the CPU's ``vdpbf16ps`` (AVX-512 BF16): operand packing and the kernel calls.
+
+The kernels (`_bf16_kernel_sources`) read bfloat16 rows as bits and multiply two channels at a time
+into float32 sums; this module lays out their operands:
+
+- source rows as 32-bit words of two bfloat16 channels (a view of the features when their channel
+  count is even, else a copy with one zero channel);
+- each offset's matrix ``[a, b]`` as words ``[ceil(a / 2), c]`` (rows ``2w`` and ``2w + 1`` interleaved,
+  columns padded with zeros to ``c``, a multiple of 16: `pack_matrices`);
+- the work items of the output-stationary pass sized so a block of float32 sums stays in a core's
+  cache (`dot_items`).
+
+Whether this route runs at all is `sparsecore.bf16_cpu_dataflow`'s decision (the CPU's feature and
+the switch); elsewhere the bfloat16 passes widen to float32 and run the float32 dataflows. Both
+round the float32 sums to bfloat16 once, at the end (nearest even).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .._compile_notice import numba_for_kernels
+from ._cpu_kernels import ROW_BLOCK, TILE_ITEMS, TilePlan, kernel_threads, tile_items
+
+__all__ = ["LANES", "DOT_BLOCK_BYTES", "WEIGHT_GRADIENT_CHUNK", "padded_columns", "source_words", "pack_matrices",
+           "dot_items", "dot_rows", "weight_gradient"]
+
+LANES = 16
+"""float32 lanes of one ``vdpbf16ps``: the matrices' columns are padded to a multiple of it."""
+
+DOT_BLOCK_BYTES = 256 * 1024
+"""Most bytes of one work item's float32 sums (``rows x padded columns x 4``): the block stays in the
+core's L2 cache while the item's offsets add into it."""
+
+WEIGHT_GRADIENT_CHUNK = 256
+"""Pairs of one offset packed at a time for the weight gradient (two to a word)."""
+
+
+def _sources() -> Any:
+    numba_for_kernels()
+    from . import _bf16_kernel_sources
+
+    return _bf16_kernel_sources
+
+
+def padded_columns(columns: int) -> int:
+    """``columns`` rounded up to a multiple of `LANES` (at least `LANES`)."""
+    return max(LANES, -(-columns // LANES) * LANES)
+
+
+def source_words(rows: np.ndarray) -> np.ndarray:
+    """bfloat16 ``rows [N, a]`` as uint32 words ``[N, ceil(a / 2)]`` (two channels each, the lower first).
+
+    A view for C-contiguous rows with an even ``a``; else a copy with a zero channel appended.
+    """
+    bits = np.ascontiguousarray(rows).view(np.uint16)
+    if bits.shape[1] % 2:
+        padded = np.zeros((bits.shape[0], bits.shape[1] + 1), dtype=np.uint16)
+        padded[:, :-1] = bits
+        bits = padded
+    return bits.view(np.uint32)
+
+
+def pack_matrices(matrices: np.ndarray) -> np.ndarray:
+    """bfloat16 ``matrices [K, a, b]`` as uint32 ``[K, ceil(a / 2), padded_columns(b)]``: word ``[k, w, j]``
+    holds ``matrices[k, 2w, j]`` (lower half) and ``matrices[k, 2w + 1, j]`` (upper), zeros where padded."""
+    volume, rows, columns = matrices.shape
+    bits = np.zeros((volume, rows + rows % 2, padded_columns(columns)), dtype=np.uint16)
+    bits[:, :rows, :columns] = matrices.view(np.uint16) if matrices.flags.c_contiguous else (
+        np.ascontiguousarray(matrices).view(np.uint16))
+    pairs = bits.reshape(volume, bits.shape[1] // 2, 2, bits.shape[2]).transpose(0, 1, 3, 2)
+    return np.ascontiguousarray(pairs).view(np.uint32).reshape(volume, bits.shape[1] // 2, bits.shape[2])
+
+
+def dot_items(rows: int, columns: int) -> int:
+    """`ROW_BLOCK` blocks per work item of `dot_rows`: `tile_items`' choice, halved while a block of float32
+    sums (``items x ROW_BLOCK x padded_columns(columns) x 4`` bytes) passes `DOT_BLOCK_BYTES` (a power of
+    two, from the sizes alone)."""
+    items = tile_items(-(-rows // ROW_BLOCK))
+    while items > 1 and items * ROW_BLOCK * padded_columns(columns) * 4 > DOT_BLOCK_BYTES:
+        items //= 2
+    return min(items, TILE_ITEMS)
+
+
+def dot_rows(source: np.ndarray, matrices: np.ndarray, plan: TilePlan, num_rows: int, pairs: int,
+             initial: Optional[np.ndarray] = None) -> np.ndarray:
+    """``bfloat16(initial + sum_k source[s] @ matrices[k])`` for each destination row over the plan's pairs.
+
+    Args:
+        source: bfloat16 ``[N_src, a]``.
+        matrices: bfloat16 ``[K, a, b]``.
+        plan: the pairs' `TilePlan` with `dot_items` blocks per item (keys: destination rows).
+        num_rows: destination rows ``N_dst``.
+        pairs: the number of pairs (small passes run on the calling thread).
+        initial: float32 ``[b]`` the sums start from (the bias), or None for zeros.
+
+    Returns:
+        bfloat16 ``[N_dst, b]`` (``source``'s dtype), every row written (rounded to nearest even once).
+    """
+    columns = matrices.shape[2]
+    start = np.zeros(padded_columns(columns), dtype=np.float32)
+    if initial is not None:
+        start[:columns] = initial
+    out = np.empty((num_rows, columns), dtype=np.uint16)
+    words = source_words(source)
+    packed = pack_matrices(matrices)
+    with kernel_threads(pairs * (source.shape[1] + columns)) as lanes:
+        _sources().dot_rows_kernel(words, plan.starts, plan.sources, plan.local_rows, packed, start, out,
+                                   plan.capacity, lanes)
+    return out.view(source.dtype)
+
+
+def weight_gradient(source: np.ndarray, grad: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
+                    offset_starts: tuple[int, ...]) -> np.ndarray:
+    """``[k] = sum_p source[pair_input[p]]^T grad[pair_output[p]]`` over each offset's pairs, in float32.
+
+    Args:
+        source: bfloat16 ``[N_in, a]``.
+        grad: bfloat16 ``[N_out, b]``.
+        pair_input: int32 ``[P]``.
+        pair_output: int32 ``[P]``.
+        offset_starts: ``K + 1`` ints.
+
+    Returns:
+        float32 ``[K, a, b]``: each offset summed in pair order, two pairs a word (bitwise the same at
+        every thread count).
+    """
+    volume = len(offset_starts) - 1
+    in_channels, out_channels = source.shape[1], grad.shape[1]
+    out = np.zeros((volume, in_channels, padded_columns(out_channels)), dtype=np.float32)
+    pairs = int(offset_starts[-1]) if volume else 0
+    if pairs and in_channels and out_channels:
+        with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
+            _sources().weight_gradient_kernel(
+                np.ascontiguousarray(source).view(np.uint16), np.ascontiguousarray(grad).view(np.uint16),
+                np.ascontiguousarray(pair_input, dtype=np.int32), np.ascontiguousarray(pair_output, dtype=np.int32),
+                np.asarray(offset_starts, dtype=np.int64), out, WEIGHT_GRADIENT_CHUNK, lanes)
+    return out[:, :, :out_channels]
