@@ -110,9 +110,10 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap | Neig
     check_padded_pairs(rulebook, backend)
     check_pass("conv_forward", rulebook.num_output, weight.shape[0], rulebook.num_input, features.shape[1], features)
     with serialised_kernels(features), cpu_blas_threads(backend):
-        if is_bfloat16(features.dtype) and bfloat16_route(backend, features.shape[1], weight.shape[0], groups,
-                                                          rulebook.num_pairs) == "dpbf16ps":
-            return dot_forward(features, weight, rulebook, bias)
+        route = bfloat16_route(backend, features.shape[1], weight.shape[0], groups, rulebook.num_pairs) if (
+            is_bfloat16(features.dtype)) else "widened"
+        if route != "widened":  # sparsecore.bf16_cpu_dataflow: AMX tiles or vdpbf16ps
+            return dot_forward(features, weight, rulebook, bias, route)
         return _forward_pass(backend, features, weight, rulebook, bias, groups)
 
 
@@ -195,9 +196,10 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
     check_padded_pairs(rulebook, backend)
     check_pass("conv_backward", rulebook.num_input, features.shape[1], rulebook.num_output, weight.shape[0], features)
     with serialised_kernels(features), cpu_blas_threads(backend):
-        if is_bfloat16(features.dtype) and bfloat16_route(backend, features.shape[1], weight.shape[0], groups,
-                                                          rulebook.num_pairs) == "dpbf16ps":
-            return dot_backward(grad_output, features, weight, rulebook)
+        route = bfloat16_route(backend, features.shape[1], weight.shape[0], groups, rulebook.num_pairs) if (
+            is_bfloat16(features.dtype)) else "widened"
+        if route != "widened":
+            return dot_backward(grad_output, features, weight, rulebook, route)
         return _backward_pass(backend, grad_output, features, weight, rulebook, groups)
 
 

@@ -1,8 +1,9 @@
 """bfloat16 conv and pool passes on the CPU (`sparsecore.bf16_cpu_dataflow`, `backends._bf16_cpu_kernels`).
 
-Both routes run on every machine that has them: ``"dpbf16ps"`` (the vdpbf16ps kernels; skipped where the
-CPU lacks AVX-512 BF16) and ``"widened"`` (forced with ``SPARSECORE_CPU_ISA=generic``, the route of a CPU
-without it). The size threshold is lowered so small clouds run the compiled kernels.
+Every route runs on every machine that has it: ``"amx"`` (AMX tiles, ``SPARSECORE_CPU_ISA=auto``; skipped
+where the CPU lacks AMX-BF16), ``"dpbf16ps"`` (the vdpbf16ps kernels, ``SPARSECORE_CPU_ISA=avx512_bf16``;
+skipped without AVX-512 BF16) and ``"widened"`` (``SPARSECORE_CPU_ISA=generic``, the route of a CPU without
+either). The size threshold is lowered so small clouds run the compiled kernels.
 
 The oracle is the dense float64 convolution of the densified input (``dense_oracle``) on the bfloat16
 values themselves (exact in float64). The bound, per output element, with ``M = sum |a| |b|`` over its
@@ -28,7 +29,7 @@ import pytest
 
 import sparsecore as sc
 from sparsecore import conv, pool
-from sparsecore.backends import _cpu_kernels, x86_features
+from sparsecore.backends import _bf16_cpu_kernels, _cpu_kernels, x86_features
 
 try:
     from . import dense_oracle as do
@@ -38,8 +39,12 @@ except ImportError:
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 HAS_DPBF16PS = x86_features.available_features().avx512_bf16
-ROUTES = [pytest.param("auto", id="dpbf16ps", marks=pytest.mark.skipif(not HAS_DPBF16PS, reason="no AVX-512 BF16")),
+HAS_AMX = HAS_DPBF16PS and _bf16_cpu_kernels.amx_available()
+ROUTES = [pytest.param("auto", id="amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX-BF16")),
+          pytest.param("avx512_bf16", id="dpbf16ps", marks=pytest.mark.skipif(not HAS_DPBF16PS,
+                                                                               reason="no AVX-512 BF16")),
           pytest.param("generic", id="widened")]
+EXPECTED_ROUTE = {"auto": "amx", "avx512_bf16": "dpbf16ps", "generic": None}
 
 
 @pytest.fixture(autouse=True)
@@ -128,16 +133,15 @@ def test_conv_against_the_dense_oracle(case, with_bias, route, monkeypatch):
     rng = do.make_rng(case.seed, 17)
     bias = do.random_features(rng, 1, case.out_channels)[0] if with_bias else None
     grad_output = do.random_features(rng, rulebook.num_output, case.out_channels)
-    calls = []
-    if route == "auto":
-        from sparsecore.backends import _bf16_cpu_kernels
-
-        dot_rows = _bf16_cpu_kernels.dot_rows
-        monkeypatch.setattr(_bf16_cpu_kernels, "dot_rows", lambda *a, **k: calls.append(1) or dot_rows(*a, **k))
+    routes = []
+    for name in ("dot_forward", "dot_backward"):  # the routes conv.py takes
+        original = getattr(conv, name)
+        monkeypatch.setattr(conv, name, lambda *a, _original=original: routes.append(a[-1]) or _original(*a))
     fn = _dense_fn(case, indices, case.spatial_shape, case.kind == "transposed")
     _against_oracle(fn, features, weight, bias, grad_output, rulebook.output_indices, rulebook, case.groups, route,
                     monkeypatch)
-    assert len(calls) == (2 if route == "auto" and case.groups == 1 else 0)  # forward and input gradient
+    expected = EXPECTED_ROUTE[route] if case.groups == 1 else None
+    assert routes == ([expected] * 2 if expected else [])
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -158,27 +162,30 @@ def test_inverse_conv_against_the_dense_oracle(route, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_DPBF16PS, reason="no AVX-512 BF16")
-def test_dpbf16ps_route_agrees_with_the_widened_route_and_is_the_same_at_every_thread_count(monkeypatch):
-    case = _case("subm", 3, 8106, 21, 37)
+def test_the_routes_agree_and_each_is_the_same_at_every_thread_count(monkeypatch):
+    monkeypatch.setattr(_cpu_kernels, "SERIAL_MAX_WORK", 0)  # two threads really run
+    case = _case("subm", 3, 8106, 37, 45)
     features, indices, weight = case.inputs()
     rulebook = sc.build_rulebook(indices, case.spatial_shape, case.batch_size, _geometry(case))
     (x, x_exact), (w, w_exact) = _bfloat16(features), _bfloat16(weight)
-    g, g_exact = _bfloat16(do.random_features(do.make_rng(case.seed, 23), rulebook.num_output, 37))
+    g, g_exact = _bfloat16(do.random_features(do.make_rng(case.seed, 23), rulebook.num_output, 45))
+    routes = ("avx512_bf16", "auto") if HAS_AMX else ("avx512_bf16",)
     results = {}
-    for route, threads in (("generic", 1), ("auto", 1), ("auto", 2)):
+    for route, threads in [("generic", 1)] + [(route, threads) for route in routes for threads in (1, 2)]:
         monkeypatch.setenv(x86_features.ISA_VARIABLE, route)
         with sc.num_threads(threads):
             results[route, threads] = (conv.conv_forward(x, w, rulebook), *conv.conv_backward(g, x, w, rulebook))
-    for one, two in zip(results["auto", 1], results["auto", 2]):
-        np.testing.assert_array_equal(one.view(np.uint16), two.view(np.uint16))
     fn = _dense_fn(case, indices, case.spatial_shape, False)
     magnitude = do.evaluate(fn, np.abs(x_exact), indices, np.abs(w_exact), None, grad_output=np.abs(g_exact))
-    terms = (27 * 37, 27 * 37, rulebook.num_pairs)
-    for what, fast, widened, scale, count in zip(("forward", "grad_features", "grad_weight"), results["auto", 1],
-                                                 results["generic", 1], (magnitude.values, magnitude.grad_features,
-                                                                         magnitude.grad_weight), terms):
-        difference = np.abs(fast.astype(np.float64) - widened.astype(np.float64))
-        assert np.all(difference <= 2 * bfloat16_bound(scale, count)), what  # both within rounding of the sums
+    scales = (magnitude.values, magnitude.grad_features, magnitude.grad_weight)
+    terms = (27 * 45, 27 * 45, rulebook.num_pairs)
+    for route in routes:
+        for one, two in zip(results[route, 1], results[route, 2]):
+            np.testing.assert_array_equal(one.view(np.uint16), two.view(np.uint16))
+        for what, fast, widened, scale, count in zip(("forward", "grad_features", "grad_weight"), results[route, 1],
+                                                     results["generic", 1], scales, terms):
+            difference = np.abs(fast.astype(np.float64) - widened.astype(np.float64))
+            assert np.all(difference <= 2 * bfloat16_bound(scale, count)), (route, what)  # within the sums' rounding
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -17,6 +17,9 @@ round the float32 sums to bfloat16 once, at the end (nearest even).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -25,7 +28,7 @@ from .._compile_notice import numba_for_kernels
 from ._cpu_kernels import ROW_BLOCK, TILE_ITEMS, TilePlan, kernel_threads, tile_items
 
 __all__ = ["LANES", "DOT_BLOCK_BYTES", "WEIGHT_GRADIENT_CHUNK", "padded_columns", "source_words", "pack_matrices",
-           "dot_items", "dot_rows", "weight_gradient"]
+           "dot_items", "dot_rows", "weight_gradient", "amx_available", "amx_rows", "amx_weight_gradient"]
 
 LANES = 16
 """float32 lanes of one ``vdpbf16ps``: the matrices' columns are padded to a multiple of it."""
@@ -43,6 +46,42 @@ def _sources() -> Any:
     from . import _bf16_kernel_sources
 
     return _bf16_kernel_sources
+
+
+def _amx_sources() -> Any:
+    if not amx_available():  # without the granted tile state the first tile instruction faults
+        raise RuntimeError("the AMX bfloat16 kernels need a CPU with AMX-BF16 and the tile state granted by Linux "
+                           "(amx_available() is False here)")
+    numba_for_kernels()
+    from . import _bf16_amx_sources
+
+    return _bf16_amx_sources
+
+
+_ARCH_PRCTL = 158  # x86-64 Linux system call numbers and arguments (asm/prctl.h)
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+@functools.lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether this process may run AMX-BF16 tiles: the CPU reports ``amx_bf16`` and ``amx_tile``, numba's
+    LLVM targets them, and Linux grants the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, once a process).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            flags = next((line.partition(":")[2].split() for line in handle if line.startswith("flags")), [])
+        import llvmlite.binding as llvm
+
+        host = llvm.get_host_cpu_features()
+        if not ({"amx_bf16", "amx_tile"} <= set(flags) and host.get("amx-bf16") and host.get("amx-tile")):
+            return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, ImportError, RuntimeError, AttributeError):
+        return False
 
 
 def padded_columns(columns: int) -> int:
@@ -63,11 +102,12 @@ def source_words(rows: np.ndarray) -> np.ndarray:
     return bits.view(np.uint32)
 
 
-def pack_matrices(matrices: np.ndarray) -> np.ndarray:
-    """bfloat16 ``matrices [K, a, b]`` as uint32 ``[K, ceil(a / 2), padded_columns(b)]``: word ``[k, w, j]``
-    holds ``matrices[k, 2w, j]`` (lower half) and ``matrices[k, 2w + 1, j]`` (upper), zeros where padded."""
+def pack_matrices(matrices: np.ndarray, rows_multiple: int = 2) -> np.ndarray:
+    """bfloat16 ``matrices [K, a, b]`` as uint32 ``[K, a' / 2, padded_columns(b)]`` (``a'``: ``a`` rounded up to
+    ``rows_multiple``, even): word ``[k, w, j]`` holds ``matrices[k, 2w, j]`` (lower half) and
+    ``matrices[k, 2w + 1, j]`` (upper), zeros where padded (the layout ``vdpbf16ps`` and AMX tiles read)."""
     volume, rows, columns = matrices.shape
-    bits = np.zeros((volume, rows + rows % 2, padded_columns(columns)), dtype=np.uint16)
+    bits = np.zeros((volume, -(-rows // rows_multiple) * rows_multiple, padded_columns(columns)), dtype=np.uint16)
     bits[:, :rows, :columns] = matrices.view(np.uint16) if matrices.flags.c_contiguous else (
         np.ascontiguousarray(matrices).view(np.uint16))
     pairs = bits.reshape(volume, bits.shape[1] // 2, 2, bits.shape[2]).transpose(0, 1, 3, 2)
@@ -138,3 +178,37 @@ def weight_gradient(source: np.ndarray, grad: np.ndarray, pair_input: np.ndarray
                 np.ascontiguousarray(pair_input, dtype=np.int32), np.ascontiguousarray(pair_output, dtype=np.int32),
                 np.asarray(offset_starts, dtype=np.int64), out, WEIGHT_GRADIENT_CHUNK, lanes)
     return out[:, :, :out_channels]
+
+
+def amx_rows(source: np.ndarray, matrices: np.ndarray, plan: TilePlan, num_rows: int, pairs: int,
+             initial: Optional[np.ndarray] = None) -> np.ndarray:
+    """`dot_rows` on AMX tiles (where `amx_available`): the same arguments and result, other summation order."""
+    columns = matrices.shape[2]
+    start = np.zeros(padded_columns(columns), dtype=np.float32)
+    if initial is not None:
+        start[:columns] = initial
+    out = np.empty((num_rows, columns), dtype=np.uint16)
+    packed = pack_matrices(matrices, 32)
+    kernels = _amx_sources()
+    with kernel_threads(pairs * (source.shape[1] + columns)) as lanes:
+        kernels.amx_rows_kernel(np.ascontiguousarray(source).view(np.uint16), plan.starts, plan.sources,
+                                plan.local_rows, packed, start, out, plan.capacity, max(1, plan.most),
+                                kernels.TILE_CONFIG, lanes)
+    return out.view(source.dtype)
+
+
+def amx_weight_gradient(source: np.ndarray, grad: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
+                        offset_starts: tuple[int, ...]) -> np.ndarray:
+    """`weight_gradient` on AMX tiles (where `amx_available`): the same arguments and result."""
+    volume = len(offset_starts) - 1
+    in_channels, out_channels = source.shape[1], grad.shape[1]
+    out = np.zeros((volume, padded_columns(in_channels), padded_columns(out_channels)), dtype=np.float32)
+    pairs = int(offset_starts[-1]) if volume else 0
+    if pairs and in_channels and out_channels:
+        kernels = _amx_sources()
+        with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
+            kernels.amx_weight_gradient_kernel(
+                np.ascontiguousarray(source).view(np.uint16), np.ascontiguousarray(grad).view(np.uint16),
+                np.ascontiguousarray(pair_input, dtype=np.int32), np.ascontiguousarray(pair_output, dtype=np.int32),
+                np.asarray(offset_starts, dtype=np.int64), out, kernels.TILE_CONFIG, lanes)
+    return out[:, :in_channels, :out_channels]

@@ -1,0 +1,284 @@
+"""The bfloat16 CPU conv passes on AMX tiles (``tdpbf16ps``), behind `sparsecore.backends._bf16_cpu_kernels`.
+
+Imported on first use, only where the CPU has AMX-BF16 and the process was granted the tile state
+(`_bf16_cpu_kernels.amx_available`). One ``tdpbf16ps`` multiplies a 16 x 32 bfloat16 tile by a 32 x 16
+one (stored as 16 rows of 16 pairs: the packed matrices' layout, `_bf16_cpu_kernels.pack_matrices`)
+into a 16 x 16 float32 tile: 8,192 products summed in float32 per instruction (flushing denormals,
+rounding to nearest even), 16 times the work of a ``vdpbf16ps``. LLVM's AMX intrinsics
+(``llvm.x86.ldtilecfg``, ``tilezero``, ``tileloadd64``, ``tdpbf16ps``, ``tilestored64``, ``tilerelease``)
+are asked for explicitly; every kernel loads the tile configuration on each of its threads (tiles 0,
+1, 2: 16 rows of 64 bytes each) and releases it at the end.
+
+`amx_rows_kernel` has the dataflow of the float32 tiled kernels (`_tile_kernel_sources`): per work item
+and offset, the paired source rows are copied into a tile buffer (their channels padded to 32), each
+16-row block times each 16-column block of the offset's matrix is one tile product, and the products
+are added into the item's float32 sums, written once as bfloat16. `amx_weight_gradient_kernel` sums
+each offset's ``source^T @ grad`` over its pairs in pair order, 256 pairs at a time (the source rows
+transposed into ``[channels, pairs]`` tiles, the gradient rows packed two pairs a word), each
+16 x 16 block of the result accumulating in a tile. Work items are fixed by the sizes and write only
+their own rows or offset: results are bitwise the same at every thread count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._bf16_kernel_sources import _pack_pair, _round_row
+from ._tile_kernel_sources import PREFETCH_AHEAD, _copy_rows, _prefetch
+from ._work_queue import claim, new_counter
+
+__all__ = ["TILE_CONFIG", "amx_rows_kernel", "amx_weight_gradient_kernel"]
+
+_OPTIONS = {"parallel": True, "cache": True, "nogil": True}
+
+TILE_CONFIG = np.zeros(64, dtype=np.uint8)
+"""The ``ldtilecfg`` block: palette 1, tiles 0-2 of 16 rows x 64 bytes (read only)."""
+TILE_CONFIG[0] = 1
+TILE_CONFIG[16:22] = np.array([64, 64, 64], dtype=np.uint16).view(np.uint8)
+TILE_CONFIG[48:51] = 16
+TILE_CONFIG.setflags(write=False)
+
+_I8, _I64 = ir.IntType(8), ir.IntType(64)
+_BYTE_POINTER = _I8.as_pointer()
+
+
+def _function(builder: Any, name: str, arguments: list) -> Any:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), arguments), name)
+
+
+def _byte_address(context: Any, builder: Any, array_type: Any, array: Any, offset_type: Any, offset: Any) -> Any:
+    """``array``'s data pointer plus ``offset`` bytes."""
+    view = context.make_array(array_type)(context, builder, array)
+    return builder.gep(builder.bitcast(view.data, _BYTE_POINTER), [context.cast(builder, offset, offset_type,
+                                                                                types.intp)])
+
+
+@intrinsic
+def _tile_start(typing_context: Any, config: Any) -> Any:
+    """``ldtilecfg`` of ``config`` (`TILE_CONFIG`) on the calling thread."""
+    signature = types.void(config)
+
+    def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+        view = context.make_array(signature.args[0])(context, builder, arguments[0])
+        builder.call(_function(builder, "llvm.x86.ldtilecfg", [_BYTE_POINTER]),
+                     [builder.bitcast(view.data, _BYTE_POINTER)])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _tile_end(typing_context: Any) -> Any:
+    """``tilerelease`` on the calling thread."""
+    signature = types.void()
+
+    def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+        builder.call(_function(builder, "llvm.x86.tilerelease", []), [])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _tile_product(typing_context: Any, left: Any, left_offset: Any, left_stride: Any, right: Any, right_offset: Any,
+                  right_stride: Any, steps: Any, result: Any, result_offset: Any, result_stride: Any,
+                  accumulate: Any) -> Any:
+    """16 x 16 float32 at ``result`` (+ ``result_offset`` bytes, rows ``result_stride`` bytes apart) = (its
+    values if ``accumulate`` else 0) + ``sum_s left_s @ right_s`` over ``s < steps``, on tiles.
+
+    ``left_s``: 16 rows x 32 bfloat16 at byte ``left_offset + 64 s`` of ``left`` (rows ``left_stride`` bytes
+    apart); ``right_s``: 16 rows of 16 bfloat16 pairs at byte ``right_offset + 16 s right_stride`` of
+    ``right``. Byte offsets and strides are int64; arrays C-contiguous.
+    """
+    signature = types.void(left, left_offset, left_stride, right, right_offset, right_stride, steps, result,
+                           result_offset, result_stride, accumulate)
+
+    def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+        args = signature.args
+        left_base = _byte_address(context, builder, args[0], arguments[0], args[1], arguments[1])
+        right_base = _byte_address(context, builder, args[3], arguments[3], args[4], arguments[4])
+        result_address = _byte_address(context, builder, args[7], arguments[7], args[8], arguments[8])
+        left_stride_value = context.cast(builder, arguments[2], args[2], types.int64)
+        right_stride_value = context.cast(builder, arguments[5], args[5], types.int64)
+        result_stride_value = context.cast(builder, arguments[9], args[9], types.int64)
+        steps_value = context.cast(builder, arguments[6], args[6], types.intp)
+        accumulate_value = context.cast(builder, arguments[10], args[10], types.boolean)
+        load = _function(builder, "llvm.x86.tileloadd64", [_I8, _BYTE_POINTER, _I64])
+        tile = [ir.Constant(_I8, index) for index in range(3)]
+        with builder.if_else(accumulate_value) as (then, otherwise):
+            with then:
+                builder.call(load, [tile[0], result_address, result_stride_value])
+            with otherwise:
+                builder.call(_function(builder, "llvm.x86.tilezero", [_I8]), [tile[0]])
+        right_step = builder.mul(right_stride_value, ir.Constant(_I64, 16))
+        product = _function(builder, "llvm.x86.tdpbf16ps", [_I8, _I8, _I8])
+        with cgutils.for_range(builder, steps_value) as loop:
+            builder.call(load, [tile[1], builder.gep(left_base, [builder.mul(loop.index, ir.Constant(_I64, 64))]),
+                                left_stride_value])
+            builder.call(load, [tile[2], builder.gep(right_base, [builder.mul(loop.index, right_step)]),
+                                right_stride_value])
+            builder.call(product, tile)
+        builder.call(_function(builder, "llvm.x86.tilestored64", [_I8, _BYTE_POINTER, _I64]),
+                     [tile[0], result_address, result_stride_value])
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _transpose_words(typing_context: Any, source: Any, source_offset: Any, source_stride: Any, target: Any,
+                     target_offset: Any, target_stride: Any) -> Any:
+    """A 16 x 16 block of 32-bit words transposed: ``target[j][i] = source[i][j]`` (byte offsets and row
+    strides, int64), in registers (four stages of two-row shuffles that swap off-diagonal blocks)."""
+    signature = types.void(source, source_offset, source_stride, target, target_offset, target_stride)
+
+    def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+        args = signature.args
+        source_base = _byte_address(context, builder, args[0], arguments[0], args[1], arguments[1])
+        target_base = _byte_address(context, builder, args[3], arguments[3], args[4], arguments[4])
+        source_stride_value = context.cast(builder, arguments[2], args[2], types.int64)
+        target_stride_value = context.cast(builder, arguments[5], args[5], types.int64)
+        vector = ir.VectorType(ir.IntType(32), 16)
+        rows = []
+        for row in range(16):
+            address = builder.gep(source_base, [builder.mul(source_stride_value, ir.Constant(_I64, row))])
+            rows.append(builder.load(builder.bitcast(address, vector.as_pointer()), align=4))
+        mask_type = ir.VectorType(ir.IntType(32), 16)
+        size = 8
+        while size:
+            for row in range(16):
+                if row & size:
+                    continue
+                low = [e if not e & size else 16 + e - size for e in range(16)]
+                high = [e + size if not e & size else 16 + e for e in range(16)]
+                first, second = rows[row], rows[row + size]
+                rows[row] = builder.shuffle_vector(first, second, ir.Constant(mask_type, low))
+                rows[row + size] = builder.shuffle_vector(first, second, ir.Constant(mask_type, high))
+            size //= 2
+        for row in range(16):
+            address = builder.gep(target_base, [builder.mul(target_stride_value, ir.Constant(_I64, row))])
+            builder.store(rows[row], builder.bitcast(address, vector.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@njit(**_OPTIONS)
+def amx_rows_kernel(source: Any, starts: Any, sources: Any, locals_: Any, matrices: Any, initial: Any, out: Any,
+                    capacity: int, most: int, config: Any, lanes: int) -> None:
+    """``out[d] = bfloat16(initial + sum_k source[s] @ matrices[k])`` over a tile plan's pairs ``(s, d)``.
+
+    ``source`` uint16 ``[N_src, a]`` (bfloat16 bits), the plan (``starts`` int64 ``[W * K + 1]``, ``sources``
+    / ``locals_`` int32 ``[P]``, at most ``most`` pairs per range), ``matrices`` uint32 ``[K, w, c]`` (``w``
+    a multiple of 16 words, ``2 w >= a``; ``c`` a multiple of 16; `_bf16_cpu_kernels.pack_matrices`),
+    ``initial`` float32 ``[c]``, ``out`` uint16 ``[N_dst, b]`` (every row written), ``config``
+    `TILE_CONFIG`; ``lanes`` threads claim the work items.
+    """
+    volume, words, columns = matrices.shape
+    rows = out.shape[0]
+    works = (starts.shape[0] - 1) // volume
+    depth = 2 * words  # channels padded to 32
+    steps = words // 16
+    tile_rows = (most + 15) // 16 * 16
+    counter = new_counter()
+    for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
+        _tile_start(config)
+        work = claim(counter)
+        while work < works:
+            gathered = np.zeros((tile_rows, depth), dtype=np.uint16)  # padding channels and rows stay 0
+            block = np.empty((16, 16), dtype=np.float32)
+            first_row = work * capacity
+            count_rows = min(rows, first_row + capacity) - first_row
+            acc = np.empty((count_rows, columns), dtype=np.float32)
+            for row in range(count_rows):
+                for column in range(columns):
+                    acc[row, column] = initial[column]
+            for offset in range(volume):
+                start, stop = starts[work * volume + offset], starts[work * volume + offset + 1]
+                count = stop - start
+                if count == 0:
+                    continue
+                _copy_rows(source, sources[start:stop], count, gathered)
+                for position in range(count, (count + 15) // 16 * 16):  # a partial block's rows: zeros
+                    for channel in range(source.shape[1]):
+                        gathered[position, channel] = 0
+                matrix_offset = offset * words * columns * 4
+                for first in range(0, count, 16):
+                    taken = min(16, count - first)
+                    for column in range(0, columns, 16):
+                        _tile_product(gathered, first * depth * 2, depth * 2, matrices, matrix_offset + column * 4,
+                                      columns * 4, steps, block, 0, 64, False)
+                        for row in range(taken):
+                            local = locals_[start + first + row]
+                            for lane_column in range(16):
+                                acc[local, column + lane_column] += block[row, lane_column]
+            acc_bits = acc.view(np.uint32)
+            for row in range(count_rows):
+                _round_row(acc_bits, row, out, first_row + row)
+            work = claim(counter)
+        _tile_end()
+
+
+@njit(**_OPTIONS)
+def amx_weight_gradient_kernel(source: Any, grad: Any, pair_input: Any, pair_output: Any, offset_starts: Any,
+                               out: Any, config: Any, lanes: int) -> None:
+    """``out[k] = sum_p source[pair_input[p]]^T grad[pair_output[p]]`` over offset ``k``'s pairs, in float32.
+
+    ``source`` uint16 ``[N_in, a]``, ``grad`` uint16 ``[N_out, b]`` (bfloat16 bits), ``offset_starts`` int64
+    ``[K + 1]``, ``out`` float32 ``[K, a16, c]`` zeros (``a16 >= a`` and ``c >= b`` multiples of 16). Pairs
+    in chunks of 256, in order, two to a word: the source words ``[pairs / 2, a16]`` transposed in 16 x 16
+    blocks into the left tiles' ``[a16, pairs / 2]``; ``lanes`` threads claim the offsets.
+    """
+    volume, channels_padded, columns = out.shape
+    source_bytes, grad_bytes = source.shape[1] * 2, grad.shape[1] * 2
+    chunk = 256
+    half = chunk // 2
+    counter = new_counter()
+    for lane in prange(min(lanes, volume)):  # noqa: B007 (one iteration per thread)
+        _tile_start(config)
+        offset = claim(counter)
+        while offset < volume:
+            source_words = np.zeros((half, channels_padded), dtype=np.uint32)  # [pair pair, channel]
+            transposed = np.empty((channels_padded, half), dtype=np.uint32)  # [channel, pair pair]
+            grad_words = np.zeros((half, columns), dtype=np.uint32)  # [pair pair, column]
+            stop = offset_starts[offset + 1]
+            base = offset * channels_padded * columns * 4
+            for start in range(offset_starts[offset], stop, chunk):
+                taken = min(chunk, stop - start)
+                words = (taken + 1) // 2
+                padded = (words + 15) // 16 * 16
+                for word in range(words):
+                    first = start + 2 * word
+                    ahead = first + 2 * PREFETCH_AHEAD
+                    if ahead + 1 < stop:
+                        for byte in range(0, source_bytes, 64):
+                            _prefetch(source, pair_input[ahead], byte)
+                            _prefetch(source, pair_input[ahead + 1], byte)
+                        for byte in range(0, grad_bytes, 64):
+                            _prefetch(grad, pair_output[ahead], byte)
+                            _prefetch(grad, pair_output[ahead + 1], byte)
+                    paired = 2 * word + 1 < taken
+                    _pack_pair(source, pair_input[first], pair_input[first + 1] if paired else -1, source_words,
+                               word)
+                    _pack_pair(grad, pair_output[first], pair_output[first + 1] if paired else -1, grad_words, word)
+                for word in range(words, padded):  # a partial chunk: zero pairs
+                    for channel in range(channels_padded):
+                        source_words[word, channel] = 0
+                    for column in range(columns):
+                        grad_words[word, column] = 0
+                for word in range(0, padded, 16):
+                    for channel in range(0, channels_padded, 16):
+                        _transpose_words(source_words, (word * channels_padded + channel) * 4, channels_padded * 4,
+                                         transposed, (channel * half + word) * 4, half * 4)
+                for channel in range(0, channels_padded, 16):
+                    for column in range(0, columns, 16):
+                        _tile_product(transposed, channel * half * 4, half * 4, grad_words, column * 4, columns * 4,
+                                      padded // 16, out, base + (channel * columns + column) * 4, columns * 4, True)
+            offset = claim(counter)
+        _tile_end()
