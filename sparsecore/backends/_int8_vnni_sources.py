@@ -12,8 +12,10 @@ destination rows in registers while it runs over the input channels four at a
 time: one ``vpdpbusd`` per (row, vector, quad), the quad of the source row
 broadcast to the sixteen lanes straight from the source (no gathered copy).
 The sums go into the item's int32 block (``capacity x groups * padded_out``,
-in cache), which the fused epilogue (`_cpu_kernel_sources.int8_epilogue_row`,
-the same float32 steps as every other int8 route) turns into output rows.
+in cache), which the fused epilogue (`_epilogue_row`: the float32 steps of
+`_cpu_kernel_sources.int8_epilogue_row`, the other int8 routes' epilogue, in
+the same order and roundings, written so that LLVM vectorises it) turns into
+output rows.
 
 Signed values: ``vpdpbusd`` multiplies unsigned by signed bytes. The
 activations are read as ``x + 128`` (unsigned: a copy of the source with its
@@ -41,7 +43,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._cpu_kernel_sources import int8_epilogue_row
 from ._work_queue import claim, new_counter
 from ._x86_intrinsics import LANES, prefetch, vpdpbusd_ir
 
@@ -181,6 +182,34 @@ def _prefetch_rows(source: Any, source_rows: Any, first: int, stop: int, row_byt
             prefetch(source, source_rows[pair] * row_bytes + byte)
 
 
+@njit(inline="always")
+def _epilogue_row(accumulator: Any, local: int, row: int, groups: int, out_per_group: int, padded_out: int,
+                  multiplier: Any, bias: Any, has_bias: bool, residual: Any, has_residual: bool, residual_scale: Any,
+                  relu: bool, output_scale: Any, quantize: bool, out: Any) -> None:
+    """``out[row] = epilogue(accumulator[local])``: the steps of `_cpu_kernel_sources.int8_epilogue_row`.
+
+    The same float32 operations in the same order, each rounded once (no fast-math, so no FMA
+    contraction); the clip as ``min(max(q, -128), 127)``, the same for every value ``q = rint(y / s)``
+    can take (never NaN). Written without a copy of the sums, so that LLVM vectorises it.
+    """
+    zero = np.float32(0)
+    for group in range(groups):
+        for channel in range(out_per_group):
+            column = group * out_per_group + channel
+            y = np.float32(accumulator[local, group * padded_out + channel]) * multiplier[column]
+            if has_bias:
+                y = y + bias[column]
+            if has_residual:
+                y = y + np.float32(residual[row, column]) * residual_scale
+            if relu:
+                y = zero if y < zero else y
+            if quantize:
+                q = np.rint(y / output_scale)
+                out[row, column] = np.int8(min(max(q, np.float32(-128)), np.float32(127)))
+            else:
+                out[row, column] = y
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def conv_kernel(source: Any, starts: Any, source_rows: Any, local_rows: Any, weights: Any, corrections: Any,
                 volume: int, groups: int, quads: int, out_per_group: int, padded_out: int, capacity: int,
@@ -198,7 +227,7 @@ def conv_kernel(source: Any, starts: Any, source_rows: Any, local_rows: Any, wei
         volume: K; groups, quads (``ceil(in_per_group / 4)``), out_per_group, padded_out (a multiple
             of 16), capacity (destination rows per work item): the layer's sizes.
         multiplier, bias, has_bias, residual, has_residual, residual_scale, relu, output_scale, quantize:
-            the epilogue (`_cpu_kernel_sources.int8_epilogue_row`).
+            the epilogue (`_epilogue_row`).
         out: int8 or float32 ``[N_out, groups * out_per_group]``, every row written.
         lanes: threads claiming the work items (`_work_queue`).
     """
@@ -206,7 +235,6 @@ def conv_kernel(source: Any, starts: Any, source_rows: Any, local_rows: Any, wei
     works = (starts.shape[0] - 1) // volume
     row_bytes = source.shape[1]
     width = groups * padded_out
-    out_channels = groups * out_per_group
     counter = new_counter()
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
         work = claim(counter)
@@ -214,7 +242,6 @@ def conv_kernel(source: Any, starts: Any, source_rows: Any, local_rows: Any, wei
             accumulator = np.zeros((capacity + 1, width), dtype=np.int32)  # row `capacity`: the dummy pairs'
             tail_sources = np.zeros(ROWS, dtype=np.int32)
             tail_locals = np.full(ROWS, capacity, dtype=np.int32)
-            sums = np.empty(out_channels, dtype=np.int32)
             first_row = work * capacity
             count_rows = min(rows, first_row + capacity) - first_row
             for offset in range(volume):
@@ -233,9 +260,7 @@ def conv_kernel(source: Any, starts: Any, source_rows: Any, local_rows: Any, wei
                     _dot_groups(accumulator, tail_locals, tail_sources, 0, source, offset, groups, quads, padded_out,
                                 weights, corrections)
             for local in range(count_rows):
-                for group in range(groups):
-                    for channel in range(out_per_group):
-                        sums[group * out_per_group + channel] = accumulator[local, group * padded_out + channel]
-                int8_epilogue_row(sums, first_row + local, multiplier, bias, has_bias, residual, has_residual,
-                                  residual_scale, relu, output_scale, quantize, out)
+                _epilogue_row(accumulator, local, first_row + local, groups, out_per_group, padded_out, multiplier,
+                              bias, has_bias, residual, has_residual, residual_scale, relu, output_scale, quantize,
+                              out)
             work = claim(counter)
