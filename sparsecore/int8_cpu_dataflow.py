@@ -1,7 +1,22 @@
-"""Which dataflow runs an int8 conv on the CPU: the compiled int8 kernel, or the float32 pass on exact values.
+"""Which dataflow runs an int8 conv on the CPU: the VNNI kernel, the compiled int8 kernel, or the float32 pass.
 
-Two routes give the same bits on the NumPy backend (`sparsecore.int8`'s
+Three routes give the same bits on the NumPy backend (`sparsecore.int8`'s
 int32 sum, then its float32 epilogue):
+
+- the VNNI kernel (`sparsecore.backends._int8_vnni_kernels`): ``vpdpbusd``
+  into int32, output-stationary over the float32 dataflow's forward tile plan
+  (`sparsecore.cpu_dataflow.tile_plan`) and its work split, the epilogue fused.
+  ``"auto"`` runs every layer above `_cpu_kernels.NUMPY_MAX_WORK` on it where
+  `sparsecore.backends.x86_features` selects ``avx512_vnni`` (the CPU has it,
+  numba can target it, ``SPARSECORE_CPU_ISA`` allows it: `vnni_on_cpu`);
+  elsewhere the two routes below, chosen as before. Real scan, one thread,
+  process CPU time, medians of 7 interleaved rounds, 2026-12-07 19:02 UTC,
+  shared 2-core Xeon with AVX-512 VNNI (load average 35-54), float32 layer
+  (bias, ReLU) / today's int8 route / VNNI int8 layer (int8 in and out), ms:
+  subm 16 -> 16 15.6 / 17.6 / 5.1, 32 -> 32 32.3 / 33.4 / 9.8, 64 -> 64
+  83.2 / 81.8 / 21.7, 128 -> 128 310.7 / 316.6 / 59.3; strided 32 -> 64
+  43.4 / 54.9 / 13.2, 64 -> 128 97.5 / 101.6 / 29.5 (docs/quantization.md,
+  section 7; ``python -m sparsecore.benchmark int8``);
 
 - the compiled int8 kernel (`sparsecore.backends._int8_cpu_kernels`, numba):
   output-stationary, int8 x int16 products summed in int32, the epilogue fused;
