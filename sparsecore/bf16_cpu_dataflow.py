@@ -40,10 +40,10 @@ from .rulebook import PairMap, Rulebook
 __all__ = ["AMX_MIN_MATRIX", "is_bfloat16", "check_bfloat16_operands", "bfloat16_route", "dot_forward",
            "dot_backward"]
 
-AMX_MIN_MATRIX = 32 * 32
+AMX_MIN_MATRIX = 16 * 16
 """On the ``"amx"`` route, the forward and input gradient of layers with ``in_channels * out_channels``
-above this run on tiles; narrower ones gather too little per tile product and run faster on ``vdpbf16ps``
-(real scan, 2026-12-07: 32 -> 32 forward 21.7 ms on tiles, 18.8 on vdpbf16ps; 64 -> 64 42.5 against 64.8)."""
+above this run on tiles; narrower ones run faster on ``vdpbf16ps`` (real scan, one thread, 2026-12-07:
+16 -> 16 forward 8.1 ms on tiles, 7.2 on vdpbf16ps; 32 -> 32 11.8 against 19.0; 64 -> 64 23.2 against 63.1)."""
 
 
 def check_bfloat16_operands(**arrays: Any) -> None:
@@ -129,6 +129,12 @@ def dot_backward(grad_output: Any, features: Any, weight: Any, rulebook: Ruleboo
     """
     kernels = _kernels()
     matrices = _matrices(weight)
+    if route == "amx":  # one pass: each gradient row gathered once for both products
+        items = kernels.amx_backward_items(rulebook.num_input, matrices.shape[0], features.shape[1],
+                                           grad_output.shape[1], rulebook.num_pairs)
+        grad_features, grad_matrices = kernels.amx_backward(grad_output, features, matrices,
+                                                            tile_plan(rulebook, "backward", items), rulebook.num_pairs)
+        return grad_features, weight_from_matrices(grad_matrices[:, None], weight).astype(weight.dtype)
     plan = tile_plan(rulebook, "backward", kernels.dot_items(rulebook.num_input, features.shape[1]))
     grad_features = _rows(route, grad_output, np.ascontiguousarray(matrices.transpose(0, 2, 1)), plan,
                           rulebook.num_input, rulebook.num_pairs)

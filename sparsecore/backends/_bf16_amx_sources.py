@@ -38,10 +38,10 @@ __all__ = ["TILE_CONFIG", "amx_rows_kernel", "amx_weight_gradient_kernel"]
 _OPTIONS = {"parallel": True, "cache": True, "nogil": True}
 
 TILE_CONFIG = np.zeros(64, dtype=np.uint8)
-"""The ``ldtilecfg`` block: palette 1, tiles 0-2 of 16 rows x 64 bytes (read only)."""
+"""The ``ldtilecfg`` block: palette 1, tiles 0-7 of 16 rows x 64 bytes (read only)."""
 TILE_CONFIG[0] = 1
-TILE_CONFIG[16:22] = np.array([64, 64, 64], dtype=np.uint16).view(np.uint8)
-TILE_CONFIG[48:51] = 16
+TILE_CONFIG[16:32] = np.full(8, 64, dtype=np.uint16).view(np.uint8)
+TILE_CONFIG[48:56] = 16
 TILE_CONFIG.setflags(write=False)
 
 _I8, _I64 = ir.IntType(8), ir.IntType(64)
@@ -86,49 +86,107 @@ def _tile_end(typing_context: Any) -> Any:
 
 
 @intrinsic
-def _tile_product(typing_context: Any, left: Any, left_offset: Any, left_stride: Any, right: Any, right_offset: Any,
-                  right_stride: Any, steps: Any, result: Any, result_offset: Any, result_stride: Any,
-                  accumulate: Any) -> Any:
-    """16 x 16 float32 at ``result`` (+ ``result_offset`` bytes, rows ``result_stride`` bytes apart) = (its
-    values if ``accumulate`` else 0) + ``sum_s left_s @ right_s`` over ``s < steps``, on tiles.
-
-    ``left_s``: 16 rows x 32 bfloat16 at byte ``left_offset + 64 s`` of ``left`` (rows ``left_stride`` bytes
-    apart); ``right_s``: 16 rows of 16 bfloat16 pairs at byte ``right_offset + 16 s right_stride`` of
-    ``right``. Byte offsets and strides are int64; arrays C-contiguous.
-    """
-    signature = types.void(left, left_offset, left_stride, right, right_offset, right_stride, steps, result,
-                           result_offset, result_stride, accumulate)
+def _add_vector(typing_context: Any, target: Any, target_index: Any, source: Any, source_index: Any) -> Any:
+    """``target.flat[t : t + 16] += source.flat[s : s + 16]`` (C-contiguous float32 arrays) as one vector add:
+    numba's loops leave this scalar (the arrays may alias)."""
+    signature = types.void(target, target_index, source, source_index)
 
     def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
         args = signature.args
-        left_base = _byte_address(context, builder, args[0], arguments[0], args[1], arguments[1])
-        right_base = _byte_address(context, builder, args[3], arguments[3], args[4], arguments[4])
-        result_address = _byte_address(context, builder, args[7], arguments[7], args[8], arguments[8])
-        left_stride_value = context.cast(builder, arguments[2], args[2], types.int64)
-        right_stride_value = context.cast(builder, arguments[5], args[5], types.int64)
-        result_stride_value = context.cast(builder, arguments[9], args[9], types.int64)
-        steps_value = context.cast(builder, arguments[6], args[6], types.intp)
-        accumulate_value = context.cast(builder, arguments[10], args[10], types.boolean)
-        load = _function(builder, "llvm.x86.tileloadd64", [_I8, _BYTE_POINTER, _I64])
-        tile = [ir.Constant(_I8, index) for index in range(3)]
-        with builder.if_else(accumulate_value) as (then, otherwise):
-            with then:
-                builder.call(load, [tile[0], result_address, result_stride_value])
-            with otherwise:
-                builder.call(_function(builder, "llvm.x86.tilezero", [_I8]), [tile[0]])
-        right_step = builder.mul(right_stride_value, ir.Constant(_I64, 16))
-        product = _function(builder, "llvm.x86.tdpbf16ps", [_I8, _I8, _I8])
-        with cgutils.for_range(builder, steps_value) as loop:
-            builder.call(load, [tile[1], builder.gep(left_base, [builder.mul(loop.index, ir.Constant(_I64, 64))]),
-                                left_stride_value])
-            builder.call(load, [tile[2], builder.gep(right_base, [builder.mul(loop.index, right_step)]),
-                                right_stride_value])
-            builder.call(product, tile)
-        builder.call(_function(builder, "llvm.x86.tilestored64", [_I8, _BYTE_POINTER, _I64]),
-                     [tile[0], result_address, result_stride_value])
+        vector = ir.VectorType(ir.FloatType(), 16).as_pointer()
+        addresses = []
+        for array, index, array_type, index_type in ((arguments[0], arguments[1], args[0], args[1]),
+                                                     (arguments[2], arguments[3], args[2], args[3])):
+            view = context.make_array(array_type)(context, builder, array)
+            element = builder.gep(view.data, [context.cast(builder, index, index_type, types.intp)])
+            addresses.append(builder.bitcast(element, vector))
+        total = builder.fadd(builder.load(addresses[0], align=4), builder.load(addresses[1], align=4))
+        builder.store(total, addresses[0], align=4)
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+def _make_tile_products(blocks: int) -> Any:
+    """An intrinsic ``products(left, left_offset, left_stride, right, right_offset, right_stride, steps, result,
+    result_offset, result_stride, accumulate)`` over ``blocks`` (1-4) adjacent 16-column blocks.
+
+    For each block ``j``: the 16 x 16 float32 at ``result`` (+ ``result_offset + 64 j`` bytes, rows
+    ``result_stride`` bytes apart) = (its values if ``accumulate`` else 0) + ``sum_s left_s @ right_sj`` over
+    ``s < steps``, on tiles. ``left_s``: 16 rows x 32 bfloat16 at byte ``left_offset + 64 s`` of ``left`` (rows
+    ``left_stride`` bytes apart), loaded once (tile 4) for every block; ``right_sj``: 16 rows of 16 bfloat16
+    pairs at byte ``right_offset + 64 j + 16 s right_stride`` (tiles 5-7, the fourth block reusing tile 5).
+    Results live in tiles 0-3. Byte offsets and strides are int64; arrays C-contiguous.
+    """
+
+    @intrinsic
+    def products(typing_context: Any, left: Any, left_offset: Any, left_stride: Any, right: Any, right_offset: Any,
+                 right_stride: Any, steps: Any, result: Any, result_offset: Any, result_stride: Any,
+                 accumulate: Any) -> Any:
+        signature = types.void(left, left_offset, left_stride, right, right_offset, right_stride, steps, result,
+                               result_offset, result_stride, accumulate)
+
+        def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+            args = signature.args
+            left_base = _byte_address(context, builder, args[0], arguments[0], args[1], arguments[1])
+            right_base = _byte_address(context, builder, args[3], arguments[3], args[4], arguments[4])
+            result_base = _byte_address(context, builder, args[7], arguments[7], args[8], arguments[8])
+            left_stride_value = context.cast(builder, arguments[2], args[2], types.int64)
+            right_stride_value = context.cast(builder, arguments[5], args[5], types.int64)
+            result_stride_value = context.cast(builder, arguments[9], args[9], types.int64)
+            steps_value = context.cast(builder, arguments[6], args[6], types.intp)
+            accumulate_value = context.cast(builder, arguments[10], args[10], types.boolean)
+            load = _function(builder, "llvm.x86.tileloadd64", [_I8, _BYTE_POINTER, _I64])
+            tile = [ir.Constant(_I8, index) for index in range(8)]
+            right_tiles = [tile[5], tile[6], tile[7], tile[5]]
+            results = [builder.gep(result_base, [ir.Constant(_I64, 64 * block)]) for block in range(blocks)]
+            with builder.if_else(accumulate_value) as (then, otherwise):
+                with then:
+                    for block in range(blocks):
+                        builder.call(load, [tile[block], results[block], result_stride_value])
+                with otherwise:
+                    for block in range(blocks):
+                        builder.call(_function(builder, "llvm.x86.tilezero", [_I8]), [tile[block]])
+            right_step = builder.mul(right_stride_value, ir.Constant(_I64, 16))
+            product = _function(builder, "llvm.x86.tdpbf16ps", [_I8, _I8, _I8])
+            with cgutils.for_range(builder, steps_value) as loop:
+                builder.call(load, [tile[4], builder.gep(left_base, [builder.mul(loop.index, ir.Constant(_I64, 64))]),
+                                    left_stride_value])
+                right_row = builder.gep(right_base, [builder.mul(loop.index, right_step)])
+                for block in range(blocks):
+                    builder.call(load, [right_tiles[block], builder.gep(right_row, [ir.Constant(_I64, 64 * block)]),
+                                        right_stride_value])
+                    builder.call(product, [tile[block], tile[4], right_tiles[block]])
+            store = _function(builder, "llvm.x86.tilestored64", [_I8, _BYTE_POINTER, _I64])
+            for block in range(blocks):
+                builder.call(store, [tile[block], results[block], result_stride_value])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return products
+
+
+_PRODUCTS_1, _PRODUCTS_2, _PRODUCTS_3, _PRODUCTS_4 = (_make_tile_products(blocks) for blocks in (1, 2, 3, 4))
+
+
+@njit(inline="always")
+def _tile_products(left: Any, left_offset: int, left_stride: int, right: Any, right_offset: int, right_stride: int,
+                   steps: int, blocks: int, result: Any, result_offset: int, result_stride: int,
+                   accumulate: bool) -> None:
+    """`_make_tile_products` of ``blocks`` (1-4) blocks."""
+    if blocks == 4:
+        _PRODUCTS_4(left, left_offset, left_stride, right, right_offset, right_stride, steps, result, result_offset,
+                    result_stride, accumulate)
+    elif blocks == 3:
+        _PRODUCTS_3(left, left_offset, left_stride, right, right_offset, right_stride, steps, result, result_offset,
+                    result_stride, accumulate)
+    elif blocks == 2:
+        _PRODUCTS_2(left, left_offset, left_stride, right, right_offset, right_stride, steps, result, result_offset,
+                    result_stride, accumulate)
+    else:
+        _PRODUCTS_1(left, left_offset, left_stride, right, right_offset, right_stride, steps, result, result_offset,
+                    result_stride, accumulate)
 
 
 @intrinsic
@@ -192,7 +250,7 @@ def amx_rows_kernel(source: Any, starts: Any, sources: Any, locals_: Any, matric
         work = claim(counter)
         while work < works:
             gathered = np.zeros((tile_rows, depth), dtype=np.uint16)  # padding channels and rows stay 0
-            block = np.empty((16, 16), dtype=np.float32)
+            block = np.empty((16, 64), dtype=np.float32)
             first_row = work * capacity
             count_rows = min(rows, first_row + capacity) - first_row
             acc = np.empty((count_rows, columns), dtype=np.float32)
@@ -211,13 +269,14 @@ def amx_rows_kernel(source: Any, starts: Any, sources: Any, locals_: Any, matric
                 matrix_offset = offset * words * columns * 4
                 for first in range(0, count, 16):
                     taken = min(16, count - first)
-                    for column in range(0, columns, 16):
-                        _tile_product(gathered, first * depth * 2, depth * 2, matrices, matrix_offset + column * 4,
-                                      columns * 4, steps, block, 0, 64, False)
+                    for column in range(0, columns, 64):
+                        blocks = min(4, (columns - column) // 16)
+                        _tile_products(gathered, first * depth * 2, depth * 2, matrices, matrix_offset + column * 4,
+                                       columns * 4, steps, blocks, block, 0, 256, False)
                         for row in range(taken):
-                            local = locals_[start + first + row]
-                            for lane_column in range(16):
-                                acc[local, column + lane_column] += block[row, lane_column]
+                            local = locals_[start + first + row] * columns + column
+                            for part in range(blocks):
+                                _add_vector(acc, local + 16 * part, block, row * 64 + 16 * part)
             acc_bits = acc.view(np.uint32)
             for row in range(count_rows):
                 _round_row(acc_bits, row, out, first_row + row)
@@ -277,8 +336,9 @@ def amx_weight_gradient_kernel(source: Any, grad: Any, pair_input: Any, pair_out
                         _transpose_words(source_words, (word * channels_padded + channel) * 4, channels_padded * 4,
                                          transposed, (channel * half + word) * 4, half * 4)
                 for channel in range(0, channels_padded, 16):
-                    for column in range(0, columns, 16):
-                        _tile_product(transposed, channel * half * 4, half * 4, grad_words, column * 4, columns * 4,
-                                      padded // 16, out, base + (channel * columns + column) * 4, columns * 4, True)
+                    for column in range(0, columns, 64):
+                        _tile_products(transposed, channel * half * 4, half * 4, grad_words, column * 4, columns * 4,
+                                       padded // 16, min(4, (columns - column) // 16), out,
+                                       base + (channel * columns + column) * 4, columns * 4, True)
             offset = claim(counter)
         _tile_end()

@@ -25,10 +25,11 @@ from typing import Any, Optional
 import numpy as np
 
 from .._compile_notice import numba_for_kernels
-from ._cpu_kernels import ROW_BLOCK, TILE_ITEMS, TilePlan, kernel_threads, tile_items
+from ._cpu_kernels import ROW_BLOCK, TILE_ITEMS, TilePlan, _tile_sources, kernel_threads, tile_items
 
 __all__ = ["LANES", "DOT_BLOCK_BYTES", "WEIGHT_GRADIENT_CHUNK", "padded_columns", "source_words", "pack_matrices",
-           "dot_items", "dot_rows", "weight_gradient", "amx_available", "amx_rows", "amx_weight_gradient"]
+           "dot_items", "dot_rows", "weight_gradient", "amx_available", "amx_rows", "amx_weight_gradient",
+           "amx_backward_items", "amx_backward"]
 
 LANES = 16
 """float32 lanes of one ``vdpbf16ps``: the matrices' columns are padded to a multiple of it."""
@@ -212,3 +213,45 @@ def amx_weight_gradient(source: np.ndarray, grad: np.ndarray, pair_input: np.nda
                 np.ascontiguousarray(pair_input, dtype=np.int32), np.ascontiguousarray(pair_output, dtype=np.int32),
                 np.asarray(offset_starts, dtype=np.int64), out, kernels.TILE_CONFIG, lanes)
     return out[:, :in_channels, :out_channels]
+
+
+def amx_backward_items(rows: int, volume: int, in_channels: int, out_channels: int, pairs: int) -> int:
+    """`ROW_BLOCK` blocks per work item of `amx_backward`: `tile_items` of the padded sizes (the float32 shares
+    of the weight gradient kept within `_cpu_kernels.TILE_PARTIAL_MAX_BYTES`)."""
+    return tile_items(-(-rows // ROW_BLOCK), volume, padded_columns(in_channels), padded_columns(out_channels), 4,
+                      pairs)
+
+
+def amx_backward(grad: np.ndarray, source: np.ndarray, matrices: np.ndarray, plan: TilePlan,
+                 pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Both gradients in one pass on AMX tiles (where `amx_available`; `_bf16_amx_backward`).
+
+    Args:
+        grad: bfloat16 ``[N_out, b]``.
+        source: bfloat16 ``[N_in, a]`` the forward's input.
+        matrices: bfloat16 ``[K, a, b]``.
+        plan: the reversed pairs' `TilePlan` (keys: input rows) with `amx_backward_items` blocks a work item.
+        pairs: the number of pairs.
+
+    Returns:
+        ``(grad_source bfloat16 [N_in, a], grad_matrices float32 [K, a, b])``, the weight gradient's shares
+        added in work-item order (bitwise the same at every thread count).
+    """
+    volume, in_channels, out_channels = matrices.shape
+    padded_in, padded_out = padded_columns(in_channels), padded_columns(out_channels)
+    grad_matrices = np.zeros((volume, padded_in, padded_out), dtype=np.float32)
+    if pairs == 0 or source.shape[0] == 0 or in_channels == 0 or out_channels == 0:
+        return np.zeros(source.shape, dtype=source.dtype), grad_matrices[:, :in_channels, :out_channels]
+    grad_source = np.empty(source.shape, dtype=np.uint16)
+    packed = pack_matrices(np.ascontiguousarray(matrices.transpose(0, 2, 1)), 32)  # [K, b / 2, a16]
+    partial = np.empty(((plan.starts.shape[0] - 1) // max(1, volume), volume, padded_in, padded_out), np.float32)
+    kernels = _amx_sources()
+    from . import _bf16_amx_backward
+
+    with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
+        _bf16_amx_backward.amx_backward_kernel(
+            np.ascontiguousarray(source).view(np.uint16), np.ascontiguousarray(grad).view(np.uint16), plan.starts,
+            plan.sources, plan.local_rows, packed, grad_source, partial, plan.capacity, max(1, plan.most),
+            kernels.TILE_CONFIG, lanes)
+        _tile_sources().sum_partials(partial, grad_matrices, lanes)
+    return grad_source.view(source.dtype), grad_matrices[:, :in_channels, :out_channels]

@@ -267,14 +267,56 @@ def dot_rows_kernel(words: Any, starts: Any, sources: Any, locals_: Any, matrice
             work = claim(counter)
 
 
+@intrinsic
+def _pack_sixteen(typing_context: Any, words: Any, word_index: Any, values: Any, first_index: Any,
+                  second_index: Any) -> Any:
+    """``words.flat[w + i] = values.flat[f + i] | values.flat[s + i] << 16`` for ``i < 16`` as vector operations
+    (``words`` uint32, ``values`` uint16, C-contiguous; ``s < 0``: zero upper halves)."""
+    signature = types.void(words, word_index, values, first_index, second_index)
+
+    def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+        args = signature.args
+        int32 = ir.IntType(32)
+        halves, wide = ir.VectorType(ir.IntType(16), LANES), ir.VectorType(int32, LANES)
+
+        def pointer(array: Any, array_type: Any, index: Any, index_type: Any, pointee: Any) -> Any:
+            view = context.make_array(array_type)(context, builder, array)
+            element = builder.gep(view.data, [context.cast(builder, index, index_type, types.intp)])
+            return builder.bitcast(element, pointee.as_pointer())
+
+        second = context.cast(builder, arguments[4], args[4], types.intp)
+        low = builder.zext(builder.load(pointer(arguments[2], args[2], arguments[3], args[3], halves), align=2),
+                           wide)
+        target = pointer(arguments[0], args[0], arguments[1], args[1], wide)
+        with builder.if_else(builder.icmp_signed(">=", second, ir.Constant(second.type, 0))) as (paired, single):
+            with paired:
+                high = builder.zext(builder.load(pointer(arguments[2], args[2], second, types.intp, halves),
+                                                 align=2), wide)
+                shifted = builder.shl(high, ir.Constant(wide, [16] * LANES))
+                builder.store(builder.or_(low, shifted), target, align=4)
+            with single:
+                builder.store(low, target, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @njit(inline="always")
 def _pack_pair(values: Any, first: int, second: int, words: Any, word: int) -> None:
-    """``words[word, c] = values[first, c] | values[second, c] << 16`` (``second < 0``: zero upper halves)."""
+    """``words[word, c] = values[first, c] | values[second, c] << 16`` for the columns both have (``second < 0``:
+    zero upper halves): 16 channels at a time as vectors, the rest one by one."""
+    stride = values.shape[1]
+    width = min(stride, words.shape[1])
+    whole = width - width % LANES
+    row = word * words.shape[1]
+    for column in range(0, whole, LANES):
+        _pack_sixteen(words, row + column, values, first * stride + column, second * stride + column if second >= 0
+                      else -1)
     if second >= 0:
-        for column in range(values.shape[1]):
+        for column in range(whole, width):
             words[word, column] = np.uint32(values[first, column]) | (np.uint32(values[second, column]) << 16)
     else:
-        for column in range(values.shape[1]):
+        for column in range(whole, width):
             words[word, column] = np.uint32(values[first, column])
 
 
