@@ -6,17 +6,18 @@ one (stored as 16 rows of 16 pairs: the packed matrices' layout, `_bf16_cpu_kern
 into a 16 x 16 float32 tile: 8,192 products summed in float32 per instruction (flushing denormals,
 rounding to nearest even), 16 times the work of a ``vdpbf16ps``. LLVM's AMX intrinsics
 (``llvm.x86.ldtilecfg``, ``tilezero``, ``tileloadd64``, ``tdpbf16ps``, ``tilestored64``, ``tilerelease``)
-are asked for explicitly; every kernel loads the tile configuration on each of its threads (tiles 0,
-1, 2: 16 rows of 64 bytes each) and releases it at the end.
+are asked for explicitly; every kernel loads the tile configuration on each of its threads (tiles 0-7:
+16 rows of 64 bytes each) and releases it at the end.
 
-`amx_rows_kernel` has the dataflow of the float32 tiled kernels (`_tile_kernel_sources`): per work item
-and offset, the paired source rows are copied into a tile buffer (their channels padded to 32), each
-16-row block times each 16-column block of the offset's matrix is one tile product, and the products
-are added into the item's float32 sums, written once as bfloat16. `amx_weight_gradient_kernel` sums
-each offset's ``source^T @ grad`` over its pairs in pair order, 256 pairs at a time (the source rows
-transposed into ``[channels, pairs]`` tiles, the gradient rows packed two pairs a word), each
-16 x 16 block of the result accumulating in a tile. Work items are fixed by the sizes and write only
-their own rows or offset: results are bitwise the same at every thread count.
+`amx_rows_kernel` (the forward; the input gradient runs in `_bf16_amx_backward`) has the dataflow of the
+float32 tiled kernels (`_tile_kernel_sources`): per work item and offset, the paired source rows are
+copied into a tile buffer (their channels padded to 32), each 16-row block times up to four 16-column
+blocks of the offset's matrix is one group of tile products (`_tile_products`: the source tile loaded
+once for the group), and the products are added into the item's float32 sums as vector adds
+(`_add_vector`; numba's own loop stayed scalar, 21 of 47 ms of a 64 -> 64 forward on the real scan),
+written once as bfloat16. Work items are fixed by the sizes and write only their own rows: results are
+bitwise the same at every thread count. `_transpose_words` (16 x 16 words in registers) serves the
+weight gradient's tiles.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._bf16_kernel_sources import _pack_pair, _round_row
-from ._tile_kernel_sources import PREFETCH_AHEAD, _copy_rows, _prefetch
+from ._bf16_kernel_sources import _round_row
+from ._tile_kernel_sources import _copy_rows
 from ._work_queue import claim, new_counter
 
-__all__ = ["TILE_CONFIG", "amx_rows_kernel", "amx_weight_gradient_kernel"]
+__all__ = ["TILE_CONFIG", "amx_rows_kernel"]
 
 _OPTIONS = {"parallel": True, "cache": True, "nogil": True}
 
@@ -281,64 +282,4 @@ def amx_rows_kernel(source: Any, starts: Any, sources: Any, locals_: Any, matric
             for row in range(count_rows):
                 _round_row(acc_bits, row, out, first_row + row)
             work = claim(counter)
-        _tile_end()
-
-
-@njit(**_OPTIONS)
-def amx_weight_gradient_kernel(source: Any, grad: Any, pair_input: Any, pair_output: Any, offset_starts: Any,
-                               out: Any, config: Any, lanes: int) -> None:
-    """``out[k] = sum_p source[pair_input[p]]^T grad[pair_output[p]]`` over offset ``k``'s pairs, in float32.
-
-    ``source`` uint16 ``[N_in, a]``, ``grad`` uint16 ``[N_out, b]`` (bfloat16 bits), ``offset_starts`` int64
-    ``[K + 1]``, ``out`` float32 ``[K, a16, c]`` zeros (``a16 >= a`` and ``c >= b`` multiples of 16). Pairs
-    in chunks of 256, in order, two to a word: the source words ``[pairs / 2, a16]`` transposed in 16 x 16
-    blocks into the left tiles' ``[a16, pairs / 2]``; ``lanes`` threads claim the offsets.
-    """
-    volume, channels_padded, columns = out.shape
-    source_bytes, grad_bytes = source.shape[1] * 2, grad.shape[1] * 2
-    chunk = 256
-    half = chunk // 2
-    counter = new_counter()
-    for lane in prange(min(lanes, volume)):  # noqa: B007 (one iteration per thread)
-        _tile_start(config)
-        offset = claim(counter)
-        while offset < volume:
-            source_words = np.zeros((half, channels_padded), dtype=np.uint32)  # [pair pair, channel]
-            transposed = np.empty((channels_padded, half), dtype=np.uint32)  # [channel, pair pair]
-            grad_words = np.zeros((half, columns), dtype=np.uint32)  # [pair pair, column]
-            stop = offset_starts[offset + 1]
-            base = offset * channels_padded * columns * 4
-            for start in range(offset_starts[offset], stop, chunk):
-                taken = min(chunk, stop - start)
-                words = (taken + 1) // 2
-                padded = (words + 15) // 16 * 16
-                for word in range(words):
-                    first = start + 2 * word
-                    ahead = first + 2 * PREFETCH_AHEAD
-                    if ahead + 1 < stop:
-                        for byte in range(0, source_bytes, 64):
-                            _prefetch(source, pair_input[ahead], byte)
-                            _prefetch(source, pair_input[ahead + 1], byte)
-                        for byte in range(0, grad_bytes, 64):
-                            _prefetch(grad, pair_output[ahead], byte)
-                            _prefetch(grad, pair_output[ahead + 1], byte)
-                    paired = 2 * word + 1 < taken
-                    _pack_pair(source, pair_input[first], pair_input[first + 1] if paired else -1, source_words,
-                               word)
-                    _pack_pair(grad, pair_output[first], pair_output[first + 1] if paired else -1, grad_words, word)
-                for word in range(words, padded):  # a partial chunk: zero pairs
-                    for channel in range(channels_padded):
-                        source_words[word, channel] = 0
-                    for column in range(columns):
-                        grad_words[word, column] = 0
-                for word in range(0, padded, 16):
-                    for channel in range(0, channels_padded, 16):
-                        _transpose_words(source_words, (word * channels_padded + channel) * 4, channels_padded * 4,
-                                         transposed, (channel * half + word) * 4, half * 4)
-                for channel in range(0, channels_padded, 16):
-                    for column in range(0, columns, 64):
-                        _tile_products(transposed, channel * half * 4, half * 4, grad_words, column * 4, columns * 4,
-                                       padded // 16, min(4, (columns - column) // 16), out,
-                                       base + (channel * columns + column) * 4, columns * 4, True)
-            offset = claim(counter)
         _tile_end()

@@ -28,8 +28,8 @@ from .._compile_notice import numba_for_kernels
 from ._cpu_kernels import ROW_BLOCK, TILE_ITEMS, TilePlan, _tile_sources, kernel_threads, tile_items
 
 __all__ = ["LANES", "DOT_BLOCK_BYTES", "WEIGHT_GRADIENT_CHUNK", "padded_columns", "source_words", "pack_matrices",
-           "dot_items", "dot_rows", "weight_gradient", "amx_available", "amx_rows", "amx_weight_gradient",
-           "amx_backward_items", "amx_backward"]
+           "dot_items", "dot_rows", "weight_gradient", "amx_available", "amx_rows", "amx_backward_items",
+           "amx_backward"]
 
 LANES = 16
 """float32 lanes of one ``vdpbf16ps``: the matrices' columns are padded to a multiple of it."""
@@ -196,23 +196,6 @@ def amx_rows(source: np.ndarray, matrices: np.ndarray, plan: TilePlan, num_rows:
                                 plan.local_rows, packed, start, out, plan.capacity, max(1, plan.most),
                                 kernels.TILE_CONFIG, lanes)
     return out.view(source.dtype)
-
-
-def amx_weight_gradient(source: np.ndarray, grad: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
-                        offset_starts: tuple[int, ...]) -> np.ndarray:
-    """`weight_gradient` on AMX tiles (where `amx_available`): the same arguments and result."""
-    volume = len(offset_starts) - 1
-    in_channels, out_channels = source.shape[1], grad.shape[1]
-    out = np.zeros((volume, padded_columns(in_channels), padded_columns(out_channels)), dtype=np.float32)
-    pairs = int(offset_starts[-1]) if volume else 0
-    if pairs and in_channels and out_channels:
-        kernels = _amx_sources()
-        with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
-            kernels.amx_weight_gradient_kernel(
-                np.ascontiguousarray(source).view(np.uint16), np.ascontiguousarray(grad).view(np.uint16),
-                np.ascontiguousarray(pair_input, dtype=np.int32), np.ascontiguousarray(pair_output, dtype=np.int32),
-                np.asarray(offset_starts, dtype=np.int64), out, kernels.TILE_CONFIG, lanes)
-    return out[:, :in_channels, :out_channels]
 
 
 def amx_backward_items(rows: int, volume: int, in_channels: int, out_channels: int, pairs: int) -> int:
