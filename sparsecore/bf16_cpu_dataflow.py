@@ -129,17 +129,10 @@ def dot_backward(grad_output: Any, features: Any, weight: Any, rulebook: Ruleboo
     """
     kernels = _kernels()
     matrices = _matrices(weight)
-    if route == "amx":  # one pass: each gradient row gathered once for both products
-        items = kernels.amx_backward_items(rulebook.num_input, matrices.shape[0], features.shape[1],
-                                           grad_output.shape[1], rulebook.num_pairs)
-        grad_features, grad_matrices = kernels.amx_backward(grad_output, features, matrices,
-                                                            tile_plan(rulebook, "backward", items), rulebook.num_pairs)
-        return grad_features, weight_from_matrices(grad_matrices[:, None], weight).astype(weight.dtype)
-    plan = tile_plan(rulebook, "backward", kernels.dot_items(rulebook.num_input, features.shape[1]))
-    grad_features = _rows(route, grad_output, np.ascontiguousarray(matrices.transpose(0, 2, 1)), plan,
-                          rulebook.num_input, rulebook.num_pairs)
-    weight_gradient = kernels.amx_weight_gradient if route == "amx" else kernels.weight_gradient
-    grad_matrices = weight_gradient(features, grad_output, rulebook.pair_input, rulebook.pair_output,
-                                    tuple(rulebook.offset_starts))
-    grad_weight = weight_from_matrices(grad_matrices[:, None], weight)
-    return grad_features, grad_weight.astype(weight.dtype)
+    # one pass: each gradient row read once for both products, the source rows from the work item's block
+    items = kernels.amx_backward_items(rulebook.num_input, matrices.shape[0], features.shape[1], grad_output.shape[1],
+                                       rulebook.num_pairs)
+    backward = kernels.amx_backward if route == "amx" else kernels.dot_backward
+    grad_features, grad_matrices = backward(grad_output, features, matrices, tile_plan(rulebook, "backward", items),
+                                            rulebook.num_pairs)
+    return grad_features, weight_from_matrices(grad_matrices[:, None], weight).astype(weight.dtype)

@@ -1,4 +1,4 @@
-"""bfloat16 conv passes on the CPU's ``vdpbf16ps`` (AVX-512 BF16): operand packing and the kernel calls.
+"""bfloat16 conv passes on the CPU's ``vdpbf16ps`` and AMX tiles: operand packing and the kernel calls.
 
 The kernels (`_bf16_kernel_sources`) read bfloat16 rows as bits and multiply two channels at a time
 into float32 sums; this module lays out their operands:
@@ -7,8 +7,13 @@ into float32 sums; this module lays out their operands:
   count is even, else a copy with one zero channel);
 - each offset's matrix ``[a, b]`` as words ``[ceil(a / 2), c]`` (rows ``2w`` and ``2w + 1`` interleaved,
   columns padded with zeros to ``c``, a multiple of 16: `pack_matrices`);
-- the work items of the output-stationary pass sized so a block of float32 sums stays in a core's
-  cache (`dot_items`).
+- the work items of the output-stationary forward sized so a block of float32 sums stays in a core's
+  cache (`dot_items`), those of the one-pass backward so the weight gradient's float32 shares stay
+  within the float32 backward's budget (`amx_backward_items`).
+
+Two instruction sets run them: ``vdpbf16ps`` (`dot_rows`, `dot_backward`; `_bf16_kernel_sources`,
+`_bf16_dot_backward`) and AMX tiles (`amx_rows`, `amx_backward`, where `amx_available`;
+`_bf16_amx_sources`, `_bf16_amx_backward`).
 
 Whether this route runs at all is `sparsecore.bf16_cpu_dataflow`'s decision (the CPU's feature and
 the switch); elsewhere the bfloat16 passes widen to float32 and run the float32 dataflows. Both
@@ -27,9 +32,9 @@ import numpy as np
 from .._compile_notice import numba_for_kernels
 from ._cpu_kernels import ROW_BLOCK, TILE_ITEMS, TilePlan, _tile_sources, kernel_threads, tile_items
 
-__all__ = ["LANES", "DOT_BLOCK_BYTES", "WEIGHT_GRADIENT_CHUNK", "padded_columns", "source_words", "pack_matrices",
+__all__ = ["LANES", "DOT_BLOCK_BYTES", "padded_columns", "source_words", "pack_matrices",
            "dot_items", "dot_rows", "weight_gradient", "amx_available", "amx_rows", "amx_backward_items",
-           "amx_backward"]
+           "amx_backward", "dot_backward"]
 
 LANES = 16
 """float32 lanes of one ``vdpbf16ps``: the matrices' columns are padded to a multiple of it."""
@@ -37,9 +42,6 @@ LANES = 16
 DOT_BLOCK_BYTES = 256 * 1024
 """Most bytes of one work item's float32 sums (``rows x padded columns x 4``): the block stays in the
 core's L2 cache while the item's offsets add into it."""
-
-WEIGHT_GRADIENT_CHUNK = 256
-"""Pairs of one offset packed at a time for the weight gradient (two to a word)."""
 
 
 def _sources() -> Any:
@@ -153,34 +155,6 @@ def dot_rows(source: np.ndarray, matrices: np.ndarray, plan: TilePlan, num_rows:
     return out.view(source.dtype)
 
 
-def weight_gradient(source: np.ndarray, grad: np.ndarray, pair_input: np.ndarray, pair_output: np.ndarray,
-                    offset_starts: tuple[int, ...]) -> np.ndarray:
-    """``[k] = sum_p source[pair_input[p]]^T grad[pair_output[p]]`` over each offset's pairs, in float32.
-
-    Args:
-        source: bfloat16 ``[N_in, a]``.
-        grad: bfloat16 ``[N_out, b]``.
-        pair_input: int32 ``[P]``.
-        pair_output: int32 ``[P]``.
-        offset_starts: ``K + 1`` ints.
-
-    Returns:
-        float32 ``[K, a, b]``: each offset summed in pair order, two pairs a word (bitwise the same at
-        every thread count).
-    """
-    volume = len(offset_starts) - 1
-    in_channels, out_channels = source.shape[1], grad.shape[1]
-    out = np.zeros((volume, in_channels, padded_columns(out_channels)), dtype=np.float32)
-    pairs = int(offset_starts[-1]) if volume else 0
-    if pairs and in_channels and out_channels:
-        with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
-            _sources().weight_gradient_kernel(
-                np.ascontiguousarray(source).view(np.uint16), np.ascontiguousarray(grad).view(np.uint16),
-                np.ascontiguousarray(pair_input, dtype=np.int32), np.ascontiguousarray(pair_output, dtype=np.int32),
-                np.asarray(offset_starts, dtype=np.int64), out, WEIGHT_GRADIENT_CHUNK, lanes)
-    return out[:, :, :out_channels]
-
-
 def amx_rows(source: np.ndarray, matrices: np.ndarray, plan: TilePlan, num_rows: int, pairs: int,
              initial: Optional[np.ndarray] = None) -> np.ndarray:
     """`dot_rows` on AMX tiles (where `amx_available`): the same arguments and result, other summation order."""
@@ -236,5 +210,29 @@ def amx_backward(grad: np.ndarray, source: np.ndarray, matrices: np.ndarray, pla
             np.ascontiguousarray(source).view(np.uint16), np.ascontiguousarray(grad).view(np.uint16), plan.starts,
             plan.sources, plan.local_rows, packed, grad_source, partial, plan.capacity, max(1, plan.most),
             kernels.TILE_CONFIG, lanes)
+        _tile_sources().sum_partials(partial, grad_matrices, lanes)
+    return grad_source.view(source.dtype), grad_matrices[:, :in_channels, :out_channels]
+
+
+def dot_backward(grad: np.ndarray, source: np.ndarray, matrices: np.ndarray, plan: TilePlan,
+                 pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """`amx_backward` on ``vdpbf16ps`` (`_bf16_dot_backward`): the same arguments (a plan with
+    `amx_backward_items` blocks a work item) and results."""
+    volume, in_channels, out_channels = matrices.shape
+    padded_in, padded_out = padded_columns(in_channels), padded_columns(out_channels)
+    grad_matrices = np.zeros((volume, padded_in, padded_out), dtype=np.float32)
+    if pairs == 0 or source.shape[0] == 0 or in_channels == 0 or out_channels == 0:
+        return np.zeros(source.shape, dtype=source.dtype), grad_matrices[:, :in_channels, :out_channels]
+    grad_source = np.empty(source.shape, dtype=np.uint16)
+    packed = pack_matrices(np.ascontiguousarray(matrices.transpose(0, 2, 1)))  # [K, b / 2, a16]
+    partial = np.empty(((plan.starts.shape[0] - 1) // max(1, volume), volume, padded_in, padded_out), np.float32)
+    numba_for_kernels()
+    from . import _bf16_dot_backward
+
+    with kernel_threads(pairs * (in_channels + out_channels)) as lanes:
+        _bf16_dot_backward.dot_backward_kernel(
+            np.ascontiguousarray(source).view(np.uint16), np.ascontiguousarray(grad).view(np.uint16),
+            source_words(grad), plan.starts, plan.sources, plan.local_rows, packed, grad_source, partial,
+            plan.capacity, max(1, plan.most), lanes)
         _tile_sources().sum_partials(partial, grad_matrices, lanes)
     return grad_source.view(source.dtype), grad_matrices[:, :in_channels, :out_channels]

@@ -13,10 +13,10 @@ a work item keeps its destination rows' float32 sums in a small block (in cache)
 ``source_row @ matrix[k]`` for each offset in order, four pairs at a time (their rows' accumulators
 in registers, each 16-column weight vector loaded once for the four), and writes the block once as
 bfloat16 (rounded to nearest even). It runs the forward and, over the reversed pairs with the
-transposed matrices, the input gradient. `weight_gradient_kernel` sums each offset's
-``source^T @ grad`` over its pairs in pair order, two pairs to a word, into float32. Work items are
-fixed by the sizes and claimed from a shared counter (`_work_queue`), each writing only its own rows
-or its own offset: results are bitwise identical at every thread count.
+transposed matrices, the input gradient on machines without AMX (the one-pass backward,
+`_bf16_dot_backward`, runs it through `_dot_rows` and the weight gradient through `_dot_columns` and
+`_pack_pair`). Work items are fixed by the sizes and claimed from a shared counter (`_work_queue`), each
+writing only its own rows: results are bitwise identical at every thread count.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ._work_queue import claim, new_counter
 
 _CACHE_LINE = 64
 
-__all__ = ["dot_rows_kernel", "weight_gradient_kernel", "round_rows", "LANES", "ROWS_AT_ONCE"]
+__all__ = ["dot_rows_kernel", "LANES", "ROWS_AT_ONCE"]
 
 _OPTIONS = {"parallel": True, "cache": True, "nogil": True}
 
@@ -318,61 +318,3 @@ def _pack_pair(values: Any, first: int, second: int, words: Any, word: int) -> N
     else:
         for column in range(whole, width):
             words[word, column] = np.uint32(values[first, column])
-
-
-@njit(**_OPTIONS)
-def weight_gradient_kernel(source: Any, grad: Any, pair_input: Any, pair_output: Any, offset_starts: Any,
-                           out: Any, chunk: int, lanes: int) -> None:
-    """``out[k] = sum_p source[pair_input[p]]^T grad[pair_output[p]]`` over offset ``k``'s pairs, in float32.
-
-    ``source`` uint16 ``[N_in, a]`` and ``grad`` uint16 ``[N_out, b]`` (bfloat16 bits), ``offset_starts``
-    int64 ``[K + 1]``, ``out`` float32 ``[K, a, c]`` zeros (``c >= b`` a multiple of 16). Pairs are taken
-    ``chunk`` (even) at a time in order, two to a word; ``lanes`` threads claim the offsets.
-    """
-    volume, in_channels, columns = out.shape
-    step = _blocks_at_once(columns)
-    half = chunk // 2
-    source_bytes, grad_bytes = source.shape[1] * 2, grad.shape[1] * 2
-    counter = new_counter()
-    for lane in prange(min(lanes, volume)):  # noqa: B007 (one iteration per thread)
-        offset = claim(counter)
-        while offset < volume:
-            source_words = np.empty((half, in_channels), dtype=np.uint32)  # [pair pair, channel]
-            grad_words = np.zeros((half, columns), dtype=np.uint32)  # [pair pair, column], padding zero
-            channels = np.arange(in_channels).astype(np.int32)
-            acc = out[offset]
-            stop = offset_starts[offset + 1]
-            for start in range(offset_starts[offset], stop, chunk):
-                taken = min(chunk, stop - start)
-                words = (taken + 1) // 2
-                for word in range(words):
-                    first = start + 2 * word
-                    ahead = first + 2 * PREFETCH_AHEAD
-                    if ahead + 1 < stop:
-                        for byte in range(0, source_bytes, _CACHE_LINE):
-                            _prefetch(source, pair_input[ahead], byte)
-                            _prefetch(source, pair_input[ahead + 1], byte)
-                        for byte in range(0, grad_bytes, _CACHE_LINE):
-                            _prefetch(grad, pair_output[ahead], byte)
-                            _prefetch(grad, pair_output[ahead + 1], byte)
-                    paired = 2 * word + 1 < taken
-                    _pack_pair(source, pair_input[first], pair_input[first + 1] if paired else -1, source_words, word)
-                    _pack_pair(grad, pair_output[first], pair_output[first + 1] if paired else -1, grad_words, word)
-                _dot_columns(acc, channels, source_words, in_channels, grad_words, words, step)
-            offset = claim(counter)
-
-
-@njit(**_OPTIONS)
-def round_rows(values: Any, out: Any, lanes: int) -> None:
-    """``out = bfloat16(values[:, :b])`` (bits, nearest even) for float32 ``values [N, c]``, ``out`` uint16
-    ``[N, b]``; rows in blocks of 1,024 claimed by ``lanes`` threads."""
-    rows = out.shape[0]
-    bits = values.view(np.uint32)
-    items = (rows + 1023) // 1024
-    counter = new_counter()
-    for lane in prange(min(lanes, items)):  # noqa: B007 (one iteration per thread)
-        item = claim(counter)
-        while item < items:
-            for row in range(item * 1024, min(rows, item * 1024 + 1024)):
-                _round_row(bits, row, out, row)
-            item = claim(counter)
