@@ -73,6 +73,7 @@ def amx_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any, 
     depth, steps = 2 * words, words // 16
     tile_rows = (most + 31) // 32 * 32
     half = tile_rows // 2
+    stride = half + 16  # words a transposed row: a multiple of 4 KiB would put a tile's 16 rows in one cache set
     counter = new_counter()
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
         _tile_start(config)
@@ -81,7 +82,7 @@ def amx_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any, 
             gathered = np.zeros((tile_rows, depth), dtype=np.uint16)  # padding channels stay 0
             block = np.empty((16, 64), dtype=np.float32)
             source_words = np.zeros((half, channels_padded), dtype=np.uint32)  # [pair pair, channel]
-            transposed = np.empty((channels_padded, half), dtype=np.uint32)  # [channel, pair pair]
+            transposed = np.empty((channels_padded, stride), dtype=np.uint32)  # [channel, pair pair]
             grad_words = np.zeros((half, columns), dtype=np.uint32)  # [pair pair, column]
             first_row = work * capacity
             count_rows = min(rows, first_row + capacity) - first_row
@@ -113,11 +114,11 @@ def amx_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any, 
                 for word in range(0, padded, 16):
                     for channel in range(0, channels_padded, 16):
                         _transpose_words(source_words, (word * channels_padded + channel) * 4, channels_padded * 4,
-                                         transposed, (channel * half + word) * 4, half * 4)
+                                         transposed, (channel * stride + word) * 4, stride * 4)
                 base = (work * volume + offset) * channels_padded * columns * 4
                 for channel in range(0, channels_padded, 16):
                     for column in range(0, columns, 64):
-                        _tile_products(transposed, channel * half * 4, half * 4, grad_words, column * 4, columns * 4,
+                        _tile_products(transposed, channel * stride * 4, stride * 4, grad_words, column * 4, columns * 4,
                                        padded // 16, min(4, (columns - column) // 16), partial,
                                        base + (channel * columns + column) * 4, columns * 4, False)
             acc_bits = acc.view(np.uint32)
