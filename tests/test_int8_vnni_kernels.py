@@ -45,7 +45,8 @@ def _rulebook(rng: np.random.Generator, count: int, kind: str) -> sc.Rulebook:
     indices = np.stack(np.unravel_index(cells, (2, *SHAPE)), axis=1).astype(np.int32)
     if kind == "subm":
         return sc.build_rulebook(indices, SHAPE, 2, sc.ConvGeometry.create(3, 3, kind="subm"))
-    strided = sc.ConvGeometry.create(3, 3, stride=2, padding=1, kind="transposed" if kind == "transposed" else "regular")
+    strided = sc.ConvGeometry.create(3, 3, stride=2, padding=1,
+                                     kind="transposed" if kind == "transposed" else "regular")
     rulebook = sc.build_rulebook(indices, SHAPE, 2, strided)
     return sc.inverse_rulebook(rulebook) if kind == "inverse" else rulebook
 

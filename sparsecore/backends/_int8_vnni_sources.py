@@ -71,8 +71,9 @@ _VI32 = ir.VectorType(ir.IntType(32), LANES)
 
 
 def _item(context: Any, builder: Any, array_type: Any, array: Any, indices: list[Any]) -> Any:
-    return cgutils.get_item_pointer(context, builder, array_type, context.make_array(array_type)(context, builder, array),
-                                    indices)
+    """A pointer to ``array[indices]`` (no bounds check)."""
+    view = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer(context, builder, array_type, view, indices)
 
 
 @intrinsic(prefer_literal=True)
@@ -138,7 +139,8 @@ def _dot_block(typing_context: Any, accumulator: Any, local_rows: Any, source_ro
             for row in range(block_rows):
                 scalar = builder.load(builder.bitcast(builder.gep(source_pointers[row], [quad_offset]), int32_pointer),
                                       align=1)
-                broadcast = builder.insert_element(ir.Constant(_VI32, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+                broadcast = builder.insert_element(ir.Constant(_VI32, ir.Undefined), scalar,
+                                                   ir.Constant(ir.IntType(32), 0))
                 broadcast = builder.shuffle_vector(broadcast, ir.Constant(_VI32, ir.Undefined),
                                                    ir.Constant(_VI32, [0] * LANES))
                 for vector in range(count):

@@ -70,7 +70,8 @@ def vpdpbusd_ir(builder: ir.IRBuilder, accumulator: ir.Value, unsigned_bytes: ir
     return builder.call(function, [accumulator, unsigned_bytes, signed_bytes])
 
 
-def dpbf16ps_ir(builder: ir.IRBuilder, accumulator: ir.Value, first_pairs: ir.Value, second_pairs: ir.Value) -> ir.Value:
+def dpbf16ps_ir(builder: ir.IRBuilder, accumulator: ir.Value, first_pairs: ir.Value,
+                second_pairs: ir.Value) -> ir.Value:
     """``vdpbf16ps`` on LLVM values: ``<16 x float>`` plus two bfloat16 products per lane (pairs as ``<16 x i32>``)."""
     function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF32, [_VF32, _VI32, _VI32]),
                                               DPBF16PS_NAME)
