@@ -118,8 +118,8 @@ def amx_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any, 
                 base = (work * volume + offset) * channels_padded * columns * 4
                 for channel in range(0, channels_padded, 16):
                     for column in range(0, columns, 64):
-                        _tile_products(transposed, channel * stride * 4, stride * 4, grad_words, column * 4, columns * 4,
-                                       padded // 16, min(4, (columns - column) // 16), partial,
+                        _tile_products(transposed, channel * stride * 4, stride * 4, grad_words, column * 4,
+                                       columns * 4, padded // 16, min(4, (columns - column) // 16), partial,
                                        base + (channel * columns + column) * 4, columns * 4, False)
             acc_bits = acc.view(np.uint32)
             for row in range(count_rows):

@@ -11,7 +11,8 @@ over the reversed pairs' tile plan, per work item (a block of input rows) and of
 
 The shares are added in item order afterwards (`_tile_kernel_sources.sum_partials`). A weight gradient
 per offset over every pair (removed 2026-12-07) read both rows of every pair from memory once per
-offset: on the real scan it alone took longer than the float32 backward at 32 and 64 channels. Work items are fixed by the sizes: results are bitwise the same at every thread count.
+offset: on the real scan it alone took longer than the float32 backward at 32 and 64 channels. Work
+items are fixed by the sizes: results are bitwise the same at every thread count.
 """
 
 from __future__ import annotations

@@ -110,8 +110,9 @@ def _make_dot_block(rows: int, blocks: int, transposed: bool) -> Callable[..., A
                            for block in range(blocks)]
                 for row in range(rows):
                     if transposed:
-                        word_address = builder.bitcast(builder.gep(builder.bitcast(word_pointers[row], byte),
-                                                                   [builder.mul(word, words_stride)]), int32.as_pointer())
+                        word_byte = builder.gep(builder.bitcast(word_pointers[row], byte),
+                                                [builder.mul(word, words_stride)])
+                        word_address = builder.bitcast(word_byte, int32.as_pointer())
                     else:
                         word_address = builder.gep(word_pointers[row], [word])
                     scalar = builder.load(word_address, align=4)
