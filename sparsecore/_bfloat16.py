@@ -2,7 +2,8 @@
 
 The core never imports ml_dtypes to compute: a bfloat16 array arrives with its dtype. It is imported
 (optionally) only to name the dtype (`bfloat16_dtype`, for the torch frontend's views) and to view a
-torch bfloat16 tensor, whose DLPack NumPy cannot read (`bfloat16_view`).
+torch bfloat16 tensor, whose DLPack NumPy cannot read (`bfloat16_view`); results go back to torch or
+JAX without DLPack too (`bfloat16_to`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bfloat16_dtype", "is_bfloat16", "bfloat16_view"]
+__all__ = ["bfloat16_dtype", "is_bfloat16", "bfloat16_view", "bfloat16_to"]
 
 
 def bfloat16_dtype() -> np.dtype | None:
@@ -46,3 +47,15 @@ def bfloat16_view(value: Any, library: str, name: str) -> np.ndarray:
         torch = sys.modules["torch"]
         return value.contiguous().view(torch.int16).numpy().view(dtype)
     return np.asarray(value)
+
+
+def bfloat16_to(value: np.ndarray, library: str) -> Any:
+    """A NumPy ``ml_dtypes.bfloat16`` result as a torch tensor (sharing its memory, through int16 bits) or a JAX
+    array (``library``: ``"torch"`` or ``"jax"``)."""
+    if library == "torch":
+        torch = sys.modules["torch"]
+        bits = np.ascontiguousarray(value).view(np.int16)
+        if not bits.flags.writeable:
+            bits = bits.copy()
+        return torch.from_numpy(bits).view(torch.bfloat16)
+    return sys.modules["jax"].numpy.asarray(value)

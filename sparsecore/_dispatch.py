@@ -235,6 +235,10 @@ def from_core_array(value: Any, like: Any) -> Any:
     library = array_library(like)
     if library in ("numpy", "cupy", "unknown", "dlpack"):
         return value
+    if is_numpy_array(value) and value.dtype.name == "bfloat16":  # NumPy's DLPack has no bfloat16
+        from ._bfloat16 import bfloat16_to
+
+        return bfloat16_to(value, library)
     if library == "torch":
         if is_numpy_array(value) and not value.flags.writeable:
             value = value.copy()

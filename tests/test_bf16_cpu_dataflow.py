@@ -246,3 +246,24 @@ def test_mixed_dtypes_are_refused_by_name():
     grad = np.ones((rulebook.num_output, 8), np.float32)
     with pytest.raises(TypeError, match=r"grad_output is float32"):
         conv.conv_backward(grad, features.astype(BFLOAT16), weight.astype(BFLOAT16), rulebook)
+
+
+def test_torch_and_jax_bfloat16_arrays_go_in_and_come_back_in_their_library():
+    """The public passes take torch and JAX bfloat16 arrays (NumPy's DLPack has no bfloat16) and hand their
+    results back as the caller's arrays, with the same bits as the NumPy (ml_dtypes) call."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    rng = do.make_rng(8109)
+    indices = do.random_indices(rng, (5, 6, 4), 1, density=0.5)
+    rulebook = sc.build_rulebook(indices, (5, 6, 4), 1, sc.ConvGeometry.create(3, 3, kind="subm"))
+    features, _ = _bfloat16(do.random_features(rng, indices.shape[0], 4))
+    weight, _ = _bfloat16(do.random_weight(rng, 6, (3, 3, 3), 4))
+    expected = conv.conv_forward(features, weight, rulebook).view(np.uint16)
+    bits = torch.from_numpy(features.view(np.int16))
+    from_torch = sc.conv_forward(bits.view(torch.bfloat16), torch.from_numpy(weight.view(np.int16)).view(
+        torch.bfloat16), rulebook)
+    assert isinstance(from_torch, torch.Tensor) and from_torch.dtype == torch.bfloat16
+    np.testing.assert_array_equal(from_torch.view(torch.int16).numpy().view(np.uint16), expected)
+    from_jax = sc.conv_forward(jnp.asarray(features), jnp.asarray(weight), rulebook)
+    assert from_jax.dtype == jnp.bfloat16 and not isinstance(from_jax, np.ndarray)
+    np.testing.assert_array_equal(np.asarray(from_jax).view(np.uint16), expected)
