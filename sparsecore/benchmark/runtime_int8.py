@@ -62,7 +62,7 @@ def int8_session(model: Any, example: Any) -> tuple[Any, Any]:
     """The backbone converted to int8 (PTQ calibrated on ``example``) and its `sparsecore.runtime` session.
 
     Args:
-        model: the benchmark's float backbone (`sparsecore.benchmark.runtime.second_backbone`).
+        model: the benchmark's float backbone (`sparsecore.benchmark.backbones.second_backbone`).
         example: the CPU `SparseConvTensor` of the scan.
 
     Returns:
@@ -99,7 +99,7 @@ def backbone_rows(voxels_path: str | None, repeat: int, thread_counts: Sequence[
     import sparsecore.torch as spconv
     from sparsecore.backends import x86_features
     from sparsecore.benchmark import scenes
-    from sparsecore.benchmark.runtime import second_backbone
+    from sparsecore.benchmark.backbones import second_backbone
     from sparsecore.benchmark.timing import time_alternating
 
     scene = scenes.load_voxel_scene(scenes.require_data_file(voxels_path, scenes.VOXELS_FILE_NAME))
