@@ -175,6 +175,10 @@ def to_core_array(value: Any, name: str = "array") -> Any:
 
             return require_cuda(f"{name} (a CUDA array)").from_dlpack(value)
         if device_type is None or device_type in _DLPACK_CPU_TYPES:
+            if str(getattr(value, "dtype", "")).endswith("bfloat16"):
+                from ._bfloat16 import bfloat16_view  # NumPy's DLPack has no bfloat16
+
+                return bfloat16_view(value, library, name)
             return np.from_dlpack(value)
         raise TypeError(
             f"{name} lives on DLPack device type {device_type}; sparsecore computes on "
@@ -231,6 +235,10 @@ def from_core_array(value: Any, like: Any) -> Any:
     library = array_library(like)
     if library in ("numpy", "cupy", "unknown", "dlpack"):
         return value
+    if is_numpy_array(value) and value.dtype.name == "bfloat16":  # NumPy's DLPack has no bfloat16
+        from ._bfloat16 import bfloat16_to
+
+        return bfloat16_to(value, library)
     if library == "torch":
         if is_numpy_array(value) and not value.flags.writeable:
             value = value.copy()

@@ -55,14 +55,21 @@ def index_rows(rulebook: Any) -> Any:
     return rulebook.pair_input
 
 
-def refuse_bfloat16(**arrays: Any) -> None:
-    """Raises for a bfloat16 array reaching the NumPy backend's passes (only the kernel backend runs it).
+def refuse_bfloat16(backend: Any, **arrays: Any) -> None:
+    """Raises for a bfloat16 array reaching a backend whose pair passes do not run it.
+
+    The kernel backend runs bfloat16 in its fused passes and the NumPy backend in its CPU dataflows
+    (`sparsecore.bf16_cpu_dataflow`); any other backend refuses it.
 
     Raises:
         TypeError: naming the first bfloat16 argument.
     """
+    from .backends import NumpyBackend
+
+    if isinstance(backend, NumpyBackend):
+        return
     for name, array in arrays.items():
         if array is not None and array.dtype.name == "bfloat16":
-            raise TypeError(f"{name} has dtype bfloat16, which only the GPU (kernel) backend's feature passes run; "
-                            "on the CPU cast it with .astype(float32)")
-
+            raise TypeError(f"{name} has dtype bfloat16, which the {getattr(backend, 'name', type(backend).__name__)} "
+                            "backend's pair passes do not run (the NumPy backend and the GPU kernel backend do); "
+                            "cast it with .astype(float32)")

@@ -54,6 +54,7 @@ from ._dispatch import check_same_device, to_core_array
 from ._rulebook_views import index_rows, map_view, pair_view, refuse_bfloat16, runs_fused_passes
 from ._validation import as_features
 from .backends import ArrayBackend, backend_for
+from .bf16_cpu_dataflow import bfloat16_route, check_bfloat16_operands, dot_backward, dot_forward, is_bfloat16
 from .conv_weight import check_conv_weight, check_weight_layout
 from .cpu_dataflow import (
     FUSED_GROUPED_BACKWARD_MAX_MATRIX,
@@ -83,7 +84,8 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap | Neig
     """Sparse convolution forward: ``out[o] += features[i] @ W_k`` for each pair ``(i, o)`` of offset ``k``.
 
     Args:
-        features: ``[N_in, C_in]`` float16/32/64 (bfloat16 too on a kernel backend).
+        features: ``[N_in, C_in]`` float16/32/64, or bfloat16 (``ml_dtypes.bfloat16``; then the weight
+            too) on the NumPy backend and the kernel backend.
         weight: ``[C_out, *kernel_size, C_in // groups]``.
         rulebook: the layer's `Rulebook`, `PairMap` or `NeighbourMap` (``num_input == N_in``).
         bias: optional ``[C_out]``.
@@ -107,11 +109,16 @@ def conv_forward(features: Any, weight: Any, rulebook: Rulebook | PairMap | Neig
     if exact is not None:  # a padded capacity build on the host: the exact pass on the true rows, then padding
         out = conv_forward(features[:exact.num_input], weight, exact, bias, groups, backend=backend)
         return padded_rows(out, rulebook.num_output, 0 if bias is None else bias.astype(out.dtype, copy=False))
-    refuse_bfloat16(features=features, weight=weight, bias=bias)
+    refuse_bfloat16(backend, features=features, weight=weight, bias=bias)
+    check_bfloat16_operands(features=features, weight=weight)
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     check_pass("conv_forward", rulebook.num_output, weight.shape[0], rulebook.num_input, features.shape[1], features)
     with serialised_kernels(features), cpu_blas_threads(backend):
+        route = bfloat16_route(backend, features.shape[1], weight.shape[0], groups, rulebook.num_pairs) if (
+            is_bfloat16(features.dtype)) else "widened"
+        if route != "widened":  # sparsecore.bf16_cpu_dataflow: AMX tiles or vdpbf16ps
+            return dot_forward(features, weight, rulebook, bias, route)
         return _forward_pass(backend, features, weight, rulebook, bias, groups)
 
 
@@ -193,11 +200,16 @@ def conv_backward(grad_output: Any, features: Any, weight: Any, rulebook: Rulebo
         grad_features, grad_weight = conv_backward(grad_output[:exact.num_output], features[:exact.num_input],
                                                    weight, exact, groups, backend=backend)
         return padded_rows(grad_features, rulebook.num_input), grad_weight
-    refuse_bfloat16(features=features, weight=weight, grad_output=grad_output)
+    refuse_bfloat16(backend, features=features, weight=weight, grad_output=grad_output)
+    check_bfloat16_operands(features=features, weight=weight, grad_output=grad_output)
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     check_pass("conv_backward", rulebook.num_input, features.shape[1], rulebook.num_output, weight.shape[0], features)
     with serialised_kernels(features), cpu_blas_threads(backend):
+        route = bfloat16_route(backend, features.shape[1], weight.shape[0], groups, rulebook.num_pairs) if (
+            is_bfloat16(features.dtype)) else "widened"
+        if route != "widened":
+            return dot_backward(grad_output, features, weight, rulebook, route)
         return _backward_pass(backend, grad_output, features, weight, rulebook, groups)
 
 

@@ -1,7 +1,22 @@
-"""Which dataflow runs an int8 conv on the CPU: the compiled int8 kernel, or the float32 pass on exact values.
+"""Which dataflow runs an int8 conv on the CPU: the VNNI kernel, the compiled int8 kernel, or the float32 pass.
 
-Two routes give the same bits on the NumPy backend (`sparsecore.int8`'s
+Three routes give the same bits on the NumPy backend (`sparsecore.int8`'s
 int32 sum, then its float32 epilogue):
+
+- the VNNI kernel (`sparsecore.backends._int8_vnni_kernels`): ``vpdpbusd``
+  into int32, output-stationary over the float32 dataflow's forward tile plan
+  (`sparsecore.cpu_dataflow.tile_plan`) and its work split, the epilogue fused.
+  ``"auto"`` runs every layer above `_cpu_kernels.NUMPY_MAX_WORK` on it where
+  `sparsecore.backends.x86_features` selects ``avx512_vnni`` (the CPU has it,
+  numba can target it, ``SPARSECORE_CPU_ISA`` allows it: `vnni_on_cpu`);
+  elsewhere the two routes below, chosen as before. Real scan, one thread,
+  process CPU time, medians of 7 interleaved rounds, 2026-12-07 19:02 UTC,
+  shared 2-core Xeon with AVX-512 VNNI (load average 35-54), float32 layer
+  (bias, ReLU) / today's int8 route / VNNI int8 layer (int8 in and out), ms:
+  subm 16 -> 16 15.6 / 17.6 / 5.1, 32 -> 32 32.3 / 33.4 / 9.8, 64 -> 64
+  83.2 / 81.8 / 21.7, 128 -> 128 310.7 / 316.6 / 59.3; strided 32 -> 64
+  43.4 / 54.9 / 13.2, 64 -> 128 97.5 / 101.6 / 29.5 (docs/quantization.md,
+  section 7; ``python -m sparsecore.benchmark int8``);
 
 - the compiled int8 kernel (`sparsecore.backends._int8_cpu_kernels`, numba):
   output-stationary, int8 x int16 products summed in int32, the epilogue fused;
@@ -53,14 +68,15 @@ from typing import Any
 
 import numpy as np
 
-from .backends import NumpyBackend
-from .backends import _int8_cpu_kernels
+from . import cpu_dataflow
+from .backends import NumpyBackend, x86_features
+from .backends import _cpu_kernels, _int8_cpu_kernels, _int8_vnni_kernels
 from .backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue, apply_epilogue, compiled_conv
 from .conv import conv_forward
 from .rulebook import PairMap, Rulebook
 
 __all__ = ["COMPILED_MIN_IN_PER_GROUP", "COMPILED_MIN_OUT_PER_GROUP", "COMPILED_MAX_MATRIX", "ROUTES",
-           "compiled_on_cpu", "float_pass_is_exact", "int8_neighbour_table", "int8_conv_on_cpu"]
+           "compiled_on_cpu", "vnni_on_cpu", "float_pass_is_exact", "int8_neighbour_table", "int8_conv_on_cpu"]
 
 COMPILED_MIN_IN_PER_GROUP = 32
 """Input channels per group from which the compiled int8 kernel runs a layer (with `COMPILED_MIN_OUT_PER_GROUP`)."""
@@ -72,7 +88,19 @@ COMPILED_MAX_MATRIX = 32 * 64
 """Most ``in_per_group * out_per_group`` of a layer the compiled int8 kernel runs; wider layers run the
 float32 pass (faster there since the tiled float32 dataflow; the module docstring has the measurements)."""
 
-ROUTES = ("auto", "compiled", "float_pass")
+ROUTES = ("auto", "vnni", "compiled", "float_pass")
+
+
+def vnni_on_cpu(pairs: int, in_channels: int, out_channels: int) -> bool:
+    """Whether ``"auto"`` runs a layer on the VNNI kernel (`sparsecore.backends._int8_vnni_kernels`).
+
+    Where `x86_features.uses` ``("avx512_vnni")`` (the CPU has it, numba can target it and
+    ``SPARSECORE_CPU_ISA`` allows it) and numba imports, every layer whose work
+    (``pairs * (C_in + C_out)``) passes `_cpu_kernels.NUMPY_MAX_WORK`: smaller layers keep the
+    float pass, whose small sizes run NumPy twins, so a small cloud's first call compiles nothing.
+    """
+    return (_cpu_kernels.compiled_kernel(pairs * (in_channels + out_channels)) and _int8_cpu_kernels.available()
+            and x86_features.uses("avx512_vnni"))
 
 
 def compiled_on_cpu(in_per_group: int, out_per_group: int) -> bool:
@@ -125,7 +153,9 @@ def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.nda
         rulebook: the layer's rulebook.
         groups: channel groups.
         epilogue: the float32 steps after the sum.
-        route: ``"auto"`` (`compiled_on_cpu` decides), ``"compiled"`` (the compiled int8
+        route: ``"auto"`` (`vnni_on_cpu`, else `compiled_on_cpu` decides), ``"vnni"`` (the VNNI
+            kernel over the forward `sparsecore.cpu_dataflow.tile_plan`; a `ValueError` where
+            `x86_features` does not select ``avx512_vnni`` or numba is missing), ``"compiled"`` (the compiled int8
             kernel over the memoised `int8_neighbour_table`; the backend's int8 pass without
             numba), or ``"float_pass"`` (the float32 pass when `float_pass_is_exact`, else
             the compiled route). Every route gives the same bits.
@@ -136,8 +166,17 @@ def int8_conv_on_cpu(backend: NumpyBackend, features: np.ndarray, weight: np.nda
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     in_per_group, out_per_group = weight.shape[-1], weight.shape[0] // groups
+    if route == "auto" and vnni_on_cpu(rulebook.num_pairs, features.shape[1], weight.shape[0]):
+        route = "vnni"
     if route == "auto":
         route = "compiled" if compiled_on_cpu(in_per_group, out_per_group) else "float_pass"
+    if route == "vnni":
+        if not (_int8_cpu_kernels.available() and x86_features.uses("avx512_vnni")):
+            raise ValueError("route='vnni' needs numba and a CPU with avx512_vnni that numba can target, selected by "
+                             f"{x86_features.ISA_VARIABLE} (now {x86_features.selected_features()}); use route='auto'")
+        items = _cpu_kernels.tile_items(-(-rulebook.num_output // _cpu_kernels.ROW_BLOCK))
+        return _int8_vnni_kernels.conv(features, weight, cpu_dataflow.tile_plan(rulebook, "forward", items),
+                                       rulebook.num_output, rulebook.num_pairs, groups, epilogue)
     if route == "float_pass" and float_pass_is_exact(features, weight):
         sums = conv_forward(features.astype(np.float32), weight.astype(np.float32), rulebook, groups=groups,
                             backend=backend)

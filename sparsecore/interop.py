@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ._bfloat16 import bfloat16_dtype
 from ._dispatch import (
     array_library,
     array_module,
@@ -46,6 +47,7 @@ __all__ = [
     "as_features",
     "as_indices",
     "as_spatial_shape",
+    "bfloat16_dtype",
     "check_dense_size",
     "check_indices_in_range",
     "check_integer_array",

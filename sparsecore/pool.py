@@ -40,8 +40,8 @@ __all__ = [
 
 
 def _sum_dtype(xp: Any, dtype: Any) -> Any:
-    """Pools sum float16 in float32 (no GEMM to speed up, so no reason to round more)."""
-    return xp.float32 if dtype == xp.float16 else dtype
+    """Pools sum float16 and bfloat16 in float32 (no GEMM to speed up, so no reason to round more)."""
+    return xp.float32 if dtype == xp.float16 or dtype.name == "bfloat16" else dtype
 
 
 def _pass_operands(values: Any, rulebook: Rulebook | PairMap | NeighbourMap, backend: ArrayBackend | None,
@@ -69,7 +69,7 @@ def _pass_operands(values: Any, rulebook: Rulebook | PairMap | NeighbourMap, bac
     backend = backend if backend is not None else backend_for(values)
     if runs_fused_passes(backend):
         return backend, values, map_view(rulebook, backend.xp)
-    refuse_bfloat16(**{"features" if stage == "forward" else "grad_output": values})
+    refuse_bfloat16(backend, **{"features" if stage == "forward" else "grad_output": values})
     rulebook = pair_view(rulebook)
     check_padded_pairs(rulebook, backend)
     pairs = (rulebook.pair_input, rulebook.pair_output, tuple(rulebook.offset_starts))
@@ -152,7 +152,7 @@ def max_pool_backward(grad_output: Any, argmax: Any, num_input: int, *,
             grad = max_pool_backward(grad_output[:exact.num_output], argmax[:exact.num_output], exact.num_input,
                                      rulebook=exact, backend=backend)
             return padded_rows(grad, num_input)
-        refuse_bfloat16(grad_output=grad_output)
+        refuse_bfloat16(backend, grad_output=grad_output)
         rulebook = pair_view(rulebook)
         check_padded_pairs(rulebook, backend)
         with serialised_kernels(grad_output):
@@ -246,7 +246,7 @@ def global_max_pool_forward(features: Any, indices: Any, batch_size: int) -> tup
     Returns:
         ``(out [B, C], argmax [B, C] int32)``; an empty batch element gives 0 and argmax -1.
     """
-    features = as_features(features)
+    features = as_features(features, bfloat16=True)
     batch_size = as_batch_size(batch_size)
     xp = array_module(features)
     _, rows_per_batch = _batch_rows(indices, batch_size, features.shape[0])
@@ -275,7 +275,7 @@ def global_avg_pool_forward(features: Any, indices: Any, batch_size: int) -> Any
     Returns:
         ``[B, C]`` in the features' dtype.
     """
-    features = as_features(features)
+    features = as_features(features, bfloat16=True)
     batch_size = as_batch_size(batch_size)
     xp = array_module(features)
     dtype = _sum_dtype(xp, features.dtype)
@@ -290,7 +290,7 @@ def global_avg_pool_forward(features: Any, indices: Any, batch_size: int) -> Any
 def global_avg_pool_backward(grad_output: Any, indices: Any, batch_size: int) -> Any:
     """Gradient of `global_avg_pool_forward`: ``[B, C]`` to ``[N, C]``."""
     grad_output = as_features(grad_output, batch_size, name="grad_output",
-                              rows_meaning="batch element (the forward's output is [B, C])")
+                              rows_meaning="batch element (the forward's output is [B, C])", bfloat16=True)
     indices = to_core_array(indices, "indices")
     xp = array_module(grad_output)
     batch = indices[:, 0].astype(xp.int64)

@@ -11,21 +11,29 @@ from sparsecore.benchmark import int8 as suite
 
 
 def test_command_line_registers_the_suite() -> None:
-    arguments = cli.build_parser().parse_args(["int8", "--threads", "1,2", "--repeat", "3"])
+    arguments = cli.build_parser().parse_args(["int8", "--threads", "1,2", "--repeat", "3", "--layers",
+                                               "subm 16->16,strided 32->64", "--no-backbone"])
     assert arguments.suite == "int8" and arguments.threads == "1,2" and arguments.repeat == 3
-    assert arguments.device == "cpu" and arguments.child is None
+    assert arguments.device == "cpu" and arguments.no_backbone
+    assert [layer.name for layer in suite._selected_layers(arguments.layers)] == ["subm 16->16", "strided 32->64"]
+    assert suite._selected_layers("") == list(suite.LAYERS)
+    with pytest.raises(SystemExit, match="unknown layer 'subm 8->8'"):
+        suite._selected_layers("subm 8->8")
 
 
 def test_alternating_timer_runs_each_function_in_turn() -> None:
     calls: list[str] = []
-    times = suite.time_alternating({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3,
-                                   lambda: None)
-    assert calls == ["a", "b"] * 4  # one warm-up round, then three timed ones
-    assert [len(values) for values in times.values()] == [3, 3]
-    rows = suite._rows("cpu", 1, times)
-    assert [row.variant for row in rows] == ["a", "b"] and rows[0].relative_to_float == 1.0
+    functions = {(threads, name): (lambda threads=threads, name=name: calls.append(f"{name}{threads}"))
+                 for threads in (1, 2) for name in ("float32", "b")}
+    times = suite.time_alternating(functions, 3, lambda: None)
+    assert calls == ["float321", "b1", "float322", "b2"] * 4  # one warm-up round, then three timed ones
+    assert [len(values) for values in times.values()] == [3, 3, 3, 3]
+    rows = suite._layer_rows("subm 16->16", (1, 2), ["float32", "b"], times)
+    assert [(row.threads, row.variant) for row in rows] == [(1, "float32"), (1, "b"), (2, "float32"), (2, "b")]
+    assert rows[0].relative_to_float == 1.0 and rows[0].relative_to_one_thread == 1.0
+    assert rows[3].relative_to_one_thread == pytest.approx(np.median(times[(1, "b")]) / np.median(times[(2, "b")]))
     text = suite.format_rows(rows)
-    assert "float / this" in text and "\ncpu" in text
+    assert "float / this" in text and "1 thread / this" in text and "\nsubm 16->16" in text
 
 
 def test_int8_layer_of_the_benchmark_computes_the_float_layer() -> None:

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
 
 import sparsecore.torch as spconv  # noqa: E402
-from sparsecore.benchmark.runtime import second_backbone  # noqa: E402
+from sparsecore.benchmark.backbones import second_backbone  # noqa: E402
 from sparsecore.benchmark.runtime_int8 import int8_variants  # noqa: E402
 from tests.dense_oracle import make_rng, random_features, random_indices  # noqa: E402
 

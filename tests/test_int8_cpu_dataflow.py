@@ -14,7 +14,7 @@ import pytest
 
 import sparsecore as sc
 from sparsecore import int8_cpu_dataflow as dataflow
-from sparsecore.backends import NumpyBackend, _int8_cpu_kernels
+from sparsecore.backends import NumpyBackend, _cpu_kernels, _int8_cpu_kernels, _int8_vnni_kernels, x86_features
 from sparsecore.backends._numpy_int8 import EXACT_FLOAT32_LIMIT, Int8Epilogue
 
 from int8_reference import integer_sums, random_int8, reference_int8_conv, same_bits
@@ -136,3 +136,34 @@ def test_compiled_route_builds_its_table_once_per_rulebook() -> None:
     assert build.call_count == 1
     table = dataflow.int8_neighbour_table(rulebook)
     assert not table.flags.writeable and table.shape == (rulebook.num_output, 27)
+
+
+def _vnni_available() -> bool:
+    return _int8_cpu_kernels.available() and x86_features.available_features().avx512_vnni
+
+
+@pytest.mark.parametrize("isa", ["auto", "generic"])
+def test_auto_route_takes_the_vnni_kernel_only_where_the_switch_selects_it(isa: str, monkeypatch) -> None:
+    """Above the size threshold (lowered here), ``auto`` runs the VNNI kernel where the CPU has avx512_vnni and
+    SPARSECORE_CPU_ISA allows it; ``generic`` (a CPU without the feature, simulated) runs today's route. Both give
+    the integer reference's bits."""
+    monkeypatch.setattr(_cpu_kernels, "NUMPY_MAX_WORK", -1)
+    rng = np.random.default_rng(1207)
+    rulebook = _rulebook(rng, 90)
+    features, weight = random_int8(rng, (rulebook.num_input, 24)), random_int8(rng, (40, 3, 3, 3, 24))
+    scales, bias = rng.uniform(2e-3, 2e-2, 40).astype(np.float32), rng.standard_normal(40).astype(np.float32)
+    common = dict(input_scale=0.05, weight_scales=scales, bias=bias, relu=True, output_scale=0.2)
+    with x86_features.cpu_isa(isa), \
+            mock.patch.object(_int8_vnni_kernels, "conv", wraps=_int8_vnni_kernels.conv) as vnni:
+        actual = sc.int8_conv_forward(features, weight, rulebook, **common)
+        assert dataflow.vnni_on_cpu(rulebook.num_pairs, 24, 40) == (isa == "auto" and _vnni_available())
+    assert vnni.call_count == (1 if isa == "auto" and _vnni_available() else 0)
+    same_bits(actual, reference_int8_conv(features, weight, rulebook, **common), f"auto route under {isa}")
+
+
+def test_vnni_route_is_refused_where_the_switch_leaves_it_out() -> None:
+    rng = np.random.default_rng(1208)
+    rulebook = _rulebook(rng, 10)
+    with x86_features.cpu_isa("generic"), pytest.raises(ValueError, match="route='vnni' needs .*avx512_vnni"):
+        dataflow.int8_conv_on_cpu(NumpyBackend(), random_int8(rng, (rulebook.num_input, 4)),
+                                  random_int8(rng, (4, 3, 3, 3, 4)), rulebook, 1, _epilogue(4, rng, None), route="vnni")

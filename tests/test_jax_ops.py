@@ -514,3 +514,45 @@ def test_check_grads_global_and_dense(op):
     x = sj.SparseTensor.from_arrays(random_features(rng, 9, 2), indices, (4, 4), 2)
     fn = {"global_max": sj.global_max_pool, "global_avg": sj.global_avg_pool, "to_dense": sj.to_dense}[op]
     check_grads(jax.jit(lambda f: fn(x.replace(f))), (x.features,), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_conv_on_the_cpu_matches_dense(impl, monkeypatch):
+    """bfloat16 features and weights on both impls (the callback runs the core's bfloat16 CPU passes, on the
+    compiled kernels here), forward and gradients, against the dense float64 oracle on the same bfloat16
+    values, within tests/test_bf16_cpu_dataflow.py's bound doubled (the gradients' cotangent is rounded too)."""
+    from sparsecore.backends import _cpu_kernels
+
+    monkeypatch.setattr(_cpu_kernels, "NUMPY_MAX_WORK", -1)
+    rng = np.random.default_rng(67200)
+    shape = (6, 7, 5)
+    indices = random_sites(rng, shape, 2, 120)
+    bfloat16 = jnp.bfloat16
+    features = jnp.asarray(random_features(rng, indices.shape[0], 16), bfloat16)
+    weight = jnp.asarray(random_features(rng, 24 * 27, 16).reshape(24, 3, 3, 3, 16) / 12, bfloat16)
+    x = sj.SparseTensor.from_arrays(features, indices, shape, 2)
+    layer = lambda t, w: sj.subm_conv(t, w, None, impl=impl)  # noqa: E731
+    x = x.with_plan(sj.plan(layer, x, weight))
+    rows = indices.shape[0]
+
+    def sparse_loss(f, w):
+        out = layer(x.replace(f), w).features
+        return jnp.sum(out[:rows].astype(jnp.float32)), out
+
+    (_, out), (grad_features, grad_weight) = jax.jit(jax.value_and_grad(sparse_loss, argnums=(0, 1),
+                                                                         has_aux=True))(x.features, weight)
+    assert out.dtype == grad_features.dtype == grad_weight.dtype == bfloat16
+
+    def dense_loss(f, w):
+        out = read_sites(dense_conv(densify(f, indices, shape, 2), w, 1, 1, 1), indices)
+        return jnp.sum(out), out
+
+    exact = (jnp.asarray(features[:rows], jnp.float64), jnp.asarray(weight, jnp.float64))
+    (_, expected), expected_grads = jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True)(*exact)
+    (_, magnitude), magnitude_grads = jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True)(
+        *(jnp.abs(value) for value in exact))
+    for got, want, scale, terms in ((out[:rows], expected, magnitude, 27 * 16),
+                                    (grad_features[:rows], expected_grads[0], magnitude_grads[0], 27 * 24),
+                                    (grad_weight, expected_grads[1], magnitude_grads[1], rows)):
+        bound = 2 * (2.0 ** -8 + 3 * terms * 2.0 ** -24) * np.asarray(scale) + 1e-12
+        assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(want)) <= bound)

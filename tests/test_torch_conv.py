@@ -461,3 +461,67 @@ def test_mixed_dtypes_raise_naming_both_as_torch_layers_do():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is not an autocast dtype: still refused
         with pytest.raises(TypeError, match="torch.float64 but its weight is torch.bfloat16"):
             layer(x64)
+
+
+def _bfloat16_route_layers(monkeypatch):
+    """A bfloat16 run of a subm and a strided layer on the core's bfloat16 route, with its float64 twin."""
+    from sparsecore.backends import _cpu_kernels
+
+    monkeypatch.setattr(_cpu_kernels, "NUMPY_MAX_WORK", -1)  # small clouds on the compiled bfloat16 kernels
+    torch.manual_seed(67100)
+    return spconv.SparseSequential(spconv.SubMConv3d(16, 40, 3, indice_key="b"),
+                                   spconv.SparseConv3d(40, 24, 3, stride=2, padding=1, bias=False))
+
+
+def sc_x86_features():
+    from sparsecore.backends import x86_features
+
+    return x86_features
+
+
+def _bfloat16_bound(reference: torch.Tensor, magnitude: torch.Tensor, terms: int) -> None:
+    """tests/test_bf16_cpu_dataflow.py's bound per stage (two stages here: the second sees the first's rounding)."""
+    return (2 * 2.0 ** -8 + 3 * terms * 2.0 ** -24) * magnitude + 1e-12
+
+
+def test_bfloat16_layers_and_autocast_run_the_core_bfloat16_passes_with_autograd(monkeypatch):
+    pytest.importorskip("ml_dtypes")
+    net = _bfloat16_route_layers(monkeypatch)
+    x = _input(5, shape=(8, 9, 7), channels=16, dtype=torch.float32)
+    x16 = x.replace_feature(x.features.bfloat16().requires_grad_(True))
+    exact = x16.features.detach().double().requires_grad_(True)
+    twin = _bfloat16_route_layers(monkeypatch).double()
+    twin.load_state_dict({name: value.bfloat16().double() for name, value in net.state_dict().items()})
+    reference = twin(x.replace_feature(exact))
+    reference.features.sum().backward()
+    net16 = _bfloat16_route_layers(monkeypatch).bfloat16()
+    net16.load_state_dict(net.state_dict())
+    import sparsecore.conv as core_conv
+
+    routes = []
+    forward = core_conv.dot_forward
+    monkeypatch.setattr(core_conv, "dot_forward", lambda *a: routes.append(a[-1]) or forward(*a))
+    out = net16(x16)
+    assert out.features.dtype == torch.bfloat16
+    has_bf16 = sc_x86_features().available_features().avx512_bf16
+    assert len(routes) == (2 if has_bf16 else 0)  # the core's bfloat16 kernels, not a float32 upcast
+    out.features.float().sum().backward()
+    assert x16.features.grad.dtype == net16[0].weight.grad.dtype == torch.bfloat16
+    absolute = _bfloat16_route_layers(monkeypatch).double()
+    absolute.load_state_dict({name: value.abs() for name, value in twin.state_dict().items()})
+    magnitude = absolute(x.replace_feature(exact.detach().abs())).features
+    bound = _bfloat16_bound(reference.features, magnitude, 27 * 40)
+    assert torch.all((out.features.double() - reference.features.detach()).abs() <= bound)
+    assert torch.allclose(x16.features.grad.double(), exact.grad, rtol=2 ** -6, atol=2 ** -6 * exact.grad.abs().max())
+    # autocast casts the float32 input and parameters to bfloat16 and runs the same passes: the same bits
+    net32 = _bfloat16_route_layers(monkeypatch)
+    net32.load_state_dict(net.state_dict())
+    for layer in (net32, net16):
+        for parameter in layer.parameters():
+            parameter.data = parameter.data.bfloat16().to(parameter.dtype)  # the same bfloat16 values
+    x32 = x.replace_feature(x16.features.detach().float().requires_grad_(True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = net32(x32)
+    torch.testing.assert_close(cast.features, net16(x16).features, rtol=0, atol=0)
+    cast.features.float().sum().backward()
+    assert net32[0].weight.grad.dtype == torch.float32 and x32.features.grad.dtype == torch.float32

@@ -51,9 +51,11 @@ def test_core_view_of_a_tensor_subclass_and_bfloat16():
     values = torch.randn(4, 5, generator=torch.Generator().manual_seed(99004))
     tagged = values.as_subclass(Tagged)
     np.testing.assert_array_equal(_convert.core_view(tagged, "tagged"), values.numpy())
-    upcast = _convert.core_float_view(values.bfloat16(), "b")
-    assert upcast.dtype == np.float32
-    np.testing.assert_array_equal(upcast, values.bfloat16().float().numpy())
+    bfloat16 = values.bfloat16()
+    view = _convert.core_float_view(bfloat16, "b")  # the core's bfloat16 passes read it (ml_dtypes), no copy
+    assert view.dtype.name == "bfloat16" and view.__array_interface__["data"][0] == bfloat16.data_ptr()
+    np.testing.assert_array_equal(view.astype(np.float32), bfloat16.float().numpy())
+    np.testing.assert_array_equal(_convert.to_torch(view).view(torch.int16), bfloat16.view(torch.int16))
 
 
 def test_to_torch_shares_memory():

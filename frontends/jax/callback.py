@@ -256,11 +256,15 @@ _CALLS = {name: _declare(op) for name, op in OPS.items()}
 
 
 def _check_dtype(features: Any) -> None:
-    if np.dtype(features.dtype) not in FLOAT_DTYPES:
-        raise TypeError(
-            f"impl='callback' runs the sparsecore core, which computes in float16, float32 or float64; "
-            f"got features of dtype {features.dtype}. Cast them, or use impl='jnp'."
-        )
+    """float16/32/64 anywhere; bfloat16 where the passes run on the CPU (the core's NumPy backend reads
+    ``ml_dtypes.bfloat16``: `sparsecore.bf16_cpu_dataflow`)."""
+    dtype = np.dtype(features.dtype)
+    if dtype in FLOAT_DTYPES or (dtype.name == "bfloat16" and rulebook_form() == "pairs"):
+        return
+    raise TypeError(
+        f"impl='callback' runs the sparsecore core, which computes in float16, float32 or float64 (and "
+        f"bfloat16 on the CPU); got features of dtype {features.dtype}. Cast them, or use impl='jnp'."
+    )
 
 
 def rulebook_form() -> str:

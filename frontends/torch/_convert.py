@@ -7,8 +7,12 @@ allocator, so the core's kernels are ordered with torch's work and a training
 loop keeps one memory pool. CuPy is imported only when a CUDA tensor arrives:
 on CPU this module never touches it.
 
-bfloat16 has no NumPy or CuPy dtype: such features are upcast to float32 for
-the core (which accumulates in float32 anyway) and results are cast back.
+bfloat16 has no NumPy dtype of its own: a CPU bfloat16 tensor reaches the core
+as an ``ml_dtypes.bfloat16`` view of its memory when ml_dtypes is installed (it
+comes with JAX; `sparsecore.interop.bfloat16_dtype`), so the core's bfloat16
+passes run it (``vdpbf16ps`` where the CPU has it, `sparsecore.bf16_cpu_dataflow`);
+otherwise, and on CUDA, it is upcast to float32 for the core (which accumulates
+in float32 anyway) and results are cast back.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from sparsecore.backends import require_cuda
 from sparsecore.interop import FLOAT_DTYPES as CORE_FLOAT_DTYPES
-from sparsecore.interop import INT32_MAX, INT32_MIN, is_cupy_array, to_core_array
+from sparsecore.interop import INT32_MAX, INT32_MIN, bfloat16_dtype, is_cupy_array, to_core_array
 
 __all__ = [
     "core_context",
@@ -34,7 +38,8 @@ __all__ = [
     "FLOAT_DTYPES",
 ]
 
-#: Feature dtypes the frontend accepts: the core's, and bfloat16 (computed in float32).
+#: Feature dtypes the frontend accepts: the core's, and bfloat16 (the core's bfloat16 passes on the CPU, else
+#: computed in float32).
 FLOAT_DTYPES = (torch.bfloat16, *(getattr(torch, dtype.name) for dtype in CORE_FLOAT_DTYPES))
 
 _local = threading.local()
@@ -117,9 +122,14 @@ def core_view(tensor: torch.Tensor, name: str) -> Any:
 
 
 def core_float_view(tensor: torch.Tensor, name: str) -> Any:
-    """Like `core_view` for float tensors; bfloat16 is upcast to float32 (a copy)."""
+    """Like `core_view` for float tensors; a CPU bfloat16 tensor becomes an ``ml_dtypes.bfloat16`` view (no copy)
+    where ml_dtypes is installed, else (and on CUDA) a float32 copy."""
     if tensor.dtype == torch.bfloat16:
-        tensor = tensor.float()
+        plain = tensor.detach()
+        dtype = bfloat16_dtype() if plain.device.type == "cpu" and type(plain) is torch.Tensor else None
+        if dtype is None:
+            return core_view(tensor.float(), name)
+        return core_view(plain.contiguous().view(torch.int16), name).view(dtype)
     return core_view(tensor, name)
 
 
@@ -131,7 +141,10 @@ def to_torch(array: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         array = np.asarray(array)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.ascontiguousarray(array).copy()
-        tensor = torch.from_numpy(array)
+        if array.dtype.name == "bfloat16":  # ml_dtypes: torch reads the bits
+            tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(array)
     if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     return tensor

@@ -61,8 +61,10 @@ class NumpyBackend:
     skips_negative_rows: bool = False
 
     def compute_dtype(self, dtype: Any) -> Any:
-        # NumPy's float16 matmul has no BLAS kernel: compute float16 in float32
-        return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+        # NumPy's float16 matmul has no BLAS kernel: compute float16 in float32; bfloat16 (ml_dtypes) too,
+        # where the vdpbf16ps kernels do not run it (sparsecore.bf16_cpu_dataflow)
+        dtype = np.dtype(dtype)
+        return np.dtype(np.float32) if dtype == np.float16 or dtype.name == "bfloat16" else dtype
 
     def hash_build(self, keys: np.ndarray, values: np.ndarray,
                    check_duplicates: bool = True) -> tuple[SortedTable, tuple[int, int] | None]:
@@ -216,7 +218,8 @@ class NumpyBackend:
 
 
 def _sum_dtype(dtype: Any) -> np.dtype:
-    """The pools' accumulator: float64 for float64, else float32 (as the kernels' ``Accumulator``)."""
+    """The pools' accumulator: float64 for float64, else float32 (float16 and bfloat16 too; as the kernels'
+    ``Accumulator``)."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
