@@ -68,3 +68,45 @@ def test_without_a_gpu_it_says_so(capsys: pytest.CaptureFixture[str], tmp_path: 
         with pytest.raises(SystemExit):
             times.main(arguments)
         assert message in capsys.readouterr().err
+
+
+class _HostMarker:
+    """A host-clock stand-in for a CUDA event (the emulation runs each launch to its end)."""
+
+    def record(self) -> None:
+        import time
+
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_every_pass_of_a_layer_is_timed_on_the_emulation() -> None:
+    import numpy as np
+
+    from sparsecore.backends.kernel_backend import KernelBackend
+    from sparsecore.benchmark import scenes
+    from tests.cuda_emulation import harness
+    from tests.cuda_emulation.emulated_launcher import EmulatedLauncher
+
+    if harness.compiler_path() is None:
+        pytest.skip("the emulation needs g++")
+    rng = np.random.default_rng(5)
+    blob = np.unique(rng.integers(0, 4, size=(40, 3)) + 20, axis=0)
+    sites = np.column_stack([np.zeros(len(blob), np.int64), blob]).astype(np.int32)
+    scene = scenes.VoxelScene(np.ones((len(sites), 3), np.float32), sites, (64, 64, 64), 1, "one blob")
+    launches: list[str] = []
+
+    class Recording(EmulatedLauncher):
+        def launch(self, expression: str, grid: int, block: int, args: tuple) -> None:
+            launches.append(expression)
+            super().launch(expression, grid, block, args)
+
+    device = times.MeasureDevice(np, KernelBackend(np, Recording(), name="emulated"), _HostMarker,
+                                 lambda start, stop: (stop.at - start.at) * 1e3)
+    result = times.measure(scene, ("float32",), 1, device, layer_count=1, log=sys.stdout)
+    assert set(result) == {("L00 SubMConv3d 3->64 [c0]", "float32", name) for name in times.PASSES}
+    assert all(value["new"] > 0 and "old" not in value for value in result.values())
+    # a warm-up and one timed run, each a forward launch and the backward's two
+    assert len(launches) == 2 * 3 and sum("weight_gradient" in name for name in launches) == 2

@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-__all__ = ["PassTiming", "OLD_EXPRESSIONS", "pass_of", "format_times", "main"]
+__all__ = ["PassTiming", "MeasureDevice", "cuda_device", "OLD_EXPRESSIONS", "pass_of", "measure", "format_times",
+           "main"]
 
 PASSES = ("forward", "input gradient", "weight gradient")
 OLD_EXPRESSIONS = tuple(f"{kernel}<{storage}, sc::{math}>" for kernel in ("sc_implicit_gemm", "sc_weight_gradient")
@@ -71,6 +72,32 @@ class PassTiming:
     estimate_old_ms: float | None = None
 
 
+@dataclass(frozen=True)
+class MeasureDevice:
+    """Where the layers run and how a launch is timed.
+
+    Attributes:
+        xp: the array module (``cupy``; NumPy under the CPU emulation).
+        backend: the `KernelBackend` (its launcher gets wrapped).
+        event: makes a marker with ``record()`` and ``synchronize()`` (``cupy.cuda.Event``).
+        elapsed: milliseconds between two recorded markers (``cupy.cuda.get_elapsed_time``).
+    """
+
+    xp: Any
+    backend: Any
+    event: Any
+    elapsed: Any
+
+
+def cuda_device() -> MeasureDevice:
+    """The GPU: CuPy's arrays, the CuPy kernel backend, CUDA events."""
+    import cupy
+
+    from sparsecore.backends.cupy_backend import CUPY_BACKEND
+
+    return MeasureDevice(cupy, CUPY_BACKEND, cupy.cuda.Event, cupy.cuda.get_elapsed_time)
+
+
 def pass_of(expression: str, phase: str) -> str:
     """The pass a launch belongs to: the forward's launches, else the input or weight gradient by kernel name."""
     if phase == "forward":
@@ -80,15 +107,14 @@ def pass_of(expression: str, phase: str) -> str:
 
 @dataclass
 class _TimedLauncher:
-    """A `KernelLauncher` recording a CUDA event pair around every launch."""
+    """A `KernelLauncher` recording a pair of the device's markers around every launch."""
 
     inner: Any
+    device: MeasureDevice
     records: list = dataclasses.field(default_factory=list)
 
     def launch(self, expression: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
-        import cupy
-
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start, stop = self.device.event(), self.device.event()
         start.record()
         self.inner.launch(expression, grid, block, args)
         stop.record()
@@ -96,24 +122,20 @@ class _TimedLauncher:
 
     def drain(self) -> list[tuple[str, float]]:
         """``(expression, milliseconds)`` of the launches since the last drain (synchronises)."""
-        import cupy
-
         if self.records:
             self.records[-1][2].synchronize()
-        done = [(expression, cupy.cuda.get_elapsed_time(start, stop)) for expression, start, stop in self.records]
+        done = [(expression, float(self.device.elapsed(start, stop))) for expression, start, stop in self.records]
         self.records.clear()
         return done
 
 
-def _conv_layers(scene: Any) -> list[tuple[Any, Any]]:
-    """``(layer, rulebook)`` of every conv layer, the maps built on the GPU."""
-    import cupy
-
+def _conv_layers(scene: Any, xp: Any) -> list[tuple[Any, Any]]:
+    """``(layer, rulebook)`` of every conv layer, the maps built where ``xp``'s arrays live."""
     import sparsecore as sc
     from sparsecore.benchmark.network import REFERENCE_NETWORK
 
     subm = sc.ConvGeometry.create(3, 3, kind="subm")
-    sites, shape = cupy.asarray(np.asarray(scene.indices, dtype=np.int32)), tuple(scene.spatial_shape)
+    sites, shape = xp.asarray(np.asarray(scene.indices, dtype=np.int32)), tuple(scene.spatial_shape)
     result, rulebook = [], None
     for layer in REFERENCE_NETWORK:
         if layer.kind == "maxpool":
@@ -178,31 +200,41 @@ class _OldKernels:
         return start, stop
 
 
-def _measure(scene: Any, dtypes: tuple[str, ...], repeats: int, old: _OldKernels | None, deadline: float,
-             log: Any) -> dict[tuple[str, str, str], dict[str, float]]:
-    """``(layer, dtype, pass) -> {"new": ms, "old": ms}``, medians over ``repeats`` runs."""
-    import cupy
+def measure(scene: Any, dtypes: tuple[str, ...], repeats: int, device: MeasureDevice, old: _OldKernels | None = None,
+            deadline: float = float("inf"), log: Any = sys.stderr, layer_count: int | None = None
+            ) -> dict[tuple[str, str, str], dict[str, float]]:
+    """``(layer, dtype, pass) -> {"new": ms, "old": ms}``: each conv layer's passes, medians over ``repeats`` runs.
 
+    Args:
+        scene: a `scenes.VoxelScene` (its sites).
+        dtypes: ``"float32"``, ``"float16"``, ``"tf32"``.
+        repeats: timed runs per pass after one warm-up.
+        device: where to run (`cuda_device`).
+        old: issue 28's kernels, timed on the same inputs (GPU only).
+        deadline: ``time.perf_counter()`` after which no further layer starts.
+        log: where each layer's line goes.
+        layer_count: only the first this many conv layers.
+    """
     import sparsecore as sc
-    from sparsecore.backends.cupy_backend import CUPY_BACKEND
     from sparsecore.neighbour_map import neighbour_map_of
 
-    layers = _conv_layers(scene)
+    xp = device.xp
+    layers = _conv_layers(scene, xp)[:layer_count]
     results: dict[tuple[str, str, str], dict[str, float]] = {}
     rng = np.random.default_rng(0)
     for dtype_name in dtypes:
-        timed = _TimedLauncher(CUPY_BACKEND.launcher)
-        backend = dataclasses.replace(CUPY_BACKEND, launcher=timed, tf32=dtype_name == "tf32")
+        timed = _TimedLauncher(device.backend.launcher, device)
+        backend = dataclasses.replace(device.backend, launcher=timed, tf32=dtype_name == "tf32")
         storage = np.float16 if dtype_name == "float16" else np.float32
         for layer, rulebook in layers:
             if time.perf_counter() > deadline:
                 print(f"time limit reached: {dtype_name} stops before {layer.name}", file=log, flush=True)
                 return results
             rows_in, rows_out = int(rulebook.num_input), int(rulebook.num_output)
-            features = cupy.asarray(rng.standard_normal((rows_in, layer.in_channels)).astype(storage))
-            weight = cupy.asarray((rng.standard_normal((layer.out_channels, 3, 3, 3, layer.in_channels))
-                                   / np.sqrt(27 * layer.in_channels)).astype(storage))
-            grad = cupy.asarray(rng.standard_normal((rows_out, layer.out_channels)).astype(storage))
+            features = xp.asarray(rng.standard_normal((rows_in, layer.in_channels)).astype(storage))
+            weight = xp.asarray((rng.standard_normal((layer.out_channels, 3, 3, 3, layer.in_channels))
+                                 / np.sqrt(27 * layer.in_channels)).astype(storage))
+            grad = xp.asarray(rng.standard_normal((rows_out, layer.out_channels)).astype(storage))
             samples: dict[tuple[str, str], list[float]] = {}
             for run in range(repeats + 1):  # run 0 warms up (compiles, allocates)
                 for phase in ("forward", "backward"):
@@ -220,7 +252,7 @@ def _measure(scene: Any, dtypes: tuple[str, ...], repeats: int, old: _OldKernels
                 if old is not None:
                     try:
                         for name, milliseconds in old.run(dtype_name, features, weight, grad,
-                                                          neighbour_map_of(rulebook, cupy)):
+                                                          neighbour_map_of(rulebook, xp)):
                             if run:
                                 samples.setdefault(("old", name), []).append(milliseconds)
                     except Exception as error:  # keep the new kernels' times
@@ -333,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             old = _OldKernels(args.old_kernels)
         except Exception as error:  # time the new kernels anyway
             print(f"old kernels not compiled: {type(error).__name__}: {error}", file=sys.stderr)
-    measured = _measure(scene, dtypes, args.repeats, old, started + args.time_limit, sys.stderr)
+    measured = measure(scene, dtypes, args.repeats, cuda_device(), old, started + args.time_limit)
     modelled = _estimates(args.estimate_json, args.scene, dtypes)
     timings = []
     for (layer, dtype, name), value in measured.items():
