@@ -35,6 +35,7 @@ calibrated by the first device run (`tools/gpu_check.sh` prints both).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,13 +231,15 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
         width: channels written (forward: output channels per group).
         dtype_name: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"`` or ``"tf32"``.
         tile: a `tile_shapes.TileShape` (rows, columns, step, threads, engine, blocks_per_sm).
-        loads: the loading scheme.
+        loads: the loading scheme (its ``stages`` replaced by the tile's ``stages`` where the tile has one).
         model: the GPU.
         splits: the weight gradient's row splits.
         blocks: the blocks the kernel launches when its tile table counts them otherwise (offsets split
             across blocks, say): the same work spread over them.
     """
     itemsize = storage_bytes(dtype_name)
+    if loads.vector_bytes and getattr(tile, "stages", None):  # a tile table that states its pipeline's depth
+        loads = dataclasses.replace(loads, stages=int(tile.stages))
     rate = model.rate(tile.engine, dtype_name) * 1.0
     latency = model.l2_latency_cycles
     tile_text = f"{tile.rows}x{tile.columns}/{tile.step} {tile.engine} {tile.threads}t"
