@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             if run_nvrtc:
                 report, cubin = compile_file(file, args.arch, args.kernels_dir)
             else:
-                report = FileReport(file, args.arch, instantiations=[
-                    InstantiationReport(expression) for expression in kernel_registry.kernel_file(file).name_expressions])
+                expressions = kernel_registry.kernel_file(file).name_expressions
+                report = FileReport(file, args.arch, instantiations=[InstantiationReport(e) for e in expressions])
         except Exception as error:  # a missing file or NVRTC: report it, go on
             report = FileReport(file, args.arch, error=f"{type(error).__name__}: {error}")
         if args.sass and cubin is not None:

@@ -255,7 +255,8 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
         round_cycles, round_issue = _round_cost(tile.step * (tile.rows + tile.columns), tile.threads, itemsize,
                                                 loads, model)
         total_latency = walked * 2 * latency + rounds * round_cycles  # order, then neighbours, per row tile
-        total_issue = rounds * round_issue + walked * model.round_instructions * -(-tile.threads // 32) / model.schedulers
+        warps = -(-tile.threads // 32)
+        total_issue = rounds * round_issue + walked * model.round_instructions * warps / model.schedulers
         partial_bytes = 8 if dtype_name == "float64" else 4
         scratch = 2 * tiles * splits * tile.rows * tile.columns * partial_bytes if splits > 1 else 0
         l2 = (walked * side.tile_rows * 8 + side.pairs * itemsize * (reduce * -(-width // tile.columns)

@@ -163,7 +163,8 @@ class _OldKernels:
                                      name_expressions=OLD_EXPRESSIONS)
         self.module.compile()
 
-    def run(self, dtype_name: str, features: Any, weight: Any, grad: Any, neighbour_map: Any) -> list[tuple[str, float]]:
+    def run(self, dtype_name: str, features: Any, weight: Any, grad: Any,
+            neighbour_map: Any) -> list[tuple[str, float]]:
         """The old forward, input gradient and weight gradient of one layer: ``(pass, milliseconds)`` each."""
         from gpu_layer_estimate import old_weight_gradient_splits
 
