@@ -335,10 +335,8 @@ PY
       tar -x -C "$scratch/old_kernels" 2>/dev/null && [ -f "$scratch/old_kernels/kernels_cu/implicit_gemm.cu" ]; then
     old_kernels=(--old-kernels "$scratch/old_kernels/kernels_cu")
   fi
-  estimate_json=()
-  [ -s "$scratch/layer_estimate.json" ] && estimate_json=(--estimate-json "$scratch/layer_estimate.json")
   run_step layers 75 "$scratch/layer_times.txt" "$py" -P tools/gpu_layer_times.py --scene "$hostops_scene" \
-    --repeats 5 --time-limit 55 "${estimate_json[@]}" "${old_kernels[@]}"
+    --repeats 5 --time-limit 55 --estimate-json "$scratch/layer_estimate.json" "${old_kernels[@]}"
   { echo "--- the estimate (tools/gpu_layer_estimate.py):"; cat "$scratch/layer_estimate.txt"; } >>"$log" 2>/dev/null
   write_summary
 

@@ -269,8 +269,12 @@ def measure(scene: Any, dtypes: tuple[str, ...], repeats: int, device: MeasureDe
 
 
 def _estimates(path: Path | None, scene_name: str, dtypes: tuple[str, ...]) -> dict[tuple[str, str, str], tuple]:
-    """``(layer, dtype, pass) -> (new ms, old ms)`` of the estimate (read from JSON, else computed here)."""
-    if path is not None and path.is_file():
+    """``(layer, dtype, pass) -> (new ms, old ms)`` of the estimate: read from ``path``'s JSON (none when that
+    file is missing), else computed here."""
+    if path is not None:
+        if not path.is_file():
+            print(f"no estimate beside the times: {path} is missing", file=sys.stderr)
+            return {}
         entries = json.loads(path.read_text())["estimates"]
     else:
         import gpu_layer_estimate as estimate
@@ -339,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scene", choices=("basic", "synthetic"), default="basic")
     parser.add_argument("--dtypes", default="float32,float16,tf32", help="comma-separated: float32, float16, tf32")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per pass after one warm-up")
-    parser.add_argument("--estimate-json", type=Path, help="gpu_layer_estimate.py --json output (else computed)")
+    parser.add_argument("--estimate-json", type=Path, help="gpu_layer_estimate.py --json output (without this "
+                        "option the estimate is computed here, on the CPU)")
     parser.add_argument("--old-kernels", type=Path, help="a kernels_cu/ folder of commit 3ed261f: time issue 28's "
                         "kernels too")
     parser.add_argument("--json", type=Path, help="write the timings as JSON")
