@@ -177,9 +177,8 @@ def _new_pass(pass_name: str, stats: Any, reduce: int, width: int, dtype_name: s
     from dataclasses import replace
 
     estimate = pass_estimate(pass_name, _new_side(stats), reduce, width, dtype_name, cost.tile, NEW_LOADS, model,
-                             splits, blocks=int(cost.blocks))
-    return replace(estimate, waves=float(cost.waves), useful_flops=int(cost.useful_flops),
-                   issued_flops=int(cost.issued_flops))
+                             splits, blocks=int(cost.blocks), issued=int(cost.issued_flops))
+    return replace(estimate, waves=float(cost.waves), useful_flops=int(cost.useful_flops))
 
 
 def estimate_layer(maps: LayerMaps, dtype_name: str, model: GpuModel = H100_MODEL) -> LayerEstimate:

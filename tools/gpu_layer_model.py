@@ -219,7 +219,7 @@ def _wave_seconds(blocks: int, per_block_latency: float, per_block_flops: float,
 
 def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtype_name: str, tile: Any,
                   loads: LoadScheme, model: GpuModel = H100_MODEL, splits: int = 1,
-                  blocks: int | None = None) -> PassEstimate:
+                  blocks: int | None = None, issued: int | None = None) -> PassEstimate:
     """The estimate of one pass.
 
     Args:
@@ -236,6 +236,8 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
         splits: the weight gradient's row splits.
         blocks: the blocks the kernel launches when its tile table counts them otherwise (offsets split
             across blocks, say): the same work spread over them.
+        issued: the issued FLOPs when the tile table counts them otherwise (warps skipping row slices
+            without the offset, say): the arithmetic the time model charges.
     """
     itemsize = storage_bytes(dtype_name)
     if loads.vector_bytes and getattr(tile, "stages", None):  # a tile table that states its pipeline's depth
@@ -248,7 +250,7 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
         channel_tiles = -(-reduce // tile.rows) * -(-width // tile.columns)
         tiles = len(side.pairs_per_offset) * channel_tiles
         natural_blocks = tiles * splits
-        issued = 2 * side.visits * side.tile_rows * channel_tiles * tile.rows * tile.columns
+        issued_here = 2 * side.visits * side.tile_rows * channel_tiles * tile.rows * tile.columns
         walked = tiles * side.row_tiles if loads.walks_all_row_tiles else side.visits * channel_tiles
         present = side.visits * channel_tiles  # (block's tile, row tile holding its offset) visits
         rounds = present * -(-side.tile_rows // tile.step)
@@ -265,7 +267,7 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
     else:
         column_tiles = -(-width // tile.columns)
         natural_blocks = side.row_tiles * column_tiles
-        issued = 2 * side.visits * side.tile_rows * _padded(reduce, tile.step) * column_tiles * tile.columns
+        issued_here = 2 * side.visits * side.tile_rows * _padded(reduce, tile.step) * column_tiles * tile.columns
         visits = side.visits * column_tiles
         rounds = visits * -(-reduce // tile.step)
         round_cycles, round_issue = _round_cost(tile.step * (side.tile_rows + tile.columns), tile.threads,
@@ -276,6 +278,7 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
               + visits * side.tile_rows * 4 + natural_blocks * side.tile_rows * 8 + side.num_rows * width * itemsize)
         own_block = False
     blocks = natural_blocks if blocks is None else int(blocks)
+    issued = issued_here if issued is None else int(issued)
     seconds, bound = _wave_seconds(blocks, total_latency / max(blocks, 1), issued / max(blocks, 1),
                                    total_issue / max(blocks, 1), tile.blocks_per_sm, rate, model)
     l2_seconds = l2 / model.l2_bytes_per_second
