@@ -14,13 +14,15 @@ run is compared with. Nothing here imports CuPy; `map_stats` takes NumPy arrays.
 Counting rules (2 FLOP per multiply-add):
 
 - useful: ``pairs * a * b`` per group (``a`` input, ``b`` output channels per group);
-- issued, forward and input gradient: a block multiplies its whole tile for
-  every offset present in the OR of its rows' masks, the reduction padded to
-  the engine's step and the columns to the tile's width; so per offset, the
-  row tiles holding it (`MapStats.tiles_per_offset`) times ``rows`` times
-  the padded channels;
-- issued, weight gradient: per offset, the row tiles holding it, times the
-  padded ``a x b`` tile grid.
+- issued, forward and input gradient: a block stages every offset present in
+  the OR of its rows' masks; each warp multiplies its slice of rows
+  (`TileShape.slice_rows`) only where one of them holds the offset, the
+  reduction padded to `TileShape.reduce_unit` and the columns to
+  `TileShape.column_unit`; so per offset, the slices holding it times
+  ``slice_rows`` times the padded channels;
+- issued, weight gradient: per offset, the rounds of ``step`` rows (within
+  the row tiles holding it) where a row holds it, times the ``a x b``
+  channels padded to the warps' units.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TileShape", "MapStats", "PassCost", "WeightGradientCost", "DEFAULT_SM_COUNT", "SCRATCH_FLOOR_BYTES",
+__all__ = ["TileShape", "MapStats", "SLICE_ROWS", "PassCost", "WeightGradientCost", "DEFAULT_SM_COUNT", "SCRATCH_FLOOR_BYTES",
            "TILE_ROWS", "engine_of", "choose_tile", "weight_gradient_tile", "map_stats", "forward_cost",
            "weight_gradient_splits", "weight_gradient_cost", "scratch_cap"]
 
@@ -55,7 +57,11 @@ class TileShape:
         threads: threads per block.
         engine: ``"simt"`` (CUDA cores) or ``"tensor"`` (wmma tensor cores).
         blocks_per_sm: resident blocks per multiprocessor at the kernel's registers and shared memory
-            (ptxas on sm_90).
+            (ptxas on sm_90; H100: 65,536 registers, 228 KiB shared memory per multiprocessor).
+        slice_rows: rows a warp skips together where none holds the round's offset (a warp's rows in
+            SIMT, a 16-row fragment on tensor cores).
+        reduce_unit: the reduction is padded to a multiple of this (1 SIMT, the mma's k on tensor cores).
+        column_unit: the columns are padded to a multiple of this (a warp's or fragment's 16 columns).
     """
 
     rows: int
@@ -64,12 +70,42 @@ class TileShape:
     threads: int
     engine: str
     blocks_per_sm: int
+    slice_rows: int = 16
+    reduce_unit: int = 1
+    column_unit: int = 16
 
 
-_SIMT_32 = TileShape(TILE_ROWS, 64, 16, 256, "simt", 2)
-_SIMT_64 = TileShape(TILE_ROWS, 64, 16, 256, "simt", 2)
-_TENSOR_16 = TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4)
-_TENSOR_TF32 = TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4)
+# The table (docs/gpu.md, "Tile shapes"): one 64 x 64 tile per engine; what differs per dtype is the
+# reduction step (the tensor cores' k: 16 for TF32, 32 for 16-bit types) and the residency that ptxas'
+# registers and shared memory allow on sm_90 (65,536 registers, 2,048 threads per multiprocessor).
+_FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 registers in the comments)
+    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 71 registers
+    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 96
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 116
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 88
+    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 16, 8),  # TF32: 94
+    ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75 (SIMT at 128 threads)
+    ("tf32", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75
+}
+_WEIGHT_GRADIENT = {  # sc_weight_gradient
+    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 84 registers
+    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 128
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 87
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 127
+    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4, 16, 8),  # TF32: 128
+    ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
+    ("tf32", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
+}
+
+
+def _shape(table: dict, dtype_name: str, tf32: bool, arch: int) -> TileShape:
+    engine = engine_of(dtype_name, tf32, arch)
+    # below sm_80, float32's TF32 (Wmma) instantiation is the 128-thread SIMT engine
+    key = ("tf32" if dtype_name == "float32" and tf32 and engine == "simt" else dtype_name, engine)
+    if key not in table:
+        raise ValueError(f"no fused conv kernel for dtype {dtype_name!r}; expected float32, float64, float16 or "
+                         "bfloat16")
+    return table[key]
 
 
 def engine_of(dtype_name: str, tf32: bool = False, arch: int = 90) -> str:
@@ -99,15 +135,17 @@ def choose_tile(in_channels: int, out_channels: int, dtype_name: str, tf32: bool
         The `TileShape` the kernel uses.
     """
     del in_channels, out_channels  # one shape per engine today (docs/gpu.md, "Tile shapes")
-    if engine_of(dtype_name, tf32, arch) == "tensor":
-        return _TENSOR_TF32 if dtype_name == "float32" else _TENSOR_16
-    return _SIMT_64
+    return _shape(_FORWARD, dtype_name, tf32, arch)
 
 
 def weight_gradient_tile(in_channels: int, out_channels: int, dtype_name: str, tf32: bool = False,
                          arch: int = 90) -> TileShape:
     """The weight gradient's tile: ``rows`` input by ``columns`` output channels of one offset (see `choose_tile`)."""
-    return choose_tile(in_channels, out_channels, dtype_name, tf32, arch)
+    del in_channels, out_channels
+    return _shape(_WEIGHT_GRADIENT, dtype_name, tf32, arch)
+
+
+SLICE_ROWS = (8, 16, 32, TILE_ROWS)  # the granularities `MapStats` counts
 
 
 @dataclass(frozen=True)
@@ -119,11 +157,14 @@ class MapStats:
         pairs_per_offset: non-negative entries of each offset's column.
         tiles_per_offset: row tiles (``TILE_ROWS`` consecutive rows of the mask order) whose OR mask holds
             each offset.
+        slices_per_offset: ``(rows, counts)`` for each granularity of `SLICE_ROWS`: per offset, the slices of
+            ``rows`` consecutive rows of the mask order (within a row tile) that hold it.
     """
 
     num_rows: int
     pairs_per_offset: tuple[int, ...]
     tiles_per_offset: tuple[int, ...]
+    slices_per_offset: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def row_tiles(self) -> int:
@@ -133,6 +174,15 @@ class MapStats:
     @property
     def pairs(self) -> int:
         return int(sum(self.pairs_per_offset))
+
+    def slices(self, rows: int) -> tuple[int, ...]:
+        """Per offset, the slices of ``rows`` rows holding it (``rows`` one of `SLICE_ROWS`)."""
+        if rows == TILE_ROWS:
+            return self.tiles_per_offset
+        for slice_rows, counts in self.slices_per_offset:
+            if slice_rows == rows:
+                return counts
+        raise ValueError(f"MapStats counts slices of {SLICE_ROWS} rows, not {rows}")
 
 
 def map_stats(neighbours: Any, order: Any) -> MapStats:
@@ -148,9 +198,12 @@ def map_stats(neighbours: Any, order: Any) -> MapStats:
     row_tiles = -(-rows // TILE_ROWS)
     padded = np.zeros((row_tiles * TILE_ROWS, volume), dtype=bool)
     padded[:rows] = present
-    held = padded.reshape(row_tiles, TILE_ROWS, volume).any(axis=1)
-    return MapStats(rows, tuple(int(count) for count in present.sum(axis=0)),
-                    tuple(int(count) for count in held.sum(axis=0)))
+    counts = {}
+    for slice_rows in SLICE_ROWS:
+        held = padded.reshape(-1, slice_rows, volume).any(axis=1)
+        counts[slice_rows] = tuple(int(count) for count in held.sum(axis=0))
+    return MapStats(rows, tuple(int(count) for count in present.sum(axis=0)), counts[TILE_ROWS],
+                    tuple((slice_rows, counts[slice_rows]) for slice_rows in SLICE_ROWS[:-1]))
 
 
 @dataclass(frozen=True)
@@ -192,7 +245,8 @@ def forward_cost(stats: MapStats, in_channels: int, out_channels: int, dtype_nam
     tile = choose_tile(a, b, dtype_name, tf32, arch)
     column_tiles = -(-b // tile.columns)
     blocks = stats.row_tiles * groups * column_tiles
-    issued = 2 * groups * sum(stats.tiles_per_offset) * tile.rows * _padded(a, tile.step) * column_tiles * tile.columns
+    slices = sum(stats.slices(tile.slice_rows))
+    issued = 2 * groups * slices * tile.slice_rows * _padded(a, tile.reduce_unit) * _padded(b, tile.column_unit)
     useful = 2 * groups * stats.pairs * a * b
     return PassCost(tile, blocks, blocks / (sm_count * tile.blocks_per_sm), useful, issued)
 
@@ -259,7 +313,9 @@ def weight_gradient_cost(stats: MapStats, in_channels: int, out_channels: int, d
                                     sm_count)
     blocks = tiles * splits
     waves = blocks / (sm_count * tile.blocks_per_sm)
-    issued = 2 * groups * sum(stats.tiles_per_offset) * TILE_ROWS * channel_tiles * tile.rows * tile.columns
+    # a round of `step` rows without the offset is skipped; the channel tile is padded to the warps' units
+    issued = (2 * groups * sum(stats.slices(tile.step)) * tile.step * _padded(a, tile.slice_rows)
+              * _padded(b, tile.column_unit))
     useful = 2 * groups * stats.pairs * a * b
     scratch = (tiles * splits * tile.rows * tile.columns * itemsize + tiles * 4) if splits > 1 else 0
     fills = waves >= WEIGHT_GRADIENT_WAVES or splits >= stats.row_tiles
