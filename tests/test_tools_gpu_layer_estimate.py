@@ -129,7 +129,7 @@ def test_targets_and_the_table(maps: tuple[Any, ...]) -> None:
     useful = sum(item.old[0].useful_flops for item in estimates)
     ratio = sum(item.old[0].issued_flops for item in estimates) / useful
     old_line, new_line = estimate.targets(estimates, "float16")
-    assert old_line.startswith(f"float16 old: forward issued/useful {ratio:.2f}x of {useful / 1e9:.2f} GFLOP")
+    assert old_line.startswith(f"float16 old: forward issued/useful {ratio:.3f}x of {useful / 1e9:.2f} GFLOP")
     assert ("FAIL <= 1.5x" in old_line) == (ratio > 1.5)
     starved = [item.layer.split()[0] for item in estimates
                if not (item.old[2].waves >= 2 or item.old[2].every_row_tile_own_block)]

@@ -229,7 +229,7 @@ def targets(estimates: tuple[LayerEstimate, ...], dtype: str) -> list[str]:
         useful, issued = sum(p.useful_flops for p in forward), sum(p.issued_flops for p in forward)
         ratio = issued / useful if useful else 0.0
         starved = [item.layer.split()[0] for item in rows if not _fills(getattr(item, column)[2])]
-        lines.append(f"{dtype} {column}: forward issued/useful {ratio:.2f}x of {useful / 1e9:.2f} GFLOP "
+        lines.append(f"{dtype} {column}: forward issued/useful {ratio:.3f}x of {useful / 1e9:.2f} GFLOP "
                      f"({'PASS' if ratio <= FORWARD_TARGET else 'FAIL'} <= {FORWARD_TARGET}x); weight gradient "
                      f">= {WAVES_TARGET:g} waves or a block per row tile: "
                      f"{'PASS' if not starved else 'FAIL: ' + ' '.join(starved)}")
