@@ -50,7 +50,8 @@
 //   sc::Wmma  __half / __nv_bfloat16 on tensor cores (m16n16k16), float on TF32
 //             tensor cores (m16n16k8, operands rounded to TF32 as they are
 //             loaded), all accumulating in float: 128 threads, 4 warps of 32 x
-//             32 (2 x 2 fragments); the tile goes through shared memory for the
+//             32 (2 x 2 fragments of 16 x 16; the forward of 16-bit types: 4 x 1
+//             fragments of 8 x 32); the tile goes through shared memory for the
 //             epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
 //             from sm_80 on: on sm_75 those two Wmma instantiations compile to the
 //             SIMT engine (128 threads, float accumulation, full float32 products).
@@ -302,9 +303,10 @@ struct WmmaTypes<float> {  // TF32
 };
 #endif
 
-// Warp w owns rows 32 * (w / 2) and columns 32 * (w % 2) of the 64 x 64 tile (2 x 2
-// fragments); operand layouts as in SimtEngine.
-template <typename T>
+// Warp w owns rows 32 * (w / 2) and columns 32 * (w % 2) of the 64 x 64 tile, as
+// (32 / kM) x (32 / kN) fragments of kM x kN: 16 x 16, or 8 x 32 (16-bit types only) where
+// the forward skips 8-row slices; operand layouts as in SimtEngine.
+template <typename T, int kM = 16, int kN = 16>
 struct WmmaEngine {
   using Types = WmmaTypes<T>;
   using Acc = float;
@@ -317,17 +319,19 @@ struct WmmaEngine {
   static constexpr int kOutBytes = kTileRows * kOutPitch * 4;
   static constexpr int kSharedBytes = Geometry::kStageBytes > kOutBytes ? Geometry::kStageBytes : kOutBytes;
   using Precision = typename Types::Precision;
-  using AccFragment = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, kK, float>;
+  static constexpr int kFragmentRows = 32 / kM;
+  static constexpr int kFragmentCols = 32 / kN;
+  using AccFragment = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, kM, kN, kK, float>;
   template <typename Layout>
-  using AFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, kK, Precision, Layout>;
+  using AFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, kM, kN, kK, Precision, Layout>;
   template <typename Layout>
-  using BFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, kK, Precision, Layout>;
+  using BFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, kM, kN, kK, Precision, Layout>;
 
-  AccFragment acc[2][2];
+  AccFragment acc[kFragmentRows][kFragmentCols];
 
   __device__ __forceinline__ void clear() {
-    for (int i = 0; i < 2; ++i) {
-      for (int j = 0; j < 2; ++j) nvcuda::wmma::fill_fragment(acc[i][j], 0.0f);
+    for (int i = 0; i < kFragmentRows; ++i) {
+      for (int j = 0; j < kFragmentCols; ++j) nvcuda::wmma::fill_fragment(acc[i][j], 0.0f);
     }
   }
 
@@ -348,28 +352,32 @@ struct WmmaEngine {
     const int warp = threadIdx.x / 32;
     const int row0 = (warp / 2) * 32;
     const int col0 = (warp % 2) * 32;
-    bool rows[2];
-    bool columns[2];
-    for (int i = 0; i < 2; ++i) rows[i] = any_present(extent, row0 + 16 * i, 16);  // warp-uniform skips
-    for (int j = 0; j < 2; ++j) columns[j] = col0 + 16 * j < extent.columns;
-    if (!(rows[0] || rows[1]) || !columns[0]) return;
+    bool rows[kFragmentRows];
+    bool columns[kFragmentCols];
+    bool any_rows = false;
+    for (int i = 0; i < kFragmentRows; ++i) {  // warp-uniform skips
+      rows[i] = any_present(extent, row0 + kM * i, kM);
+      any_rows = any_rows || rows[i];
+    }
+    for (int j = 0; j < kFragmentCols; ++j) columns[j] = col0 + kN * j < extent.columns;
+    if (!any_rows || !columns[0]) return;
     for (int k = 0; k < kStep && k < extent.reduce; k += kK) {
-      AFragment<ALayout> left[2];
-      BFragment<BLayout> right[2];
-      for (int i = 0; i < 2; ++i) {
+      AFragment<ALayout> left[kFragmentRows];
+      BFragment<BLayout> right[kFragmentCols];
+      for (int i = 0; i < kFragmentRows; ++i) {
         if (!rows[i]) continue;
-        const int m = row0 + 16 * i;
+        const int m = row0 + kM * i;
         nvcuda::wmma::load_matrix_sync(left[i], kARowMajor ? a + m * lda + k : a + k * lda + m, lda);
         round_operands(left[i]);
       }
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < kFragmentCols; ++j) {
         if (!columns[j]) continue;
-        const int n = col0 + 16 * j;
+        const int n = col0 + kN * j;
         nvcuda::wmma::load_matrix_sync(right[j], kBRowMajor ? b + k * ldb + n : b + n * ldb + k, ldb);
         round_operands(right[j]);
       }
-      for (int i = 0; i < 2; ++i) {
-        for (int j = 0; j < 2; ++j) {
+      for (int i = 0; i < kFragmentRows; ++i) {
+        for (int j = 0; j < kFragmentCols; ++j) {
           if (rows[i] && columns[j]) nvcuda::wmma::mma_sync(acc[i][j], left[i], right[j], acc[i][j]);
         }
       }
@@ -395,9 +403,9 @@ struct WmmaEngine {
     const int warp = threadIdx.x / 32;
     const int row0 = (warp / 2) * 32;
     const int col0 = (warp % 2) * 32;
-    for (int i = 0; i < 2; ++i) {
-      for (int j = 0; j < 2; ++j) {
-        nvcuda::wmma::store_matrix_sync(tile + (row0 + 16 * i) * kOutPitch + col0 + 16 * j, acc[i][j], kOutPitch,
+    for (int i = 0; i < kFragmentRows; ++i) {
+      for (int j = 0; j < kFragmentCols; ++j) {
+        nvcuda::wmma::store_matrix_sync(tile + (row0 + kM * i) * kOutPitch + col0 + kN * j, acc[i][j], kOutPitch,
                                         nvcuda::wmma::mem_row_major);
       }
     }
@@ -422,22 +430,38 @@ struct HasTensorCores<double> {
   static constexpr bool value = false;
 };
 
-template <typename T, bool kTensor>
+// The forward's tensor-core fragments: 8 x 32 for 16-bit types (8-row skips), 16 x 16 for
+// TF32 (its only shape). The weight gradient's are 16 x 16 (its rows are channels).
+template <typename T>
+struct ForwardRows {
+  static constexpr int value = 8;
+};
+template <>
+struct ForwardRows<float> {
+  static constexpr int value = 16;
+};
+
+template <typename T, bool kTensor, bool kForward>
 struct PickEngine {
   using type = SimtEngine<T, kWmmaThreads>;
 };
 template <typename T>
-struct PickEngine<T, true> {
+struct PickEngine<T, true, false> {
   using type = WmmaEngine<T>;
 };
+template <typename T>
+struct PickEngine<T, true, true> {
+  using type = WmmaEngine<T, ForwardRows<T>::value, 256 / ForwardRows<T>::value>;
+};
 
-template <typename T, typename Math>
+// kForward: sc_implicit_gemm (forward and input gradient), else sc_weight_gradient.
+template <typename T, typename Math, bool kForward>
 struct EngineOf {
   using type = SimtEngine<T, kSimtThreads>;
 };
-template <typename T>
-struct EngineOf<T, Wmma> {
-  using type = typename PickEngine<T, HasTensorCores<T>::value>::type;
+template <typename T, bool kForward>
+struct EngineOf<T, Wmma, kForward> {
+  using type = typename PickEngine<T, HasTensorCores<T>::value, kForward>::type;
 };
 
 // The block's shared memory: per-row indices (two buffers each, for the pipeline), the
@@ -564,7 +588,7 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
                                  const unsigned int* __restrict__ masks, const int* __restrict__ order,
                                  long long num_rows, int volume, int mask_words, int groups, int in_per_group,
                                  int out_per_group, int flags, T* __restrict__ out) {
-  using Engine = typename sc::EngineOf<T, Math>::type;
+  using Engine = typename sc::EngineOf<T, Math, true>::type;
   using Geometry = typename Engine::Geometry;
   using Acc = typename Engine::Acc;
   constexpr int kStep = Engine::kStep;
@@ -705,7 +729,7 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
                                    int groups, int in_per_group, int out_per_group, int splits,
                                    typename sc::Accumulator<T>::type* __restrict__ scratch,
                                    T* __restrict__ grad_weight) {
-  using Engine = typename sc::EngineOf<T, Math>::type;
+  using Engine = typename sc::EngineOf<T, Math, false>::type;
   using Geometry = typename Engine::Geometry;
   using Acc = typename Engine::Acc;
   static_assert(sizeof(Acc) == sizeof(typename sc::Accumulator<T>::type), "partials are kept in Accumulator<T>");

@@ -35,6 +35,8 @@ def test_engines_per_architecture():
     assert tile_shapes.choose_tile(16, 16, "bfloat16", arch=75).threads == 128
     assert tile_shapes.choose_tile(16, 16, "float32", tf32=True, arch=75).threads == 128
     assert tile_shapes.choose_tile(16, 16, "float32").threads == 256
+    assert tile_shapes.choose_tile(16, 16, "float16").engine == "tensor"
+    assert tile_shapes.choose_tile(8, 16, "float16").engine == "simt"  # a narrow reduction
     with pytest.raises(ValueError, match="no fused conv kernel for dtype 'int8'"):
         tile_shapes.choose_tile(16, 16, "int8")
 
@@ -67,9 +69,10 @@ def test_forward_cost_of_a_full_table(dtype_name, tf32):
     assert cost.blocks == 2 * 2  # two row tiles, two column tiles (64 + 32)
     tile = cost.tile
     assert cost.waves == pytest.approx(cost.blocks / (tile_shapes.DEFAULT_SM_COUNT * tile.blocks_per_sm))
-    # 3 input channels: padded to the reduction unit (1 on SIMT, the mma's k on tensor cores), 3 outputs to 16
+    # 3 input channels: SIMT in every dtype (no padding of the reduction), 3 outputs padded to 16
     narrow = tile_shapes.forward_cost(stats, 3, 3, dtype_name, tf32)
-    assert narrow.issued_flops == 2 * 128 * 5 * -(-3 // tile.reduce_unit) * tile.reduce_unit * 16
+    assert narrow.tile.engine == "simt" and narrow.tile.threads == 256
+    assert narrow.issued_flops == 2 * 128 * 5 * 3 * 16
 
 
 def test_forward_cost_counts_slices_not_tiles():

@@ -92,13 +92,21 @@ def check_device(dtype_name: str, traits: DeviceTraits, volume: int, caller: str
                          f"{MAX_KERNEL_VOLUME}; use a smaller kernel_size")
 
 
-def engine_of(dtype_name: str, tf32: bool) -> tuple[str, int]:
+def engine_of(dtype_name: str, tf32: bool, reduce: int | None = None) -> tuple[str, int]:
     """``(Math tag, threads per block)`` of the conv kernels for a storage dtype name.
+
+    Args:
+        dtype_name: the storage dtype's name.
+        tf32: float32 on TF32 tensor cores.
+        reduce: channels an ``sc_implicit_gemm`` pass reduces over; at most
+            `tile_shapes.NARROW_REDUCTION` of them run on SIMT for every dtype (not padded to the
+            tensor cores' k). None for ``sc_weight_gradient``.
 
     The Wmma instantiations run 128 threads on every GPU (on sm_75, bfloat16 and TF32 compile to the
     SIMT engine at 128 threads: `tile_shapes.engine_of`).
     """
-    if dtype_name in ("float16", "bfloat16") or (dtype_name == "float32" and tf32):
+    tensor = dtype_name in ("float16", "bfloat16") or (dtype_name == "float32" and tf32)
+    if tensor and not (reduce is not None and reduce <= tile_shapes.NARROW_REDUCTION):
         return "sc::Wmma", WMMA_THREADS
     return "sc::Simt", SIMT_THREADS
 
@@ -203,7 +211,7 @@ class FusedPasses:
         flags = _BIAS if bias is not None else 0
         bias = self._ready(bias, features.dtype) if bias is not None else weight
         check_device(dtype_name, device_traits(xp), neighbour_map.kernel_volume, "conv_forward")
-        math, threads = engine_of(dtype_name, self.tf32)
+        math, threads = engine_of(dtype_name, self.tf32, in_per_group)
         out_per_group = out_channels // groups
         items = -(-rows // TILE_ROWS) * groups * -(-out_per_group // TILE_COLUMNS)
         self._launch("sc_implicit_gemm", (dtype_name, math), items, threads,
@@ -247,7 +255,8 @@ class FusedPasses:
         if channels_known and int(input_side.num_rows):
             grad_features = xp.empty(features.shape, dtype=dtype)
             items = -(-int(input_side.num_rows) // TILE_ROWS) * groups * -(-in_per_group // TILE_COLUMNS)
-            self._launch("sc_implicit_gemm", (dtype_name, math), items, threads,
+            gemm_math, gemm_threads = engine_of(dtype_name, self.tf32, out_per_group)
+            self._launch("sc_implicit_gemm", (dtype_name, gemm_math), items, gemm_threads,
                          (grad_output, weight, weight, input_side.neighbours, input_side.masks, input_side.order,
                           input_side.num_rows, input_side.volume, input_side.mask_words, np.int32(groups),
                           np.int32(in_per_group), np.int32(out_per_group),

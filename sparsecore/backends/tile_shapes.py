@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TileShape", "MapStats", "SLICE_ROWS", "PassCost", "WeightGradientCost", "DEFAULT_SM_COUNT", "SCRATCH_FLOOR_BYTES",
-           "TILE_ROWS", "engine_of", "choose_tile", "weight_gradient_tile", "map_stats", "forward_cost",
-           "weight_gradient_splits", "weight_gradient_cost", "scratch_cap"]
+__all__ = ["TileShape", "MapStats", "SLICE_ROWS", "PassCost", "WeightGradientCost", "DEFAULT_SM_COUNT",
+           "SCRATCH_FLOOR_BYTES", "TILE_ROWS", "NARROW_REDUCTION", "engine_of", "choose_tile", "weight_gradient_tile",
+           "map_stats", "forward_cost", "weight_gradient_splits", "weight_gradient_cost", "scratch_cap"]
 
 # Multiprocessors assumed where no device says (the emulation, the CPU estimate): an H100 SXM.
 DEFAULT_SM_COUNT = 132
@@ -42,6 +42,9 @@ DEFAULT_SM_COUNT = 132
 TILE_ROWS = 64
 # The weight gradient's split partials may take max(SCRATCH_FLOOR_BYTES, the output gradient's bytes).
 SCRATCH_FLOOR_BYTES = 64 * 1024 * 1024
+# A forward or input gradient reducing over at most this many channels (a first layer's 3 inputs) runs
+# on SIMT in every dtype instead of padding them to the tensor cores' k (16, or 8 for TF32).
+NARROW_REDUCTION = 8
 # Resident blocks wanted per multiprocessor slot: the weight gradient launches at least this many waves.
 WEIGHT_GRADIENT_WAVES = 2
 
@@ -81,11 +84,13 @@ class TileShape:
 _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 registers in the comments)
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 71 registers
     ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 96
-    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 116
-    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 88
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 78, 8 x 32 fragments
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 80, 8 x 32 fragments
     ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 16, 8),  # TF32: 94
-    ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75 (SIMT at 128 threads)
-    ("tf32", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75
+    ("float16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # a narrow reduction: 72
+    ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # a narrow reduction: 72
+    ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75: 128-thread SIMT
+    ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75
 }
 _WEIGHT_GRADIENT = {  # sc_weight_gradient
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 84 registers
@@ -93,15 +98,20 @@ _WEIGHT_GRADIENT = {  # sc_weight_gradient
     ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 87
     ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 127
     ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4, 16, 8),  # TF32: 128
-    ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
-    ("tf32", "simt"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
+    ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
+    ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
 }
 
 
-def _shape(table: dict, dtype_name: str, tf32: bool, arch: int) -> TileShape:
+def _shape(table: dict, dtype_name: str, tf32: bool, arch: int, narrow: bool = False) -> TileShape:
     engine = engine_of(dtype_name, tf32, arch)
-    # below sm_80, float32's TF32 (Wmma) instantiation is the 128-thread SIMT engine
-    key = ("tf32" if dtype_name == "float32" and tf32 and engine == "simt" else dtype_name, engine)
+    tensor_type = dtype_name in ("float16", "bfloat16") or (dtype_name == "float32" and tf32)
+    if tensor_type and narrow:  # the 256-thread SIMT instantiation of the dtype
+        key = (dtype_name, "simt")
+    elif tensor_type and engine == "simt":  # below sm_80: the Wmma instantiation's 128-thread SIMT engine
+        key = ("tf32" if dtype_name == "float32" else dtype_name, "fallback")
+    else:
+        key = (dtype_name, engine)
     if key not in table:
         raise ValueError(f"no fused conv kernel for dtype {dtype_name!r}; expected float32, float64, float16 or "
                          "bfloat16")
@@ -132,10 +142,11 @@ def choose_tile(in_channels: int, out_channels: int, dtype_name: str, tf32: bool
         arch: compute capability as an integer (75 for sm_75).
 
     Returns:
-        The `TileShape` the kernel uses.
+        The `TileShape` the kernel uses: the dtype's engine, except that a reduction over at most
+        `NARROW_REDUCTION` channels runs on the 256-thread SIMT engine in every dtype.
     """
-    del in_channels, out_channels  # one shape per engine today (docs/gpu.md, "Tile shapes")
-    return _shape(_FORWARD, dtype_name, tf32, arch)
+    del out_channels
+    return _shape(_FORWARD, dtype_name, tf32, arch, narrow=in_channels <= NARROW_REDUCTION)
 
 
 def weight_gradient_tile(in_channels: int, out_channels: int, dtype_name: str, tf32: bool = False,
