@@ -74,6 +74,7 @@ class GpuModel:
         ("simt", "float64", 128 * 0.5),
         ("simt", "bfloat16", 256 * 0.5),
         ("simt", "float16", 256 * 0.5),
+        ("simt", "tf32", 256 * 0.5),  # float32 on SIMT where the table keeps a narrow reduction off tensor cores
         ("tensor", "float16", 4096 * 0.6),  # mma.sync (wmma on Hopper): ~60% of the dense peak
         ("tensor", "bfloat16", 4096 * 0.6),
         ("tensor", "tf32", 2048 * 0.6),
