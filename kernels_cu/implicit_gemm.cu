@@ -13,7 +13,8 @@
 // output channels [g * b, (g + 1) * b).
 //
 // sc_implicit_gemm (forward and input gradient; output-stationary): a block owns a
-// tile of 64 rows in `order` and 64 columns of one group. It ORs its rows' masks,
+// tile of 64 rows in `order` and 64 columns of one group (the last row tiles, which
+// hold the most offsets, first). It ORs its rows' masks,
 // and for each offset present in the tile gathers the rows' neighbours (zeros for
 // -1) into shared memory, stages the offset's weight block beside them, and
 // multiplies into registers; at the end it writes each of its rows once, plus
@@ -621,9 +622,12 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
     int s0;
   };
 
+  const long long row_tiles = (num_rows + sc::kTileRows - 1) / sc::kTileRows;
   for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-    const long long row_tile = item / (groups * col_tiles);
-    const long long rest = item - row_tile * groups * col_tiles;
+    // the last row tiles first: in mask order (ascending) they hold the most offsets, the heaviest work
+    const long long tile_item = item / (groups * col_tiles);
+    const long long row_tile = row_tiles - 1 - tile_item;
+    const long long rest = item - tile_item * groups * col_tiles;
     const int g = static_cast<int>(rest / col_tiles);
     const int col0 = static_cast<int>(rest - static_cast<long long>(g) * col_tiles) * sc::kTileCols;
     if (tid < mask_words) shared.words[tid] = 0u;
