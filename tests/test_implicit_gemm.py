@@ -307,10 +307,7 @@ def twins_bfloat16():
 def test_a_missing_copy_wait_reads_stale_shared_memory():
     """The emulation's cp.async lands a copy only at the wait that retires it: without the pipeline's wait,
     the forward multiplies what the previous round left (zeros at first) and the result is wrong."""
-    wait = "      wait_copies<1>();  // this round's copies have landed\n"
-    source = kernel_registry.kernel_source("implicit_gemm.cu")
-    assert source.count(wait) == 1
-    module = _emulated_module(source.replace(wait, ""))
+    module = _emulated_module(_broken_source())
     rng = rng_for(50)
     neighbour_map = random_map(rng, 80, 70, (3,), density=0.8)
     features = twins.small_integers(rng, (80, 8), "float32")
@@ -319,7 +316,7 @@ def test_a_missing_copy_wait_reads_stale_shared_memory():
                       "float32")
     arguments = (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
                  neighbour_map.output_order, np.int64(70), np.int32(3), np.int32(1), np.int32(1), np.int32(8),
-                 np.int32(8), np.int32(0))
+                 np.int32(8), np.int32(_UNUSED_FLAG))
     out = np.zeros((70, 8), np.float32)
     module.get_function("sc_implicit_gemm<float, sc::Simt>")((2,), (256,), (*arguments, out))
     assert not np.array_equal(out, expected)
@@ -342,13 +339,20 @@ _EARLY_BARRIER = "    engine.clear();\n    __syncthreads();\n"
 _WEIGHT_BARRIER = "      shared.flag = state == 0u;\n    }\n    __syncthreads();\n"
 
 
+_COPY_WAIT = "      wait_copies<1>();  // this round's copies have landed\n"
+_UNUSED_FLAG = 8  # a flag bit sc_implicit_gemm does not read: launches with it skip the first bug below
+
+
 def _broken_source() -> str:
-    """implicit_gemm.cu with two bugs: the forward skips a barrier in threads 32..255 (a barrier in a
-    divergent branch), and in the weight gradient half of each warp waits at __syncwarp while the other
-    half waits at __syncthreads (each barrier waits for threads that never come)."""
+    """implicit_gemm.cu with three bugs (one build for the three tests): the forward skips a barrier in
+    threads 32..255 (a barrier in a divergent branch) unless its flags hold `_UNUSED_FLAG`; in the weight
+    gradient half of each warp waits at __syncwarp while the other half waits at __syncthreads (each barrier
+    waits for threads that never come); and the pipeline never waits for a round's copies but the last."""
     source = kernel_registry.kernel_source("implicit_gemm.cu")
-    assert source.count(_EARLY_BARRIER) == 1 and source.count(_WEIGHT_BARRIER) == 1
-    source = source.replace(_EARLY_BARRIER, "    engine.clear();\n    if (tid < 32) __syncthreads();\n")
+    assert source.count(_EARLY_BARRIER) == 1 and source.count(_WEIGHT_BARRIER) == 1 and source.count(_COPY_WAIT) == 1
+    source = source.replace(_EARLY_BARRIER, "    engine.clear();\n"
+                            f"    if (tid < 32 || (flags & {_UNUSED_FLAG}) != 0) __syncthreads();\n")
+    source = source.replace(_COPY_WAIT, "")
     return source.replace(_WEIGHT_BARRIER, _WEIGHT_BARRIER.replace(
         "__syncthreads();", "if (tid % 32 < 16) { __syncthreads(); } else { __syncwarp(); }"))
 
