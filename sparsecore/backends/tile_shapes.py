@@ -82,7 +82,7 @@ class TileShape:
 # reduction step (the tensor cores' k: 16 for TF32, 32 for 16-bit types) and the residency that ptxas'
 # registers and shared memory allow on sm_90 (65,536 registers, 2,048 threads per multiprocessor).
 _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 registers in the comments)
-    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 71 registers
+    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # 64 registers
     ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 96
     ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 78, 8 x 32 fragments
     ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 80, 8 x 32 fragments
