@@ -13,12 +13,13 @@
 // output channels [g * b, (g + 1) * b).
 //
 // sc_implicit_gemm (forward and input gradient; output-stationary): a block owns a
-// tile of 64 rows in `order` and 64 columns of one group. It ORs its rows' masks,
+// tile of 64 rows in `order` and 64 columns of one group (the last row tiles, which
+// hold the most offsets, first). It ORs its rows' masks,
 // and for each offset present in the tile gathers the rows' neighbours (zeros for
 // -1) into shared memory, stages the offset's weight block beside them, and
 // multiplies into registers; at the end it writes each of its rows once, plus
-// the bias. No gathered buffer in global memory, no scatter, no atomics: every
-// output element is written by one thread, its sum taken in a fixed order
+// the bias. No gathered buffer in global memory, no scatter, no atomics in a sum:
+// every output element is written by one thread, its sum taken in a fixed order
 // (offsets ascending, channels ascending), so results are bitwise reproducible.
 //   forward:        dst = out [N_out, g * b],  src = features,    M_k = W_k      [a, b]
 //   input gradient: dst = dx  [N_in,  g * a],  src = grad_out,    M_k = W_k^T    [b, a]
@@ -28,33 +29,54 @@
 //
 // sc_weight_gradient: dW_k[g][c][j] = sum over rows o with i = neighbours[o, k] >= 0
 // of features[i, g * a + c] * grad_out[o, g * b + j], over the output side. A
-// block owns (offset, group, 64 x 64 channel tile, split of the rows in order);
-// each split's partial sums go to scratch, and the last block of a tile to finish
-// (an atomic counter after a __threadfence) sums them in split order and writes dW
-// in the weight layout. The counter is the only atomic, and it decides who sums,
-// not what: the result is bitwise reproducible.
+// block owns (offset, group, 64 x 64 channel tile, split of the offset's row
+// tiles); it walks only the row tiles whose OR mask holds its offset (a per-offset
+// tile list the launch builds in its scratch), its split's partial sums go to
+// scratch, and the last block of a tile to finish (an atomic counter after a
+// __threadfence) sums them in split order and writes dW in the weight layout. The
+// atomics decide who builds or sums, not what: the result is bitwise reproducible.
+//
+// Operands reach shared memory in rounds of kStep reduction elements, two stages
+// deep: round r + 1's copies are issued before round r is multiplied (run_rounds).
+// Each row of an operand tile is contiguous in global memory and in shared memory
+// (pitch: the row plus 16 bytes), so whole 16-byte chunks go by cp.async on sm_80+
+// (zero-filled for a missing row) and by 16-byte loads and stores below sm_80;
+// a tail or an odd channel pitch goes element by element. The same scheme serves
+// every element type (float16 and bfloat16 included).
 //
 // Arithmetic engines (the Math tag of each instantiation):
 //   sc::Simt  float / double: 256 threads, each a 4 x 4 register micro-tile, 16
-//             reduction elements staged per round, sums in the storage type's
+//             reduction elements per round, sums in the storage type's
 //             accumulator (float, double); NVRTC contracts a * b + c to FMA.
 //   sc::Wmma  __half / __nv_bfloat16 on tensor cores (m16n16k16), float on TF32
 //             tensor cores (m16n16k8, operands rounded to TF32 as they are
 //             loaded), all accumulating in float: 128 threads, 4 warps of 32 x
-//             32 (2 x 2 fragments); the tile goes through shared memory for the
-//             epilogue. On a device older than sm_80 the Wmma instantiations
-//             compile to the SIMT engine (128 threads) instead.
+//             32 (2 x 2 fragments of 16 x 16; the forward of 16-bit types: 4 x 1
+//             fragments of 8 x 32); the tile goes through shared memory for the
+//             epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
+//             from sm_80 on: on sm_75 those two Wmma instantiations compile to the
+//             SIMT engine (128 threads, float accumulation, full float32 products).
 // A launch must use the engine's thread count (kSimtThreads / kWmmaThreads);
 // any other block size traps. 1-D grids; a block walks the work items
 // blockIdx.x, blockIdx.x + gridDim.x, ...
 //
-// Under the CPU emulation (tests/cuda_emulation) wmma is the shim of
-// cuda_shim.h, so the same text runs there.
+// Under the CPU emulation (tests/cuda_emulation) wmma and cp.async are the shims of
+// cuda_shim.h, so the same text runs there (SC_EMULATED_ARCH picks the sm_75 path).
 
 #include "sc_common.cuh"
 
 #ifndef SPARSECORE_CPU_EMULATION
 #include <mma.h>
+#endif
+
+// The architecture the code is compiled for: __CUDA_ARCH__ under NVRTC; under the CPU
+// emulation SC_EMULATED_ARCH (the tests build sm_75 and sm_80+ variants), else 900.
+#if defined(__CUDA_ARCH__)
+#define SC_ARCH __CUDA_ARCH__
+#elif defined(SC_EMULATED_ARCH)
+#define SC_ARCH SC_EMULATED_ARCH
+#else
+#define SC_ARCH 900
 #endif
 
 namespace sc {
@@ -67,32 +89,135 @@ constexpr int kTileCols = 64;
 constexpr int kTileElements = kTileRows * kTileCols;
 constexpr int kSimtThreads = 256;
 constexpr int kWmmaThreads = 128;
+constexpr int kMaxMaskWords = 64;  // kernels of up to 2048 offsets (the launch wrapper checks)
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-constexpr bool kTensorCores = false;  // bfloat16 and TF32 wmma need sm_80
+// ------------------------------------------------------------ copies into shared memory
+// copy16: 16 bytes from global to shared memory, the last 16 - src_bytes of them zeros
+// (src_bytes is 0 or 16). On sm_80+ an asynchronous cp.async that lands at the
+// wait_copies of its group; below, a plain 16-byte load and store.
+#ifndef SPARSECORE_CPU_EMULATION
+__device__ __forceinline__ void copy16(void* shared_destination, const void* global_source, int src_bytes) {
+#if SC_ARCH >= 800
+  const unsigned int destination = static_cast<unsigned int>(__cvta_generic_to_shared(shared_destination));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(global_source),
+               "r"(src_bytes));
 #else
-constexpr bool kTensorCores = true;
+  uint4 value = make_uint4(0u, 0u, 0u, 0u);
+  if (src_bytes != 0) value = __ldg(reinterpret_cast<const uint4*>(global_source));
+  *reinterpret_cast<uint4*>(shared_destination) = value;
+#endif
+}
+__device__ __forceinline__ void commit_copies() {
+#if SC_ARCH >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+#if SC_ARCH >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+#else  // the emulation's cp.async (cuda_shim.h): copies land at the wait of their group
+__device__ __forceinline__ void copy16(void* shared_destination, const void* global_source, int src_bytes) {
+  __pipeline_memcpy_async(shared_destination, global_source, 16, static_cast<unsigned long>(16 - src_bytes));
+}
+__device__ __forceinline__ void commit_copies() { __pipeline_commit(); }
+template <int kPending>
+__device__ __forceinline__ void wait_copies() { __pipeline_wait_prior(kPending); }
 #endif
 
+template <typename T>
+__device__ __forceinline__ T zero_of() {
+  return narrow<T>(typename Accumulator<T>::type(0));
+}
+
+__device__ __forceinline__ bool aligned16(const void* pointer) {
+  return (reinterpret_cast<unsigned long long>(pointer) & 15ull) == 0;
+}
+
+// Stages `rows` rows of kWidth elements into dst (row r at dst + r * pitch): row r is
+// source_of(r) (nullptr: zeros), its first `count` elements valid, the rest zeros.
+// Whole 16-byte chunks go by copy16 where `vector` says every row pointer is 16-byte
+// aligned; other chunks (a tail past `count`, an odd channel pitch) element by element,
+// each chunk's loads issued before its stores.
+template <typename T, int kWidth, typename SourceOf>
+__device__ __forceinline__ void stage_rows(T* dst, int pitch, int rows, int count, bool vector,
+                                           const T* fallback, SourceOf source_of) {
+  constexpr int kVector = 16 / static_cast<int>(sizeof(T));
+  constexpr int kChunks = kWidth / kVector;
+  static_assert(kWidth % kVector == 0, "rows are whole 16-byte chunks");
+  for (int e = threadIdx.x; e < rows * kChunks; e += blockDim.x) {
+    const int r = e / kChunks;
+    const int c = (e - r * kChunks) * kVector;
+    const T* source = source_of(r);
+    T* to = dst + r * pitch + c;
+    if (vector && c + kVector <= count) {
+      copy16(to, source != nullptr ? source + c : fallback, source != nullptr ? 16 : 0);
+    } else {
+      T values[kVector];
+      for (int v = 0; v < kVector; ++v) values[v] = source != nullptr && c + v < count ? source[c + v] : zero_of<T>();
+      for (int v = 0; v < kVector; ++v) to[v] = values[v];
+    }
+  }
+}
+
+// The staging geometry of an element type: a round stages kStep reduction elements.
+// "Narrow" rows hold kStep elements (pitch kStep + 16 bytes), "wide" rows 64 (pitch
+// 64 + 16 bytes): every row starts 16-byte aligned and consecutive rows start 16 bytes
+// apart modulo 128, so 16-byte copies and fragment loads of 8 rows hit distinct banks.
+template <typename T, int kStepElements>
+struct Staging {
+  static constexpr int kStep = kStepElements;
+  static constexpr int kPad = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kNarrowPitch = kStep + kPad;
+  static constexpr int kWidePitch = kTileCols + kPad;
+  static constexpr int kOperandElements =
+      kTileRows * kNarrowPitch > kStep * kWidePitch ? kTileRows * kNarrowPitch : kStep * kWidePitch;
+  static constexpr int kOperandBytes = (kOperandElements * static_cast<int>(sizeof(T)) + 127) / 128 * 128;
+  static constexpr int kStageBytes = 4 * kOperandBytes;  // a and b, two stages
+};
+
+// What of a staged round is worth multiplying: tile rows m with present[m] >= 0 (every
+// row when present is nullptr) and m < rows, the first `reduce` reduction elements (the
+// rest are zeros), the first `columns` columns. An engine skips work at the granularity
+// of its warps (a warp's rows, a fragment's 16 columns or k elements), so every skip is
+// warp-uniform; skipped products are products with zero operands.
+struct Extent {
+  const int* present;
+  int rows;
+  int reduce;
+  int columns;
+};
+
+__device__ __forceinline__ bool any_present(const Extent& extent, int first_row, int count) {
+  if (first_row >= extent.rows) return false;
+  if (extent.present == nullptr) return true;
+  bool any = false;
+  for (int r = 0; r < count; ++r) any = any || extent.present[first_row + r] >= 0;
+  return any;
+}
+
 // ---------------------------------------------------------------- SIMT engine
-// Stages [kStep][kPitch] of widened values, a[s][m] and b[s][n]; thread (ty, tx)
-// owns rows ty + i * kRowThreads and columns tx + j * kColThreads.
+// Thread (ty, tx) owns rows ty * kMicroRows + i and columns tx + j * kColThreads of the
+// 64 x 64 tile, so a warp owns 2 * kMicroRows consecutive rows (8 at 256 threads): it
+// skips a round where none of them is present. Operands are read from the staged tiles in any of their layouts:
+// a(m, s) at a[m * lda + s] (kARowMajor) or a[s * lda + m]; b(s, n) at b[s * ldb + n]
+// (b_row_major) or b[n * ldb + s].
 template <typename T, int kThreads>
 struct SimtEngine {
   using Acc = typename Accumulator<T>::type;
-  using Stage = Acc;
-  static constexpr int kStep = 16;
-  static constexpr int kPitch = kTileCols + 4;
+  using Stage = T;
+  using Geometry = Staging<T, 16>;
+  static constexpr int kStep = Geometry::kStep;
   static constexpr int kColThreads = 16;
   static constexpr int kRowThreads = kThreads / kColThreads;
   static constexpr int kMicroRows = kTileRows / kRowThreads;
   static constexpr int kMicroCols = kTileCols / kColThreads;
   static constexpr int threads = kThreads;
+  static constexpr int kSharedBytes = Geometry::kStageBytes;
 
   Acc acc[kMicroRows][kMicroCols];
-
-  __device__ __forceinline__ static Stage stage(T value) { return widen(value); }
-  __device__ __forceinline__ static Stage zero() { return Stage(0); }
 
   __device__ __forceinline__ void clear() {
     for (int i = 0; i < kMicroRows; ++i) {
@@ -100,171 +225,347 @@ struct SimtEngine {
     }
   }
 
-  __device__ __forceinline__ void multiply(const Stage (*a)[kPitch], const Stage (*b)[kPitch]) {
+  template <bool kARowMajor>
+  __device__ __forceinline__ void multiply(const Stage* a, int lda, const Stage* b, int ldb, bool b_row_major,
+                                           const Extent& extent) {
     const int tx = threadIdx.x % kColThreads;
     const int ty = threadIdx.x / kColThreads;
-    for (int s = 0; s < kStep; ++s) {
+    constexpr int kWarpRows = 32 / kColThreads * kMicroRows;
+    if (!any_present(extent, threadIdx.x / 32 * kWarpRows, kWarpRows)) return;  // warp-uniform
+    const int used_columns = (extent.columns + kColThreads - 1) / kColThreads;
+    const int reduce = extent.reduce < kStep ? extent.reduce : kStep;
+    const int b_step = b_row_major ? ldb : 1;
+    const int b_column = b_row_major ? 1 : ldb;
+    for (int s = 0; s < reduce; ++s) {
       Acc left[kMicroRows];
       Acc right[kMicroCols];
-      for (int i = 0; i < kMicroRows; ++i) left[i] = a[s][ty + i * kRowThreads];
-      for (int j = 0; j < kMicroCols; ++j) right[j] = b[s][tx + j * kColThreads];
       for (int i = 0; i < kMicroRows; ++i) {
-        for (int j = 0; j < kMicroCols; ++j) acc[i][j] += left[i] * right[j];
+        const int m = ty * kMicroRows + i;
+        left[i] = widen(kARowMajor ? a[m * lda + s] : a[s * lda + m]);
+      }
+      for (int j = 0; j < kMicroCols; ++j) {
+        right[j] = j < used_columns ? widen(b[s * b_step + (tx + j * kColThreads) * b_column]) : Acc(0);
+      }
+      for (int i = 0; i < kMicroRows; ++i) {
+        for (int j = 0; j < kMicroCols; ++j) {
+          if (j < used_columns) acc[i][j] += left[i] * right[j];
+        }
       }
     }
   }
 
-  // write(m, n, value) for every element of the tile this thread owns.
+  // write(m, n, value) for every element of the tile this thread owns (no barrier).
   template <typename Write>
-  __device__ __forceinline__ void store(Write write) const {
+  __device__ __forceinline__ void store(unsigned char*, Write write) const {
     const int tx = threadIdx.x % kColThreads;
     const int ty = threadIdx.x / kColThreads;
     for (int i = 0; i < kMicroRows; ++i) {
-      for (int j = 0; j < kMicroCols; ++j) write(ty + i * kRowThreads, tx + j * kColThreads, acc[i][j]);
+      for (int j = 0; j < kMicroCols; ++j) write(ty * kMicroRows + i, tx + j * kColThreads, acc[i][j]);
     }
   }
 };
 
 // ---------------------------------------------------------------- WMMA engine
+template <bool kFirst, typename First, typename Second>
+struct Choose {
+  using type = First;
+};
+template <typename First, typename Second>
+struct Choose<false, First, Second> {
+  using type = Second;
+};
+
+// float16 has tensor cores from sm_70 on, bfloat16 and TF32 from sm_80 on: below, the
+// Wmma instantiations of those two compile to the SIMT engine (EngineOf), and their
+// WmmaTypes (which name wmma types that <mma.h> declares only for sm_80+) do not exist.
 template <typename T>
 struct WmmaTypes;
 
 template <>
 struct WmmaTypes<__half> {
-  using Element = __half;
   using Precision = __half;
   static constexpr int kK = 16;
   static constexpr int kStep = 32;
-  static constexpr int kPitch = kTileCols + 8;
 };
 
+#if SC_ARCH >= 800
 template <>
 struct WmmaTypes<__nv_bfloat16> {
-  using Element = __nv_bfloat16;
   using Precision = __nv_bfloat16;
   static constexpr int kK = 16;
   static constexpr int kStep = 32;
-  static constexpr int kPitch = kTileCols + 8;
 };
 
 template <>
 struct WmmaTypes<float> {  // TF32
-  using Element = float;
   using Precision = nvcuda::wmma::precision::tf32;
   static constexpr int kK = 8;
   static constexpr int kStep = 16;
-  static constexpr int kPitch = kTileCols + 4;
 };
+#endif
 
-// a[s][m] is matrix_a (m x s) in column-major order, b[s][n] matrix_b (s x n) in
-// row-major order, both with leading dimension kPitch; warp w owns rows
-// 32 * (w / 2) and columns 32 * (w % 2) of the tile.
-template <typename T>
+// Warp w owns rows 32 * (w / 2) and columns 32 * (w % 2) of the 64 x 64 tile, as
+// (32 / kM) x (32 / kN) fragments of kM x kN: 16 x 16, or 8 x 32 (16-bit types only) where
+// the forward skips 8-row slices; operand layouts as in SimtEngine.
+template <typename T, int kM = 16, int kN = 16>
 struct WmmaEngine {
   using Types = WmmaTypes<T>;
   using Acc = float;
-  using Stage = typename Types::Element;
-  static constexpr int kStep = Types::kStep;
-  static constexpr int kPitch = Types::kPitch;
+  using Stage = T;
+  using Geometry = Staging<T, Types::kStep>;
+  static constexpr int kStep = Geometry::kStep;
   static constexpr int kK = Types::kK;
   static constexpr int kOutPitch = kTileCols + 4;
   static constexpr int threads = kWmmaThreads;
-  using AccFragment = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, kK, float>;
-  using AFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, kK, typename Types::Precision,
-                                           nvcuda::wmma::col_major>;
-  using BFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, kK, typename Types::Precision,
-                                           nvcuda::wmma::row_major>;
+  static constexpr int kOutBytes = kTileRows * kOutPitch * 4;
+  static constexpr int kSharedBytes = Geometry::kStageBytes > kOutBytes ? Geometry::kStageBytes : kOutBytes;
+  using Precision = typename Types::Precision;
+  static constexpr int kFragmentRows = 32 / kM;
+  static constexpr int kFragmentCols = 32 / kN;
+  using AccFragment = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, kM, kN, kK, float>;
+  template <typename Layout>
+  using AFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, kM, kN, kK, Precision, Layout>;
+  template <typename Layout>
+  using BFragment = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, kM, kN, kK, Precision, Layout>;
 
-  AccFragment acc[2][2];
-
-  __device__ __forceinline__ static Stage stage(T value) { return value; }
-  __device__ __forceinline__ static Stage zero() { return narrow<Stage>(0.0f); }
+  AccFragment acc[kFragmentRows][kFragmentCols];
 
   __device__ __forceinline__ void clear() {
-    for (int i = 0; i < 2; ++i) {
-      for (int j = 0; j < 2; ++j) nvcuda::wmma::fill_fragment(acc[i][j], 0.0f);
+    for (int i = 0; i < kFragmentRows; ++i) {
+      for (int j = 0; j < kFragmentCols; ++j) nvcuda::wmma::fill_fragment(acc[i][j], 0.0f);
     }
   }
 
   template <typename Fragment>
   __device__ __forceinline__ static void round_operands(Fragment& fragment) {
+#if SC_ARCH >= 800
     if constexpr (kK == 8) {
       for (int t = 0; t < fragment.num_elements; ++t) fragment.x[t] = nvcuda::wmma::__float_to_tf32(fragment.x[t]);
     }
+#endif
   }
 
-  __device__ __forceinline__ void multiply(const Stage (*a)[kPitch], const Stage (*b)[kPitch]) {
+  template <bool kARowMajor, bool kBRowMajor>
+  __device__ __forceinline__ void multiply_layouts(const Stage* a, int lda, const Stage* b, int ldb,
+                                                   const Extent& extent) {
+    using ALayout = typename Choose<kARowMajor, nvcuda::wmma::row_major, nvcuda::wmma::col_major>::type;
+    using BLayout = typename Choose<kBRowMajor, nvcuda::wmma::row_major, nvcuda::wmma::col_major>::type;
     const int warp = threadIdx.x / 32;
     const int row0 = (warp / 2) * 32;
     const int col0 = (warp % 2) * 32;
-    for (int k = 0; k < kStep; k += kK) {
-      AFragment left[2];
-      BFragment right[2];
-      for (int i = 0; i < 2; ++i) {
-        nvcuda::wmma::load_matrix_sync(left[i], &a[k][row0 + 16 * i], kPitch);
+    bool rows[kFragmentRows];
+    bool columns[kFragmentCols];
+    bool any_rows = false;
+    for (int i = 0; i < kFragmentRows; ++i) {  // warp-uniform skips
+      rows[i] = any_present(extent, row0 + kM * i, kM);
+      any_rows = any_rows || rows[i];
+    }
+    for (int j = 0; j < kFragmentCols; ++j) columns[j] = col0 + kN * j < extent.columns;
+    if (!any_rows || !columns[0]) return;
+    for (int k = 0; k < kStep && k < extent.reduce; k += kK) {
+      AFragment<ALayout> left[kFragmentRows];
+      BFragment<BLayout> right[kFragmentCols];
+      for (int i = 0; i < kFragmentRows; ++i) {
+        if (!rows[i]) continue;
+        const int m = row0 + kM * i;
+        nvcuda::wmma::load_matrix_sync(left[i], kARowMajor ? a + m * lda + k : a + k * lda + m, lda);
         round_operands(left[i]);
       }
-      for (int j = 0; j < 2; ++j) {
-        nvcuda::wmma::load_matrix_sync(right[j], &b[k][col0 + 16 * j], kPitch);
+      for (int j = 0; j < kFragmentCols; ++j) {
+        if (!columns[j]) continue;
+        const int n = col0 + kN * j;
+        nvcuda::wmma::load_matrix_sync(right[j], kBRowMajor ? b + k * ldb + n : b + n * ldb + k, ldb);
         round_operands(right[j]);
       }
-      for (int i = 0; i < 2; ++i) {
-        for (int j = 0; j < 2; ++j) nvcuda::wmma::mma_sync(acc[i][j], left[i], right[j], acc[i][j]);
+      for (int i = 0; i < kFragmentRows; ++i) {
+        for (int j = 0; j < kFragmentCols; ++j) {
+          if (rows[i] && columns[j]) nvcuda::wmma::mma_sync(acc[i][j], left[i], right[j], acc[i][j]);
+        }
       }
     }
   }
 
-  // The block's output tile in shared memory: one per engine, whatever store() writes through.
-  __device__ __forceinline__ static float (*output_tile())[kOutPitch] {
-    __shared__ __align__(32) float tile[kTileRows][kOutPitch];
-    return tile;
+  template <bool kARowMajor>
+  __device__ __forceinline__ void multiply(const Stage* a, int lda, const Stage* b, int ldb, bool b_row_major,
+                                           const Extent& extent) {
+    if (b_row_major) {
+      multiply_layouts<kARowMajor, true>(a, lda, b, ldb, extent);
+    } else {
+      multiply_layouts<kARowMajor, false>(a, lda, b, ldb, extent);
+    }
   }
 
-  // Through shared memory: write(m, n, value) over the whole tile, spread over
-  // the block. Every thread of the block must call it (it has barriers).
+  // Through shared memory (`shared`, at least kOutBytes, free when called): write(m, n,
+  // value) over the whole tile, spread over the block. Every thread of the block must
+  // call it (it has barriers).
   template <typename Write>
-  __device__ __forceinline__ void store(Write write) const {
-    float(*tile)[kOutPitch] = output_tile();
+  __device__ __forceinline__ void store(unsigned char* shared, Write write) const {
+    float* tile = reinterpret_cast<float*>(shared);
     const int warp = threadIdx.x / 32;
     const int row0 = (warp / 2) * 32;
     const int col0 = (warp % 2) * 32;
-    for (int i = 0; i < 2; ++i) {
-      for (int j = 0; j < 2; ++j) {
-        nvcuda::wmma::store_matrix_sync(&tile[row0 + 16 * i][col0 + 16 * j], acc[i][j], kOutPitch,
+    for (int i = 0; i < kFragmentRows; ++i) {
+      for (int j = 0; j < kFragmentCols; ++j) {
+        nvcuda::wmma::store_matrix_sync(tile + (row0 + kM * i) * kOutPitch + col0 + kN * j, acc[i][j], kOutPitch,
                                         nvcuda::wmma::mem_row_major);
       }
     }
     __syncthreads();
     for (int e = threadIdx.x; e < kTileElements; e += kWmmaThreads) {
-      write(e / kTileCols, e % kTileCols, tile[e / kTileCols][e % kTileCols]);
+      write(e / kTileCols, e % kTileCols, tile[(e / kTileCols) * kOutPitch + e % kTileCols]);
     }
     __syncthreads();  // the tile is rewritten by the next work item
   }
 };
 
-template <typename T, typename Math>
+template <typename T>
+struct HasTensorCores {
+  static constexpr bool value = SC_ARCH >= 800;
+};
+template <>
+struct HasTensorCores<__half> {
+  static constexpr bool value = SC_ARCH >= 700;
+};
+template <>
+struct HasTensorCores<double> {
+  static constexpr bool value = false;
+};
+
+// The forward's tensor-core fragments: 8 x 32 for 16-bit types (8-row skips), 16 x 16 for
+// TF32 (its only shape). The weight gradient's are 16 x 16 (its rows are channels).
+template <typename T>
+struct ForwardRows {
+  static constexpr int value = 8;
+};
+template <>
+struct ForwardRows<float> {
+  static constexpr int value = 16;
+};
+
+template <typename T, bool kTensor, bool kForward>
+struct PickEngine {
+  using type = SimtEngine<T, kWmmaThreads>;
+};
+template <typename T>
+struct PickEngine<T, true, false> {
+  using type = WmmaEngine<T>;
+};
+template <typename T>
+struct PickEngine<T, true, true> {
+  using type = WmmaEngine<T, ForwardRows<T>::value, 256 / ForwardRows<T>::value>;
+};
+
+// kForward: sc_implicit_gemm (forward and input gradient), else sc_weight_gradient.
+template <typename T, typename Math, bool kForward>
 struct EngineOf {
   using type = SimtEngine<T, kSimtThreads>;
 };
-
-template <typename T>
-struct EngineOf<T, Wmma> {
-  template <bool kTensor, int kUnused = 0>
-  struct Pick {
-    using type = WmmaEngine<T>;
-  };
-  template <int kUnused>
-  struct Pick<false, kUnused> {
-    using type = SimtEngine<T, kWmmaThreads>;
-  };
-  using type = typename Pick<kTensorCores>::type;
+template <typename T, bool kForward>
+struct EngineOf<T, Wmma, kForward> {
+  using type = typename PickEngine<T, HasTensorCores<T>::value, kForward>::type;
 };
 
-// Whether any of the tile's 64 entries (shared) is >= 0; the same answer in every thread.
-__device__ __forceinline__ bool any_row(const int* rows) {
-  bool any = false;
-  for (int m = 0; m < kTileRows; ++m) any = any || rows[m] >= 0;
-  return any;
+// The block's shared memory: per-row indices (two buffers each, for the pipeline), the
+// tile's OR mask words, and the staging (or epilogue) bytes.
+template <typename Engine>
+struct Shared {
+  int rows[kTileRows];
+  int found[2][kTileRows];
+  int other[2][kTileRows];
+  unsigned int words[kMaxMaskWords];
+  int scan[kSimtThreads];
+  int flag;
+  alignas(128) unsigned char bytes[Engine::kSharedBytes];
+};
+
+// The next offset after `after` present in the tile's OR words, or -1.
+__device__ __forceinline__ int next_offset(const unsigned int* words, int mask_words, int after) {
+  int w = (after + 1) / 32;
+  if (w >= mask_words) return -1;
+  unsigned int word = words[w] & (~0u << ((after + 1) % 32));
+  while (word == 0u) {
+    if (++w >= mask_words) return -1;
+    word = words[w];
+  }
+  return w * 32 + __ffs(word) - 1;
+}
+
+// The two-stage pipeline of a work item's rounds: round r + 1's copies are issued
+// before round r is multiplied. Round: {bool valid; ...}; next(round) the round after;
+// same_rows(a, b) whether b reuses a's row indices; load_rows(round, buffer) fills a
+// row-index buffer (threads < 64, plain loads); issue(round, stage, buffer) stages
+// operands; multiply(round, stage, buffer). Every thread runs the same rounds
+// (block-uniform).
+template <typename Round, typename Next, typename SameRows, typename LoadRows, typename Issue, typename Multiply>
+__device__ __forceinline__ void run_rounds(Round round, Next next, SameRows same_rows, LoadRows load_rows, Issue issue,
+                                           Multiply multiply) {
+  if (!round.valid) return;
+  int buffer = 0;
+  load_rows(round, buffer);
+  __syncthreads();
+  issue(round, 0, buffer);
+  commit_copies();
+  int stage = 0;
+  while (round.valid) {
+    const Round following = next(round);
+    int following_buffer = buffer;
+    if (following.valid) {
+      if (!same_rows(round, following)) {
+        following_buffer = buffer ^ 1;
+        load_rows(following, following_buffer);
+      }
+      __syncthreads();  // the new row indices are visible; stage ^ 1 was multiplied and released
+      issue(following, stage ^ 1, following_buffer);
+      commit_copies();
+      wait_copies<1>();  // this round's copies have landed
+    } else {
+      wait_copies<0>();
+    }
+    __syncthreads();
+    multiply(round, stage, buffer);
+    __syncthreads();  // stage is rewritten two rounds on
+    round = following;
+    buffer = following_buffer;
+    stage ^= 1;
+  }
+}
+
+// The row tiles (kTileRows rows of `order`) whose OR mask holds offset k, ascending,
+// into list[0, count); returns count. Called by every thread of the block.
+template <typename Engine>
+__device__ __forceinline__ int build_offset_tiles(Shared<Engine>& shared, const unsigned int* __restrict__ masks,
+                                                  const int* __restrict__ order, long long num_rows, int mask_words,
+                                                  int k, int* __restrict__ list) {
+  constexpr int kThreads = Engine::threads;
+  const long long row_tiles = (num_rows + kTileRows - 1) / kTileRows;
+  const int tid = threadIdx.x;
+  const int w = k / 32;
+  const unsigned int bit = 1u << (k % 32);
+  int count = 0;
+  for (long long base = 0; base < row_tiles; base += kThreads) {
+    const long long t = base + tid;
+    int held = 0;
+    if (t < row_tiles) {
+      for (int r = 0; r < kTileRows && !held; ++r) {
+        const long long position = t * kTileRows + r;
+        if (position < num_rows) {
+          held = (__ldg(masks + static_cast<long long>(__ldg(order + position)) * mask_words + w) & bit) != 0u;
+        }
+      }
+    }
+    shared.scan[tid] = held;
+    __syncthreads();
+    for (int step = 1; step < kThreads; step *= 2) {  // inclusive scan, fixed order
+      const int add = tid >= step ? shared.scan[tid - step] : 0;
+      __syncthreads();
+      shared.scan[tid] += add;
+      __syncthreads();
+    }
+    if (held) list[count + shared.scan[tid] - 1] = static_cast<int>(t);
+    count += shared.scan[kThreads - 1];
+    __syncthreads();  // scan is rewritten by the next chunk
+  }
+  return count;
 }
 
 }  // namespace sc
@@ -274,24 +575,27 @@ __device__ __forceinline__ bool any_row(const int* rows) {
 //   weight     T      [groups * b, K, a]         spconv's layout, contiguous
 //   bias       T      [groups * b]               read when flags & 4 (forward only); else any array
 //   neighbours int32  [num_rows, K]              the written side's table (-1: none)
-//   masks      uint32 [num_rows, mask_words]
+//   masks      uint32 [num_rows, mask_words]     mask_words <= kMaxMaskWords
 //   order      int32  [num_rows]                 a permutation of the rows
 //   flags      1: reversed offsets (table column k is weight offset K - 1 - k),
 //              2: transposed weights (the input gradient: M_k = W_k^T), 4: add the bias
 //   out        T      [num_rows, groups * D]     every row written once (D = b forward, a transposed)
 // S = a, D = b forward; S = b, D = a for the input gradient.
+// Staging: the gathered rows a(m, s) row-major [64][kStep + pad]; the weight block b(s, n)
+// as [n][s] forward (a weight row's channels are contiguous) and [s][n] transposed.
 template <typename T, typename Math>
 __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restrict__ weight,
                                  const T* __restrict__ bias, const int* __restrict__ neighbours,
                                  const unsigned int* __restrict__ masks, const int* __restrict__ order,
                                  long long num_rows, int volume, int mask_words, int groups, int in_per_group,
                                  int out_per_group, int flags, T* __restrict__ out) {
-  using Engine = typename sc::EngineOf<T, Math>::type;
-  using Stage = typename Engine::Stage;
+  using Engine = typename sc::EngineOf<T, Math, true>::type;
+  using Geometry = typename Engine::Geometry;
   using Acc = typename Engine::Acc;
   constexpr int kStep = Engine::kStep;
   constexpr int kThreads = Engine::threads;
-  if (blockDim.x != kThreads) __trap();
+  constexpr int kVector = 16 / static_cast<int>(sizeof(T));
+  if (blockDim.x != kThreads || mask_words > sc::kMaxMaskWords) __trap();
   const bool reversed = (flags & 1) != 0;
   const bool transposed = (flags & 2) != 0;
   const bool has_bias = (flags & 4) != 0;
@@ -304,80 +608,103 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
   const long long width_stride = transposed ? 1 : weight_row;
   const long long col_tiles = (width + sc::kTileCols - 1) / sc::kTileCols;
   const long long items = (num_rows + sc::kTileRows - 1) / sc::kTileRows * groups * col_tiles;
+  const bool vector_a = sc::aligned16(source) && source_pitch % kVector == 0 && reduce % kVector == 0;
+  const bool vector_b = sc::aligned16(weight) && in_per_group % kVector == 0;
   const int tid = threadIdx.x;
 
-  __shared__ int rows[sc::kTileRows];
-  __shared__ int found[sc::kTileRows];
-  __shared__ unsigned int words[sc::kTileRows];
-  __shared__ __align__(32) Stage a_tile[kStep][Engine::kPitch];
-  __shared__ __align__(32) Stage b_tile[kStep][Engine::kPitch];
+  __shared__ sc::Shared<Engine> shared;
+  T* stage_bytes = reinterpret_cast<T*>(shared.bytes);
+  constexpr int kOperand = Geometry::kOperandBytes / static_cast<int>(sizeof(T));
 
+  struct Round {
+    bool valid;
+    int k;
+    int s0;
+  };
+
+  const long long row_tiles = (num_rows + sc::kTileRows - 1) / sc::kTileRows;
   for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-    const long long row_tile = item / (groups * col_tiles);
-    const long long rest = item - row_tile * groups * col_tiles;
+    // the last row tiles first: in mask order (ascending) they hold the most offsets, the heaviest work
+    const long long tile_item = item / (groups * col_tiles);
+    const long long row_tile = row_tiles - 1 - tile_item;
+    const long long rest = item - tile_item * groups * col_tiles;
     const int g = static_cast<int>(rest / col_tiles);
     const int col0 = static_cast<int>(rest - static_cast<long long>(g) * col_tiles) * sc::kTileCols;
+    if (tid < mask_words) shared.words[tid] = 0u;
     if (tid < sc::kTileRows) {
       const long long position = row_tile * sc::kTileRows + tid;
-      rows[tid] = position < num_rows ? __ldg(order + position) : -1;
+      shared.rows[tid] = position < num_rows ? __ldg(order + position) : -1;
     }
     Engine engine;
     engine.clear();
     __syncthreads();
-    for (int w = 0; w < mask_words; ++w) {
-      if (tid < sc::kTileRows) {
-        const int row = rows[tid];
-        words[tid] = row >= 0 ? __ldg(masks + static_cast<long long>(row) * mask_words + w) : 0u;
-      }
-      __syncthreads();
-      unsigned int word = 0;
-      for (int m = 0; m < sc::kTileRows; ++m) word |= words[m];
-      __syncthreads();  // words is rewritten for the next word
-      while (word != 0) {  // the same offsets in every thread: block-uniform
-        const int k = w * 32 + __ffs(word) - 1;
-        word &= word - 1;
-        if (tid < sc::kTileRows) {
-          const int row = rows[tid];
-          found[tid] = row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + k) : -1;
-        }
-        const int weight_offset = reversed ? volume - 1 - k : k;
-        const T* block = weight + static_cast<long long>(g) * out_per_group * weight_row +
-                         static_cast<long long>(weight_offset) * in_per_group + col0 * width_stride;
-        const T* rows_of_group = source + static_cast<long long>(g) * reduce;
-        __syncthreads();
-        for (int s0 = 0; s0 < reduce; s0 += kStep) {
-          for (int e = tid; e < sc::kTileRows * kStep; e += kThreads) {
-            const int m = e / kStep;
-            const int s = e - m * kStep;
-            const int row = found[m];
-            a_tile[s][m] = row >= 0 && s0 + s < reduce
-                               ? Engine::stage(rows_of_group[static_cast<long long>(row) * source_pitch + s0 + s])
-                               : Engine::zero();
-          }
-          for (int e = tid; e < kStep * sc::kTileCols; e += kThreads) {
-            // consecutive threads read consecutive addresses of the weight
-            const int s = transposed ? e / sc::kTileCols : e % kStep;
-            const int n = transposed ? e % sc::kTileCols : e / kStep;
-            b_tile[s][n] = s0 + s < reduce && col0 + n < width
-                               ? Engine::stage(block[(s0 + s) * reduce_stride + n * width_stride])
-                               : Engine::zero();
-          }
-          __syncthreads();
-          engine.multiply(a_tile, b_tile);
-          __syncthreads();
-        }
+    if (tid < sc::kTileRows && shared.rows[tid] >= 0) {
+      for (int w = 0; w < mask_words; ++w) {
+        atomicOr(shared.words + w, __ldg(masks + static_cast<long long>(shared.rows[tid]) * mask_words + w));
       }
     }
+    __syncthreads();
+    const T* rows_of_group = source + static_cast<long long>(g) * reduce;
+    const T* group_weight = weight + static_cast<long long>(g) * out_per_group * weight_row;
+    const int width_count = width - col0 < sc::kTileCols ? width - col0 : sc::kTileCols;
+    const int first_offset = sc::next_offset(shared.words, mask_words, -1);
+    sc::run_rounds(
+        Round{first_offset >= 0, first_offset, 0},
+        [&](const Round& round) {
+          if (round.s0 + kStep < reduce) return Round{true, round.k, round.s0 + kStep};
+          const int k = sc::next_offset(shared.words, mask_words, round.k);
+          return Round{k >= 0, k, 0};
+        },
+        [](const Round& a, const Round& b) { return a.k == b.k; },
+        [&](const Round& round, int buffer) {
+          if (tid < sc::kTileRows) {
+            const int row = shared.rows[tid];
+            shared.found[buffer][tid] =
+                row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + round.k) : -1;
+          }
+        },
+        [&](const Round& round, int stage, int buffer) {
+          T* a = stage_bytes + stage * 2 * kOperand;
+          T* b = a + kOperand;
+          const int count = reduce - round.s0 < kStep ? reduce - round.s0 : kStep;
+          const int* found = shared.found[buffer];
+          sc::stage_rows<T, kStep>(a, Geometry::kNarrowPitch, sc::kTileRows, count, vector_a, source,
+                                   [&](int m) -> const T* {
+                                     const int row = found[m];
+                                     return row >= 0 ? rows_of_group + row * source_pitch + round.s0 : nullptr;
+                                   });
+          const int weight_offset = reversed ? volume - 1 - round.k : round.k;
+          const T* block = group_weight + static_cast<long long>(weight_offset) * in_per_group + col0 * width_stride;
+          if (!transposed) {  // b(s, n) = block[n * weight_row + s]: [n][s]
+            sc::stage_rows<T, kStep>(b, Geometry::kNarrowPitch, sc::kTileCols, count, vector_b, weight,
+                                     [&](int n) -> const T* {
+                                       return n < width_count ? block + n * width_stride + round.s0 : nullptr;
+                                     });
+          } else {  // b(s, n) = block[s * weight_row + n]: [s][n]
+            sc::stage_rows<T, sc::kTileCols>(b, Geometry::kWidePitch, kStep, width_count, vector_b, weight,
+                                             [&](int s) -> const T* {
+                                               return round.s0 + s < reduce ? block + (round.s0 + s) * reduce_stride
+                                                                            : nullptr;
+                                             });
+          }
+        },
+        [&](const Round& round, int stage, int buffer) {
+          const T* a = stage_bytes + stage * 2 * kOperand;
+          const int count = reduce - round.s0 < kStep ? reduce - round.s0 : kStep;
+          engine.template multiply<true>(a, Geometry::kNarrowPitch, a + kOperand,
+                                         transposed ? Geometry::kWidePitch : Geometry::kNarrowPitch, transposed,
+                                         sc::Extent{shared.found[buffer], sc::kTileRows, count, width_count});
+        });
     const T* group_bias = bias + static_cast<long long>(g) * width + col0;
     T* group_out = out + static_cast<long long>(g) * width + col0;
-    engine.store([&](int m, int n, Acc value) {
-      const int row = rows[m];
-      if (row >= 0 && col0 + n < width) {
+    engine.store(shared.bytes, [&](int m, int n, Acc value) {
+      const int row = shared.rows[m];
+      if (row >= 0 && n < width_count) {
         if (has_bias) value += static_cast<Acc>(sc::widen(group_bias[n]));
         group_out[static_cast<long long>(row) * out_pitch + n] = sc::narrow<T>(value);
       }
     });
-    __syncthreads();  // rows is rewritten by the next work item
+    __syncthreads();  // rows and words are rewritten by the next work item
   }
 }
 
@@ -385,117 +712,168 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
 //   features   T     [num_input, groups * a]
 //   grad_out   T     [num_rows, groups * b]
 //   neighbours int32 [num_rows, K]       the output side (not reversed)
+//   masks      uint32 [num_rows, mask_words]
 //   order      int32 [num_rows]
-//   splits     row splits per tile (>= 1): tile t's split s covers row tiles
-//              [s * per, min((s + 1) * per, row tiles)), per = ceil(row tiles / splits)
-//   scratch    Acc   [tiles * splits * 4096 + counters]: the partial tiles, then one
-//              uint32 counter per tile, zero on entry (left zero on exit); unused
-//              (any array) when splits == 1
+//   splits     row splits per tile (>= 1): split s of offset k walks the s-th of `splits`
+//              equal chunks of the row tiles whose OR mask holds k (its tile list)
+//   scratch    Acc   zeroed on entry, layout (32-bit words after the partials):
+//              partials [tiles * splits * 4096] (used when splits > 1), then
+//              counters [tiles], flags [K], counts [K], lists [K * row_tiles]; the
+//              counters are left zero on exit
 //   grad_weight T    [groups * b, K, a]  every element written once
-// tiles = K * groups * ceil(a / 64) * ceil(b / 64); work items = tiles * splits.
+// tiles = K * groups * ceil(a / 64) * ceil(b / 64); work items = tiles * splits, offsets
+// fastest (so the first blocks cover every offset). The first block to reach an
+// offset builds its tile list in scratch (a flag: 0 none, 1 building, 2 built) while
+// the offset's other blocks wait for it; the builder is running, so the wait ends.
+// Staging: features a(c, r) as [r][c] (column-major), grad_out b(r, j) as [r][j].
 template <typename T, typename Math>
 __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __restrict__ grad_out,
-                                   const int* __restrict__ neighbours, const int* __restrict__ order,
-                                   long long num_rows, int volume, int groups, int in_per_group, int out_per_group,
-                                   int splits, typename sc::Accumulator<T>::type* __restrict__ scratch,
+                                   const int* __restrict__ neighbours, const unsigned int* __restrict__ masks,
+                                   const int* __restrict__ order, long long num_rows, int volume, int mask_words,
+                                   int groups, int in_per_group, int out_per_group, int splits,
+                                   typename sc::Accumulator<T>::type* __restrict__ scratch,
                                    T* __restrict__ grad_weight) {
-  using Engine = typename sc::EngineOf<T, Math>::type;
-  using Stage = typename Engine::Stage;
+  using Engine = typename sc::EngineOf<T, Math, false>::type;
+  using Geometry = typename Engine::Geometry;
   using Acc = typename Engine::Acc;
   static_assert(sizeof(Acc) == sizeof(typename sc::Accumulator<T>::type), "partials are kept in Accumulator<T>");
   constexpr int kStep = Engine::kStep;
   constexpr int kThreads = Engine::threads;
+  constexpr int kVector = 16 / static_cast<int>(sizeof(T));
   if (blockDim.x != kThreads) __trap();
   const int in_tiles = (in_per_group + sc::kTileRows - 1) / sc::kTileRows;
   const int out_tiles = (out_per_group + sc::kTileCols - 1) / sc::kTileCols;
   const long long tiles = static_cast<long long>(volume) * groups * in_tiles * out_tiles;
   const long long row_tiles = (num_rows + sc::kTileRows - 1) / sc::kTileRows;
-  const long long per_split = (row_tiles + splits - 1) / splits;
   const long long in_pitch = static_cast<long long>(groups) * in_per_group;
   const long long out_pitch = static_cast<long long>(groups) * out_per_group;
-  Acc* partials = reinterpret_cast<Acc*>(scratch);
-  unsigned int* counters = reinterpret_cast<unsigned int*>(partials + tiles * splits * sc::kTileElements);
+  Acc* partials = scratch;
+  unsigned int* counters =
+      reinterpret_cast<unsigned int*>(partials + (splits > 1 ? tiles * splits * sc::kTileElements : 0));
+  unsigned int* flags = counters + tiles;
+  int* counts = reinterpret_cast<int*>(flags + volume);
+  int* lists = counts + volume;
+  const bool vector_a = sc::aligned16(features) && in_pitch % kVector == 0 && in_per_group % kVector == 0;
+  const bool vector_b = sc::aligned16(grad_out) && out_pitch % kVector == 0 && out_per_group % kVector == 0;
   const int tid = threadIdx.x;
 
-  __shared__ int rows[sc::kTileRows];
-  __shared__ int found[sc::kTileRows];
-  __shared__ bool last;
-  __shared__ __align__(32) Stage a_tile[kStep][Engine::kPitch];
-  __shared__ __align__(32) Stage b_tile[kStep][Engine::kPitch];
+  __shared__ sc::Shared<Engine> shared;
+  T* stage_bytes = reinterpret_cast<T*>(shared.bytes);
+  constexpr int kOperand = Geometry::kOperandBytes / static_cast<int>(sizeof(T));
+
+  struct Round {
+    bool valid;
+    long long position;  // in the offset's tile list
+    int r0;
+  };
 
   for (long long item = blockIdx.x; item < tiles * splits; item += gridDim.x) {
-    const long long tile = item / splits;
-    const int split = static_cast<int>(item - tile * splits);
-    long long rest = tile;
+    const int k = static_cast<int>(item % volume);
+    long long rest = item / volume;
+    const int split = static_cast<int>(rest % splits);
+    rest /= splits;
     const int out_tile = static_cast<int>(rest % out_tiles);
     rest /= out_tiles;
     const int in_tile = static_cast<int>(rest % in_tiles);
-    rest /= in_tiles;
-    const int g = static_cast<int>(rest % groups);
-    const int k = static_cast<int>(rest / groups);
+    const int g = static_cast<int>(rest / in_tiles);
+    const long long tile = ((static_cast<long long>(k) * groups + g) * in_tiles + in_tile) * out_tiles + out_tile;
     const int c0 = in_tile * sc::kTileRows;
     const int j0 = out_tile * sc::kTileCols;
-    const T* group_features = features + static_cast<long long>(g) * in_per_group + c0;
-    const T* group_grad = grad_out + static_cast<long long>(g) * out_per_group + j0;
-    Engine engine;
-    engine.clear();
-    const long long first = split * per_split;
-    const long long stop = first + per_split < row_tiles ? first + per_split : row_tiles;
-    for (long long row_tile = first; row_tile < stop; ++row_tile) {
-      if (tid < sc::kTileRows) {
-        const long long position = row_tile * sc::kTileRows + tid;
-        const int row = position < num_rows ? __ldg(order + position) : -1;
-        rows[tid] = row;
-        found[tid] = row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + k) : -1;
-      }
-      __syncthreads();
-      if (sc::any_row(found)) {  // block-uniform: skips row tiles without offset k
-        for (int r0 = 0; r0 < sc::kTileRows; r0 += kStep) {
-          for (int e = tid; e < kStep * sc::kTileRows; e += kThreads) {
-            const int r = e / sc::kTileRows;
-            const int c = e - r * sc::kTileRows;
-            const int input = found[r0 + r];
-            a_tile[r][c] = input >= 0 && c0 + c < in_per_group
-                               ? Engine::stage(group_features[static_cast<long long>(input) * in_pitch + c])
-                               : Engine::zero();
-          }
-          for (int e = tid; e < kStep * sc::kTileCols; e += kThreads) {
-            const int r = e / sc::kTileCols;
-            const int j = e - r * sc::kTileCols;
-            b_tile[r][j] = found[r0 + r] >= 0 && j0 + j < out_per_group
-                               ? Engine::stage(group_grad[static_cast<long long>(rows[r0 + r]) * out_pitch + j])
-                               : Engine::zero();
-          }
-          __syncthreads();
-          engine.multiply(a_tile, b_tile);
-          __syncthreads();
+    int* list = lists + static_cast<long long>(k) * row_tiles;
+    if (tid == 0) {  // the offset's tile list: build it, wait for it, or find it built
+      unsigned int state = atomicCAS(flags + k, 0u, 1u);
+      if (state == 1u) {
+        while (atomicAdd(flags + k, 0u) != 2u) {
         }
       }
-      __syncthreads();  // rows and found are rewritten by the next row tile
+      shared.flag = state == 0u;
     }
+    __syncthreads();
+    if (shared.flag) {  // block-uniform
+      const int count = sc::build_offset_tiles(shared, masks, order, num_rows, mask_words, k, list);
+      __threadfence();  // the list and its count before the flag
+      __syncthreads();
+      if (tid == 0) {
+        counts[k] = count;
+        __threadfence();
+        atomicExch(flags + k, 2u);
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    const long long count = __ldcg(counts + k);
+    const long long per_split = (count + splits - 1) / splits;
+    const long long first = split * per_split;
+    const long long stop = first + per_split < count ? first + per_split : count;
+    const T* group_features = features + static_cast<long long>(g) * in_per_group + c0;
+    const T* group_grad = grad_out + static_cast<long long>(g) * out_per_group + j0;
+    const int in_count = in_per_group - c0 < sc::kTileRows ? in_per_group - c0 : sc::kTileRows;
+    const int out_count = out_per_group - j0 < sc::kTileCols ? out_per_group - j0 : sc::kTileCols;
+    Engine engine;
+    engine.clear();
+    sc::run_rounds(
+        Round{first < stop, first, 0},
+        [&](const Round& round) {
+          if (round.r0 + kStep < sc::kTileRows) return Round{true, round.position, round.r0 + kStep};
+          return Round{round.position + 1 < stop, round.position + 1, 0};
+        },
+        [](const Round& a, const Round& b) { return a.position == b.position; },
+        [&](const Round& round, int buffer) {
+          if (tid < sc::kTileRows) {
+            const long long position = static_cast<long long>(__ldcg(list + round.position)) * sc::kTileRows + tid;
+            const int row = position < num_rows ? __ldg(order + position) : -1;
+            shared.other[buffer][tid] = row;
+            shared.found[buffer][tid] = row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + k) : -1;
+          }
+        },
+        [&](const Round& round, int stage, int buffer) {
+          T* a = stage_bytes + stage * 2 * kOperand;
+          T* b = a + kOperand;
+          const int* found = shared.found[buffer] + round.r0;
+          const int* rows = shared.other[buffer] + round.r0;
+          sc::stage_rows<T, sc::kTileRows>(a, Geometry::kWidePitch, kStep, in_count, vector_a, features,
+                                           [&](int r) -> const T* {
+                                             const int input = found[r];
+                                             return input >= 0 ? group_features + input * in_pitch : nullptr;
+                                           });
+          sc::stage_rows<T, sc::kTileCols>(b, Geometry::kWidePitch, kStep, out_count, vector_b, grad_out,
+                                           [&](int r) -> const T* {
+                                             return found[r] >= 0 ? group_grad + rows[r] * out_pitch : nullptr;
+                                           });
+        },
+        [&](const Round& round, int stage, int buffer) {
+          const int* found = shared.found[buffer] + round.r0;
+          bool any = false;  // the same in every thread: a round without the offset is skipped
+          for (int r = 0; r < kStep; ++r) any = any || found[r] >= 0;
+          if (!any) return;
+          const T* a = stage_bytes + stage * 2 * kOperand;
+          engine.template multiply<false>(a, Geometry::kWidePitch, a + kOperand, Geometry::kWidePitch, true,
+                                          sc::Extent{nullptr, in_count, kStep, out_count});
+        });
     // dW[(g * b + j) * K + k][c] for this tile's element (c, j) = (m, n)
     T* tile_weight = grad_weight + (static_cast<long long>(g) * out_per_group + j0) * volume * in_per_group +
                      static_cast<long long>(k) * in_per_group + c0;
     const long long weight_row = static_cast<long long>(volume) * in_per_group;
     if (splits == 1) {
-      engine.store([&](int m, int n, Acc value) {
-        if (c0 + m < in_per_group && j0 + n < out_per_group) tile_weight[n * weight_row + m] = sc::narrow<T>(value);
+      engine.store(shared.bytes, [&](int m, int n, Acc value) {
+        if (m < in_count && n < out_count) tile_weight[n * weight_row + m] = sc::narrow<T>(value);
       });
+      __syncthreads();  // flag is rewritten by the next work item
       continue;
     }
     Acc* own = partials + (tile * splits + split) * sc::kTileElements;
-    engine.store([&](int m, int n, Acc value) { own[m * sc::kTileCols + n] = value; });
+    engine.store(shared.bytes, [&](int m, int n, Acc value) { own[m * sc::kTileCols + n] = value; });
     __threadfence();  // this split's partials before its count
     __syncthreads();
-    if (tid == 0) last = atomicAdd(counters + tile, 1u) == static_cast<unsigned int>(splits - 1);
+    if (tid == 0) shared.flag = atomicAdd(counters + tile, 1u) == static_cast<unsigned int>(splits - 1);
     __syncthreads();
-    if (last) {  // every split of the tile is written: sum them in split order
+    if (shared.flag) {  // every split of the tile is written: sum them in split order
       __threadfence();
       const Acc* tile_partials = partials + tile * splits * sc::kTileElements;
       for (int e = tid; e < sc::kTileElements; e += kThreads) {
         const int m = e / sc::kTileCols;
         const int n = e - m * sc::kTileCols;
-        if (c0 + m < in_per_group && j0 + n < out_per_group) {
+        if (m < in_count && n < out_count) {
           Acc sum = Acc(0);
           for (int s = 0; s < splits; ++s) sum += __ldcg(tile_partials + static_cast<long long>(s) * sc::kTileElements + e);
           tile_weight[n * weight_row + m] = sc::narrow<T>(sum);
@@ -503,6 +881,6 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
       }
       if (tid == 0) counters[tile] = 0u;
     }
-    __syncthreads();  // last is rewritten by the next work item
+    __syncthreads();  // flag is rewritten by the next work item
   }
 }

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsecore.backends import _kernel_fused, kernel_registry
+from sparsecore.backends import _kernel_fused, kernel_registry, tile_shapes
 from sparsecore.backends._kernel_fused import FusedPasses
 
 try:
@@ -53,6 +53,7 @@ CASES = [
     ("symmetric-3x3", 75, 75, (3, 3), 1, 5, 9, True, True),
     ("k40-two-mask-words", 50, 45, (40,), 1, 3, 4, True, False),
     ("wide-channels", 40, 36, (2,), 1, 70, 130, False, False),
+    ("16-byte-rows", 70, 66, (3, 3), 1, 16, 32, True, False),  # every row staged in 16-byte copies
 ]
 
 
@@ -178,13 +179,16 @@ def test_one_launch_forward_two_backward_in_the_engine_configuration(target, eng
     passes.conv_forward(put(features), put(weight), device_map, None, 1)
     passes.conv_backward(put(twins.small_integers(rng, (200, 5), dtype_name)), put(features), put(weight),
                          device_map, 1)
+    # 4 input and 5 output channels: the forward and input gradient reduce over few channels, so they run on
+    # SIMT in every dtype; the weight gradient runs on the dtype's engine
     math, threads = _kernel_fused.engine_of(dtype_name, tf32)
     type_name = kernel_registry.cuda_type_name(dtype_name)
-    assert [record.expression for record in launcher.records] == [
-        f"sc_implicit_gemm<{type_name}, {math}>", f"sc_implicit_gemm<{type_name}, {math}>",
-        f"sc_weight_gradient<{type_name}, {math}>"]
-    assert all(record.block == threads and record.grid == 2 for record in launcher.records)
+    assert [(record.expression, record.block) for record in launcher.records] == [
+        (f"sc_implicit_gemm<{type_name}, sc::Simt>", 256), (f"sc_implicit_gemm<{type_name}, sc::Simt>", 256),
+        (f"sc_weight_gradient<{type_name}, {math}>", threads)]
+    assert all(record.grid == 2 for record in launcher.records)
     assert threads == (128 if math == "sc::Wmma" else 256)
+    assert _kernel_fused.engine_of(dtype_name, tf32, 9) == (math, threads)  # 9 channels: the dtype's engine
 
 
 def test_empty_maps_and_channels_launch_nothing(target):
@@ -207,16 +211,119 @@ def test_empty_maps_and_channels_launch_nothing(target):
         "sc_implicit_gemm"}
 
 
-def test_weight_gradient_scratch_of_a_64_to_64_layer_on_the_real_scan_stays_under_a_quarter():
-    """SubMConv3d 64->64 on the 125,562-voxel scan: the split partials are the only scratch."""
-    rows, channels, volume = 125_562, 64, 27
-    tiles = _kernel_fused.weight_gradient_tiles(volume, 1, channels, channels)
-    output_bytes = rows * channels * 4
-    splits = _kernel_fused.weight_gradient_splits(rows, tiles, 4, output_bytes // _kernel_fused.SCRATCH_FRACTION)
-    scratch = tiles * splits * _kernel_fused.TILE_ELEMENTS * 4 + tiles * 4
-    assert splits > 1 and scratch <= output_bytes / 4, (splits, scratch, output_bytes)
-    assert tiles * splits >= 256  # enough blocks to fill a GPU's multiprocessors
-    assert _kernel_fused.weight_gradient_splits(100, tiles, 4, output_bytes) == 1  # two row tiles: no split
+def test_weight_gradient_splits_fill_two_waves_within_the_scratch_cap():
+    """SubMConv3d 64->64 on the 125,562-voxel scan, and narrow and wide layers: >= 2 waves of resident blocks
+    on 132 multiprocessors, or every row tile of an offset in its own block; scratch under the cap."""
+    sms = tile_shapes.DEFAULT_SM_COUNT
+    for rows, channels, itemsize, blocks_per_sm in ((125_562, 64, 4, 2), (125_562, 64, 4, 4), (3_561, 256, 4, 4),
+                                                   (212, 256, 8, 2), (60_000, 128, 4, 4)):
+        tiles = _kernel_fused.weight_gradient_tiles(27, 1, channels, channels)
+        row_tiles = -(-rows // 64)
+        output_bytes = rows * channels * itemsize
+        splits = tile_shapes.weight_gradient_splits(row_tiles, tiles, itemsize, output_bytes, blocks_per_sm, sms)
+        assert tiles * splits >= 2 * sms * blocks_per_sm or splits == row_tiles, (rows, channels, splits)
+        words = _kernel_fused.weight_gradient_scratch_words(tiles, splits, 27, row_tiles, itemsize)
+        partials = tiles * splits * _kernel_fused.TILE_ELEMENTS * itemsize
+        assert partials <= tile_shapes.scratch_cap(output_bytes), (rows, channels, partials)
+        assert words * itemsize - partials == 4 * (tiles + 2 * 27 + 27 * row_tiles)  # counters, flags, lists
+    # the cap binds (here on a GPU of 1,000 multiprocessors): the partials stay within max(64 MiB, the output
+    # gradient), and where even two splits would not fit there is one (no partials at all)
+    tiles = _kernel_fused.weight_gradient_tiles(27, 1, 256, 256)
+    splits = tile_shapes.weight_gradient_splits(10_000, tiles, 8, 1 << 20, 8, 1000)
+    assert splits == (64 << 20) // (tiles * 4096 * 8) == 4
+    assert tile_shapes.weight_gradient_splits(10_000, 27 * 16 * 16, 8, 1 << 20, 8, 1000) == 1
+    assert tile_shapes.weight_gradient_splits(1, tiles, 4, 1 << 20, 4, sms) == 1  # one row tile: no split
+    assert tile_shapes.scratch_cap(1 << 20) == 64 << 20 and tile_shapes.scratch_cap(100 << 20) == 100 << 20
+
+
+def test_device_checks_name_the_dtype_and_the_gpu():
+    old_gpu = _kernel_fused.DeviceTraits(sm_count=80, compute_capability=70)
+    with pytest.raises(RuntimeError, match=r"compute capability 7.5 .* this GPU is 7.0, so a bfloat16 convolution"):
+        _kernel_fused.check_device("bfloat16", old_gpu, 27, "conv_forward")
+    with pytest.raises(ValueError, match=r"conv_backward: a kernel of 2197 offsets exceeds .* 2048"):
+        _kernel_fused.check_device("float32", _kernel_fused.DeviceTraits(132, 90), 13 ** 3, "conv_backward")
+    _kernel_fused.check_device("float16", _kernel_fused.DeviceTraits(40, 75), 27, "conv_forward")  # a T4 runs it
+    assert _kernel_fused.device_traits(np) == _kernel_fused.DeviceTraits(tile_shapes.DEFAULT_SM_COUNT, 90)
+
+
+# ------------------------------------------------------------- the sm_75 code path
+
+
+SM75_ENGINES = [("float16", False), ("bfloat16", False), ("float32", True)]
+
+
+@pytest.mark.parametrize("engine", SM75_ENGINES, ids=["float16", "bfloat16", "tf32"])
+def test_the_sm75_path_is_exact_and_within_a_gemm_bound(engine):
+    """The kernels compiled for sm_75 (SC_EMULATED_ARCH): float16 on tensor cores, bfloat16 and TF32's
+    instantiation on the 128-thread SIMT engine, 16-byte loads through registers instead of cp.async."""
+    from sparsecore.backends.kernel_backend import KernelBackend
+
+    try:
+        from cuda_emulation.emulated_launcher import EmulatedLauncher
+    except ImportError:  # tests/ imported as a package
+        from tests.cuda_emulation.emulated_launcher import EmulatedLauncher
+    if harness.compiler_path() is None:
+        pytest.skip("g++ is not installed")
+    dtype_name, tf32 = engine
+    backend = KernelBackend(np, EmulatedLauncher(75), name="emulated-sm75", block_threads=32, max_blocks=2)
+    passes = FusedPasses(backend.device, tf32)
+    rng = rng_for(49, SM75_ENGINES.index(engine))
+    neighbour_map = random_map(rng, 100, 90, (3, 3), density=0.6)
+    put = (lambda array: array.view(twins_bfloat16())) if dtype_name == "bfloat16" else (lambda array: array)
+    host = (lambda array: array.view(np.uint16)) if dtype_name == "bfloat16" else (lambda array: array)
+    features = twins.small_integers(rng, (100, 16), dtype_name)
+    weight = twins.small_integers(rng, (12, 9, 16), dtype_name)
+    grad_output = twins.small_integers(rng, (90, 12), dtype_name)
+    out = passes.conv_forward(put(features), put(weight), neighbour_map, None, 1)
+    grad_features, grad_weight = passes.conv_backward(put(grad_output), put(features), put(weight), neighbour_map, 1,
+                                                      splits=3)
+    table = neighbour_map.output_neighbours
+    np.testing.assert_array_equal(host(out), narrow(twins.implicit_gemm(features, weight, None, table, 1, dtype_name),
+                                                    dtype_name))
+    expected = twins.implicit_gemm(grad_output, weight, None, neighbour_map.input_neighbours, 1, dtype_name,
+                                   transposed=True)
+    np.testing.assert_array_equal(host(grad_features), narrow(expected, dtype_name))
+    expected = twins.weight_gradient(features, grad_output, table, 1, weight.shape, dtype_name)
+    np.testing.assert_array_equal(host(grad_weight), narrow(expected, dtype_name))
+    wide = narrow(rng.uniform(-2, 2, size=features.shape).astype(np.float32), dtype_name)
+    out = passes.conv_forward(put(wide), put(weight), neighbour_map, None, 1)
+    exact = twins.implicit_gemm(wide, weight, None, table, 1, dtype_name)
+    abs_sum = twins.implicit_gemm(np.abs(twins.widen(wide, dtype_name)), np.abs(twins.widen(weight, dtype_name)),
+                                  None, table, 1, "float32")
+    # the SIMT fallback of the TF32 instantiation multiplies in full float32: the float32 bound holds
+    _within_gemm_bound(twins.widen(host(out), dtype_name), exact, abs_sum, dtype_name, False, "sm_75 forward")
+
+
+def twins_bfloat16():
+    try:
+        from kernel_targets import BFLOAT16
+    except ImportError:  # tests/ imported as a package
+        from tests.kernel_targets import BFLOAT16
+    if BFLOAT16 is None:
+        pytest.skip("bfloat16 arrays need ml_dtypes")
+    return BFLOAT16
+
+
+def test_a_missing_copy_wait_reads_stale_shared_memory():
+    """The emulation's cp.async lands a copy only at the wait that retires it: without the pipeline's wait,
+    the forward multiplies what the previous round left (zeros at first) and the result is wrong."""
+    module = _emulated_module(_broken_source())
+    rng = rng_for(50)
+    neighbour_map = random_map(rng, 80, 70, (3,), density=0.8)
+    features = twins.small_integers(rng, (80, 8), "float32")
+    weight = twins.small_integers(rng, (8, 3, 8), "float32")
+    expected = narrow(twins.implicit_gemm(features, weight, None, neighbour_map.output_neighbours, 1, "float32"),
+                      "float32")
+    arguments = (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
+                 neighbour_map.output_order, np.int64(70), np.int32(3), np.int32(1), np.int32(1), np.int32(8),
+                 np.int32(8), np.int32(_UNUSED_FLAG))
+    out = np.zeros((70, 8), np.float32)
+    module.get_function("sc_implicit_gemm<float, sc::Simt>")((2,), (256,), (*arguments, out))
+    assert not np.array_equal(out, expected)
+    correct = np.zeros((70, 8), np.float32)
+    harness.load_module("implicit_gemm.cu").get_function("sc_implicit_gemm<float, sc::Simt>")(
+        (2,), (256,), (*arguments, correct))
+    np.testing.assert_array_equal(correct, expected)
 
 
 # ------------------------------------------------------------- the emulation's hang checks
@@ -229,17 +336,23 @@ def _emulated_module(source: str):
 
 
 _EARLY_BARRIER = "    engine.clear();\n    __syncthreads();\n"
-_WEIGHT_BARRIER = "        found[tid] = row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + k) : -1;\n" \
-                  "      }\n      __syncthreads();\n"
+_WEIGHT_BARRIER = "      shared.flag = state == 0u;\n    }\n    __syncthreads();\n"
+
+
+_COPY_WAIT = "      wait_copies<1>();  // this round's copies have landed\n"
+_UNUSED_FLAG = 8  # a flag bit sc_implicit_gemm does not read: launches with it skip the first bug below
 
 
 def _broken_source() -> str:
-    """implicit_gemm.cu with two bugs: the forward skips a barrier in threads 32..255 (a barrier in a
-    divergent branch), and in the weight gradient half of each warp waits at __syncwarp while the other
-    half waits at __syncthreads (each barrier waits for threads that never come)."""
+    """implicit_gemm.cu with three bugs (one build for the three tests): the forward skips a barrier in
+    threads 32..255 (a barrier in a divergent branch) unless its flags hold `_UNUSED_FLAG`; in the weight
+    gradient half of each warp waits at __syncwarp while the other half waits at __syncthreads (each barrier
+    waits for threads that never come); and the pipeline never waits for a round's copies but the last."""
     source = kernel_registry.kernel_source("implicit_gemm.cu")
-    assert source.count(_EARLY_BARRIER) == 1 and source.count(_WEIGHT_BARRIER) == 1
-    source = source.replace(_EARLY_BARRIER, "    engine.clear();\n    if (tid < 32) __syncthreads();\n")
+    assert source.count(_EARLY_BARRIER) == 1 and source.count(_WEIGHT_BARRIER) == 1 and source.count(_COPY_WAIT) == 1
+    source = source.replace(_EARLY_BARRIER, "    engine.clear();\n"
+                            f"    if (tid < 32 || (flags & {_UNUSED_FLAG}) != 0) __syncthreads();\n")
+    source = source.replace(_COPY_WAIT, "")
     return source.replace(_WEIGHT_BARRIER, _WEIGHT_BARRIER.replace(
         "__syncthreads();", "if (tid % 32 < 16) { __syncthreads(); } else { __syncwarp(); }"))
 
@@ -270,10 +383,12 @@ def test_a_barrier_never_reached_times_out():
         neighbour_map = random_map(rng_for(47), 80, 70, (3,))
         features, weight = _simt_arguments(neighbour_map)
         kernel = module.get_function("sc_weight_gradient<float, sc::Simt>")
+        scratch = np.zeros(_kernel_fused.weight_gradient_scratch_words(3, 1, 3, 2, 4), np.float32)
         with pytest.raises(harness.LaunchTimeout, match=r"still waited when the launch's time ran out"):
             kernel((1,), (256,), (features, np.zeros((70, 4), np.float32), neighbour_map.output_neighbours,
-                                  neighbour_map.output_order, np.int64(70), np.int32(3), np.int32(1), np.int32(4),
-                                  np.int32(4), np.int32(1), np.zeros(1, np.float32), np.zeros(weight.shape, np.float32)))
+                                  neighbour_map.output_masks, neighbour_map.output_order, np.int64(70), np.int32(3),
+                                  np.int32(1), np.int32(1), np.int32(4), np.int32(4), np.int32(1), scratch,
+                                  np.zeros(weight.shape, np.float32)))
     finally:
         module.set_timeout(harness.LAUNCH_TIMEOUT_SECONDS)
 

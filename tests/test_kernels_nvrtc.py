@@ -1,14 +1,19 @@
 """Every registered kernel compiles through NVRTC, and the registry matches the sources.
 
-No GPU is needed: NVRTC compiles to PTX on any machine that has the
-``nvidia-cuda-nvrtc`` wheel (a dev dependency). Each kernel file is compiled
-exactly as `kernel_registry.load_module` hands it to CuPy (same source text,
-same options, same name expressions), for the two architectures the project
-targets (Ampere and Hopper); a compile error or warning fails the suite.
+No GPU is needed: NVRTC compiles to PTX, and with its built-in ptxas to
+machine code, on any machine that has the ``nvidia-cuda-nvrtc`` wheel (a dev
+dependency). Each kernel file is compiled exactly as
+`kernel_registry.load_module` hands it to CuPy (same source text, same
+options, same name expressions) to PTX for compute_80 and compute_90, and to
+machine code (``-arch=sm_XX``, ptxas' ``-v`` report) for every GPU that
+CUDA 12 and 13 both support: sm_75, sm_80, sm_86, sm_89 and sm_90; a compile
+error or warning fails the suite, and so does an instantiation that spills
+registers to local memory. Each (file, architecture) compiles once per process.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -21,6 +26,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     nvrtc = None
 
 ARCHITECTURES = ("compute_80", "compute_90")
+MACHINE_ARCHITECTURES = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 KERNEL_FILES = tuple(entry.file for entry in kernel_registry.KERNEL_FILES)
 _GLOBAL_FUNCTION = re.compile(r"__global__\s+void\s+(\w+)\s*\(")
 
@@ -68,6 +76,66 @@ def test_kernel_file_compiles(file: str, architecture: str) -> None:
             assert f".entry {lowered}" in ptx, f"{expression} ({lowered}) is missing from the PTX of {file}"
     finally:
         nvrtc.destroyProgram(program)
+
+
+@functools.lru_cache(maxsize=None)
+def _machine_code(file: str, architecture: str) -> tuple[str, tuple[tuple[str, str], ...], int]:
+    """``(ptxas log, (expression, lowered name) pairs, cubin bytes)`` of a file for an ``sm_XX``, compiled once."""
+    entry = kernel_registry.kernel_file(file)
+    options = list(kernel_registry.nvrtc_options((f"-arch={architecture}", "--ptxas-options=-v"),
+                                                 tensor_cores=entry.tensor_cores))
+    program, log = _compile(file, options)
+    try:
+        names = tuple((expression, nvrtc.getLoweredName(program, expression)) for expression in entry.name_expressions)
+        return log, names, len(nvrtc.getCUBIN(program))
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def spilled_entries(log: str) -> dict[str, tuple[int, int]]:
+    """``{lowered name: (spill store bytes, spill load bytes)}`` of every entry of a ptxas ``-v`` log that spills."""
+    spills: dict[str, tuple[int, int]] = {}
+    current = None
+    for line in log.splitlines():
+        entry = _ENTRY.search(line)
+        if entry:
+            current = entry.group(1)
+            continue
+        counts = _SPILLS.search(line)
+        if counts and current is not None and (int(counts.group(1)) or int(counts.group(2))):
+            spills[current] = (int(counts.group(1)), int(counts.group(2)))
+    return spills
+
+
+def test_spilled_entries_reads_a_ptxas_report() -> None:
+    log = ("ptxas info    : Compiling entry function '_Z1av' for 'sm_90'\n"
+           "ptxas info    : Function properties for _Z1av\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Compiling entry function '_Z1bv' for 'sm_90'\n"
+           "    24 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n")
+    assert spilled_entries(log) == {"_Z1bv": (24, 16)}
+
+
+@pytest.mark.skipif(nvrtc is None, reason="cupy (with NVRTC bindings) is not installed")
+@pytest.mark.parametrize("architecture", MACHINE_ARCHITECTURES)
+def test_every_kernel_file_compiles_to_machine_code_without_spills(architecture: str) -> None:
+    """Every registered instantiation, for every GPU CUDA 12 and 13 support (sm_75 included: no tensor-core
+    type of sm_80+ may be named there), with ptxas' report: a machine-code entry per instantiation, no spills."""
+    if kernel_registry.cuda_include_dir() is None:
+        pytest.skip("no CUDA headers (install cupy-cuda13x[ctk] / nvidia-cuda-runtime)")
+    if kernel_registry.tensor_core_include_dir() is None:
+        pytest.fail(f"{kernel_registry.TENSOR_CORE_HEADER} was not found: install the dev extra (nvidia-cuda-crt)")
+    for file in KERNEL_FILES:
+        log, names, cubin_bytes = _machine_code(file, architecture)
+        assert "warning" not in log.lower().replace("ptxas info", ""), f"warnings for {file} ({architecture}):\n{log}"
+        assert cubin_bytes > 0, f"no machine code for {file} ({architecture})"
+        for expression, lowered in names:
+            assert f"Compiling entry function '{lowered}' for '{architecture}'" in log, (
+                f"{expression} has no {architecture} entry in ptxas' report of {file}")
+        spills = spilled_entries(log)
+        named = {lowered: expression for expression, lowered in names}
+        assert not spills, f"{file} ({architecture}) spills: " + ", ".join(
+            f"{named.get(entry, entry)} stores {stores} B, loads {loads} B" for entry, (stores, loads) in spills.items())
 
 
 def test_every_kernel_file_is_registered() -> None:

@@ -14,6 +14,10 @@
 #                 through the kernel backend): per dtype passed / failed / skipped
 #   hostops       tools/host_operations.py on CuPy, per layer, compared with the same count on the CPU
 #                 emulation made in the background during the steps before (they must be equal)
+#   layers        tools/gpu_layer_times.py: each conv layer's forward, input gradient and weight gradient
+#                 timed on the GPU (CUDA events per launch), the current kernels and issue 28's (3ed261f:
+#                 .peer/old_kernels/kernels_cu, else git archive) side by side, each beside the modelled
+#                 time of tools/gpu_layer_estimate.py, computed on the CPU in the background from the start
 #   benchmark     python -m sparsecore.benchmark gpu: basic and large, forward with builds and backward,
 #                 float32 / float16 / TF32, against spconv native and implicit GEMM in the same process,
 #                 per-layer time with TFLOP/s, two runs bitwise, the SubMConv3d 64->64 memory row
@@ -28,10 +32,10 @@
 # gpu_kernels.json, pytest_gpu.log, host_ops_gpu.json, host_ops_emulation.json, gpu_benchmark.json,
 # gpu_benchmark.txt.
 #
-# Environment: GPU_CHECK_BUDGET_S (default 420 s for fused, 420 for standing, 560 for all), PYTHON
+# Environment: GPU_CHECK_BUDGET_S (default 480 s for fused, 420 for standing, 575 for all), PYTHON
 # (default python3), GPU_CHECK_SKIP_INSTALL=1 (dry runs where sparsecore is installed already),
 # GPU_CHECK_SKIP_PEER=1 (leave the spconv bundle packed),
-# GPU_CHECK_HOSTOPS_SCENE (default basic), GPU_CHECK_HOSTOPS_DEVICE (default cuda; emulation for a dry
+# GPU_CHECK_HOSTOPS_SCENE (default basic; the layers step's scene too), GPU_CHECK_HOSTOPS_DEVICE (default cuda; emulation for a dry
 # run), GPU_CHECK_HOSTOPS_ARGS (more arguments for both counts, e.g. "--layers 3"), GPU_CHECK_CORRECTNESS
 # (test files, space-separated, instead of the default patterns), GPU_CHECK_KERNEL_FILES (comma-separated
 # kernel files for the report instead of all), GPU_CHECK_BENCHMARK_ARGS (more arguments for the benchmark,
@@ -43,9 +47,9 @@ out=${OUT:-/tmp/sparsecore_gpu_check}
 mkdir -p "$out"
 part=${GPU_CHECK_PART:-fused}
 case $part in
-  fused) default_budget=420 ;;
+  fused) default_budget=480 ;;
   standing) default_budget=420 ;;
-  all) default_budget=560 ;;
+  all) default_budget=575 ;;
   *) echo "GPU_CHECK_PART must be fused, standing or all, got $part" >&2; exit 2 ;;
 esac
 budget=${GPU_CHECK_BUDGET_S:-$default_budget}
@@ -152,6 +156,9 @@ write_summary() {  # gpu_check.md, rewritten after every step
     section "host operations per layer on the GPU (tools/host_operations.py --device cuda)" \
       "$scratch/host_ops_gpu.txt" 120
     section "host operations: GPU against the emulation" "$scratch/host_ops_compare.txt" 60
+    section "per-layer device time, current and issue 28's kernels, beside the estimate (tools/gpu_layer_times.py)" \
+      "$scratch/layer_times.txt" 200
+    section "the estimate's totals and targets (tools/gpu_layer_estimate.py, CPU)" "$scratch/layer_estimate_totals.txt" 30
     [ -s "$scratch/benchmark.md" ] && { sed 's/^# sparsecore network benchmark/## benchmark (gpu suite)/' \
       "$scratch/benchmark.md"; echo; }
     section "per-layer rows (time, GFLOP, TFLOP/s; all of them in gpu_benchmark.txt)" "$scratch/layers.txt" 260
@@ -252,6 +259,10 @@ if [ "$fused" = 1 ]; then
     record hostops-emulation "skipped: no g++ on this machine (the emulation compiles the kernels with it)" 0 "-"
   fi
 
+  # --- the per-layer estimate (CPU: the maps of the scene, the tile tables), in the background
+  start_background layers-estimate 150 "$scratch/layer_estimate.txt" "$py" -P tools/gpu_layer_estimate.py \
+    --scene "$hostops_scene" --json "$scratch/layer_estimate.json"
+
   # --- kernels: cold compile per file and resources per instantiation
   run_step kernels 100 "$scratch/kernels_log.txt" "$py" -P tools/gpu_kernel_report.py \
     --cache-dir "$CUPY_CACHE_DIR" --json "$out/gpu_kernels.json" --output "$scratch/kernels.txt" \
@@ -314,6 +325,21 @@ PY
   { echo "--- the emulation's count:"; cat "$scratch/host_ops_emulation.txt"; } >>"$log" 2>/dev/null
   write_summary
 
+  # --- each conv layer's passes timed, current and issue 28's kernels, beside the estimate
+  finish_background layers-estimate 45
+  grep -E "^total |^[a-z0-9]+ (old|new): " "$scratch/layer_estimate.txt" >"$scratch/layer_estimate_totals.txt" 2>/dev/null
+  old_kernels=()
+  if [ -f .peer/old_kernels/kernels_cu/implicit_gemm.cu ]; then
+    old_kernels=(--old-kernels .peer/old_kernels/kernels_cu)
+  elif mkdir -p "$scratch/old_kernels" && git -C "$root" archive 3ed261f kernels_cu 2>/dev/null | \
+      tar -x -C "$scratch/old_kernels" 2>/dev/null && [ -f "$scratch/old_kernels/kernels_cu/implicit_gemm.cu" ]; then
+    old_kernels=(--old-kernels "$scratch/old_kernels/kernels_cu")
+  fi
+  run_step layers 75 "$scratch/layer_times.txt" "$py" -P tools/gpu_layer_times.py --scene "$hostops_scene" \
+    --repeats 5 --time-limit 55 --estimate-json "$scratch/layer_estimate.json" "${old_kernels[@]}"
+  { echo "--- the estimate (tools/gpu_layer_estimate.py):"; cat "$scratch/layer_estimate.txt"; } >>"$log" 2>/dev/null
+  write_summary
+
   # --- the networks against spconv, per-layer time, the memory row; then the targets
   finish_background peer 60
   run_step import-spconv 45 "$scratch/imports.txt" "$py" -P -c "import spconv, spconv.pytorch, torch
@@ -362,6 +388,8 @@ if [ "$fused" = 1 ]; then
   head -n 8 "$scratch/correctness_summary.txt" 2>/dev/null
   grep -E "^(forward|backward)" "$scratch/host_ops_gpu.txt" 2>/dev/null
   head -n 4 "$scratch/host_ops_compare.txt" 2>/dev/null
+  grep -E "^(== |total )" "$scratch/layer_times.txt" 2>/dev/null
+  grep -E "^[a-z0-9]+ (old|new): " "$scratch/layer_estimate_totals.txt" 2>/dev/null
   grep -E "^\| .* network \||^\| memory " "$scratch/benchmark.md" 2>/dev/null | cut -c1-300
   cat "$scratch/targets.txt" 2>/dev/null
 fi

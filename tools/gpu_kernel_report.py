@@ -1,6 +1,7 @@
 """Compile time and resources of every registered CUDA kernel: per file, per instantiation.
 
     python tools/gpu_kernel_report.py [--arch sm_90] [--files a.cu,b.cu] [--json PATH] [--output PATH]
+    python tools/gpu_kernel_report.py --sass sm_90 [--files implicit_gemm.cu] [--match __half]
 
 Two sources, each used where it can run:
 
@@ -22,6 +23,19 @@ Two sources, each used where it can run:
   ``--nvrtc`` asks for it (the attributes say the same, and the device's
   minutes are few).
 
+- **The SASS** (``--sass sm_XX``, sm_75 to sm_90; no GPU needed): the
+  NVRTC pass for that architecture keeps its cubin, ``cuobjdump -sass`` reads
+  it (`gpu_sass`: the ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``
+  wheels or a toolkit; when absent the report says how to install them), and
+  per instantiation it prints the global loads by width, ``LDGSTS``, shared
+  loads and ``LDSM``, ``HMMA``, ``FFMA`` / ``DFMA``, local accesses, and the
+  theoretical occupancy on an H100 (`gpu_occupancy`: blocks per SM from
+  registers, static shared memory and threads per block; the threads from the
+  kernel's ``__launch_bounds__`` when it has them, else the backend's engine
+  sizes, else ``--threads``). ``--kernels-dir`` compiles another copy of
+  ``kernels_cu/`` (e.g. an older commit's, ``git archive``) with the
+  registry's name expressions: before and after of a kernel edit.
+
 The JSON (``--json``) and the text (``--output``) are rewritten after every
 file, so a run stopped by its time limit keeps what it measured.
 """
@@ -41,9 +55,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-__all__ = ["InstantiationReport", "FileReport", "parse_ptxas_log", "nvrtc_report", "device_report",
-           "format_reports", "main"]
+from gpu_occupancy import Occupancy  # noqa: E402
+from gpu_sass import INSTALL_HINT, DisassemblerMissing, SassCounts, find_cuobjdump  # noqa: E402
+from gpu_sass_report import format_sass, sass_report  # noqa: E402
+
+__all__ = ["InstantiationReport", "FileReport", "parse_ptxas_log", "nvrtc_report", "compile_file",
+           "kernel_source", "device_report", "format_reports", "main"]
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _PROPERTIES = re.compile(r"Function properties for (\S+)")
@@ -51,6 +70,8 @@ _USED = re.compile(r"Used (\d+) registers")
 _BARRIERS = re.compile(r"used (\d+) barriers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
+_SASS_ARCH = re.compile(r"sm_(\d+)a?")
 _ATTRIBUTES = ("num_regs", "shared_size_bytes", "local_size_bytes", "max_threads_per_block", "const_size_bytes")
 
 
@@ -68,6 +89,10 @@ class InstantiationReport:
         spill_store_bytes: bytes spilled (stores) per thread (ptxas).
         spill_load_bytes: bytes reloaded from spills per thread (ptxas).
         device: ``RawKernel.attributes`` on the GPU (the keys of `_ATTRIBUTES`).
+        threads: threads per block the occupancy assumes (``--sass``).
+        threads_source: where that number came from.
+        sass: static instruction counts of its SASS (``--sass``).
+        occupancy: on an H100 (``--sass``), from registers, static shared memory and ``threads``.
     """
 
     expression: str
@@ -79,6 +104,10 @@ class InstantiationReport:
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     device: dict[str, int] = field(default_factory=dict)
+    threads: int | None = None
+    threads_source: str | None = None
+    sass: SassCounts | None = None
+    occupancy: Occupancy | None = None
 
 
 @dataclass
@@ -135,8 +164,32 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
     return entries
 
 
-def nvrtc_report(file: str, arch: str) -> FileReport:
-    """Compiles one registered file through NVRTC for ``arch`` (``sm_90``: with ptxas' report)."""
+def kernel_source(file: str, kernels_dir: Path | None = None) -> str:
+    """A kernel file's text as NVRTC gets it: the registry's, or read from ``kernels_dir`` with its local
+    ``#include "x.cuh"`` lines inlined (each header once) the way the registry inlines them."""
+    from sparsecore.backends import kernel_registry
+
+    if kernels_dir is None:
+        return kernel_registry.kernel_source(file)
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        seen.add(name)
+        path = Path(kernels_dir) / name
+        if not path.is_file():
+            raise FileNotFoundError(f"--kernels-dir {kernels_dir} has no {name}")
+        text = path.read_text(encoding="utf-8")
+        return _LOCAL_INCLUDE.sub(lambda match: "" if match.group(1) in seen else expand(match.group(1)), text)
+
+    return expand(file)
+
+
+def compile_file(file: str, arch: str, kernels_dir: Path | None = None) -> tuple[FileReport, bytes | None]:
+    """Compiles one registered file through NVRTC for ``arch`` (``sm_XX``: with ptxas' report).
+
+    Returns:
+        The report and the cubin (``sm_XX``; None for ``compute_XX`` or a failed compile).
+    """
     from cupy_backends.cuda.libs import nvrtc
 
     from sparsecore.backends import kernel_registry
@@ -145,9 +198,9 @@ def nvrtc_report(file: str, arch: str) -> FileReport:
     report = FileReport(file, arch, instantiations=[InstantiationReport(e) for e in entry.name_expressions])
     machine_code = arch.startswith("sm_")
     options = list(kernel_registry.nvrtc_options(
-        (f"-arch={arch}",) + (("--ptxas-options=-v",) if machine_code else ())))
+        (f"-arch={arch}",) + (("--ptxas-options=-v",) if machine_code else ()), tensor_cores=entry.tensor_cores))
     started = time.perf_counter()
-    program = nvrtc.createProgram(kernel_registry.kernel_source(file), file, [], [])
+    program = nvrtc.createProgram(kernel_source(file, kernels_dir), file, [], [])
     try:
         for expression in entry.name_expressions:
             nvrtc.addNameExpression(program, expression)
@@ -155,7 +208,7 @@ def nvrtc_report(file: str, arch: str) -> FileReport:
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as error:
             report.error = f"NVRTC: {error}: {nvrtc.getProgramLog(program)[-2000:]}"
-            return report
+            return report, None
         binary = nvrtc.getCUBIN(program) if machine_code else nvrtc.getPTX(program)
         report.nvrtc_seconds = time.perf_counter() - started
         report.binary_bytes = len(binary)
@@ -166,7 +219,12 @@ def nvrtc_report(file: str, arch: str) -> FileReport:
                 setattr(item, name, value)
     finally:
         nvrtc.destroyProgram(program)
-    return report
+    return report, (bytes(binary) if machine_code else None)
+
+
+def nvrtc_report(file: str, arch: str, kernels_dir: Path | None = None) -> FileReport:
+    """Compiles one registered file through NVRTC for ``arch`` (``sm_90``: with ptxas' report)."""
+    return compile_file(file, arch, kernels_dir)[0]
 
 
 def device_report(report: FileReport, device_id: int = 0) -> None:
@@ -251,7 +309,28 @@ def main(argv: list[str] | None = None) -> int:
                         "empty temporary folder); it must be empty for cold times")
     parser.add_argument("--json", metavar="PATH", help="write the reports as JSON (after every file)")
     parser.add_argument("--output", metavar="PATH", help="write the text report (after every file)")
+    parser.add_argument("--sass", metavar="sm_XX", help="compile for this architecture (sm_75 .. sm_90) and "
+                        "summarise each instantiation's SASS and H100 occupancy (needs cuobjdump: "
+                        "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    parser.add_argument("--match", default="", help="with --sass: only instantiations whose expression holds "
+                        "this text in the SASS table, e.g. '__half, sc::Wmma'")
+    parser.add_argument("--threads", type=int, help="with --sass: threads per block for the occupancy "
+                        "(default: the kernel's __launch_bounds__, else the backend's engine sizes)")
+    parser.add_argument("--kernels-dir", type=Path, help="compile the kernel files of this folder instead of "
+                        "the installed ones (the registry's name expressions), e.g. an older commit's "
+                        "kernels_cu/ from git archive")
     args = parser.parse_args(argv)
+    if args.sass:
+        match = _SASS_ARCH.fullmatch(args.sass)
+        if match is None or not 75 <= int(match.group(1)) <= 120:
+            parser.error(f"--sass takes an architecture sm_75 .. sm_90 (e.g. sm_90), got {args.sass!r}")
+        args.arch = args.sass
+        disassembler = find_cuobjdump()
+        if disassembler is None:
+            print(f"gpu_kernel_report --sass: {INSTALL_HINT}", file=sys.stderr)
+            return 2
+    if args.kernels_dir is not None and not args.kernels_dir.is_dir():
+        parser.error(f"--kernels-dir must be a folder of kernel files, got {args.kernels_dir}")
 
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="sparsecore-cold-cache-")
     os.environ["CUPY_CACHE_DIR"] = cache_dir  # before CuPy compiles anything
@@ -259,24 +338,35 @@ def main(argv: list[str] | None = None) -> int:
 
     files = [name for name in args.files.split(",") if name] or [entry.file for entry in kernel_registry.KERNEL_FILES]
     on_gpu = args.device == "cuda" or (args.device == "auto" and _gpu_visible())
-    run_nvrtc = not on_gpu or args.nvrtc
+    run_nvrtc = not on_gpu or args.nvrtc or bool(args.sass)
     cached = [path for path in Path(cache_dir).rglob("*") if path.is_file()]
     gpu_pass = (f"on (CUPY_CACHE_DIR={cache_dir}, {'NOT EMPTY: not cold' if cached else 'empty'})" if on_gpu
                 else "off (no GPU)")
     header = (f"kernel report: {len(files)} files; NVRTC pass {'for ' + args.arch if run_nvrtc else 'skipped'}; "
-              f"GPU pass {gpu_pass}; CUDA headers: {kernel_registry.cuda_include_dir()}")
+              f"GPU pass {gpu_pass}; CUDA headers: {kernel_registry.cuda_include_dir()}"
+              + (f"; sources from {args.kernels_dir}" if args.kernels_dir else ""))
     reports: list[FileReport] = []
     for file in files:
+        cubin = None
         try:
-            report = nvrtc_report(file, args.arch) if run_nvrtc else FileReport(
-                file, args.arch, instantiations=[InstantiationReport(expression)
-                                                 for expression in kernel_registry.kernel_file(file).name_expressions])
+            if run_nvrtc:
+                report, cubin = compile_file(file, args.arch, args.kernels_dir)
+            else:
+                expressions = kernel_registry.kernel_file(file).name_expressions
+                report = FileReport(file, args.arch, instantiations=[InstantiationReport(e) for e in expressions])
         except Exception as error:  # a missing file or NVRTC: report it, go on
             report = FileReport(file, args.arch, error=f"{type(error).__name__}: {error}")
+        if args.sass and cubin is not None:
+            try:
+                sass_report(report, cubin, args.threads)
+            except (DisassemblerMissing, RuntimeError, OSError) as error:
+                report.error = f"{report.error + '; ' if report.error else ''}SASS: {error}"
         if on_gpu:
             device_report(report)
         reports.append(report)
         text = format_reports(reports, header)
+        if args.sass:
+            text += "\n\n" + format_sass(reports, args.arch, args.match)
         if args.output:
             Path(args.output).write_text(text + "\n", encoding="utf-8")
         if args.json:
@@ -286,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
               f"GPU {_rounded(report.device_cold_seconds)} s"
               + (f", ERROR {report.error}" if report.error else ""), file=sys.stderr, flush=True)
     print(format_reports(reports, header))
+    if args.sass:
+        print()
+        print(format_sass(reports, args.arch, args.match))
     return 1 if any(report.error for report in reports) else 0
 
 

@@ -16,40 +16,97 @@ outputs' allocations and the launch (plus a copy only for an operand that is
 not contiguous or not of the features' dtype); the launch arguments that
 depend on the map alone are kept per map (`NeighbourMap.derived`).
 
-The weight gradient's scratch (its split partials) stays under
-`SCRATCH_FRACTION` of the output gradient's size.
+The weight gradient splits each tile's rows for at least two waves of
+resident blocks on the GPU in hand (`tile_shapes.weight_gradient_splits`:
+the multiprocessor count from CuPy's device attributes, `DEFAULT_SM_COUNT`
+on the emulation); its scratch (split partials, counters and the per-offset
+row-tile lists the launch builds) stays under `tile_shapes.scratch_cap`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from . import tile_shapes
 from ._launch import KernelDevice, check_float, check_row_count, expression_of
 
-__all__ = ["FusedPasses", "SIMT_THREADS", "WMMA_THREADS", "TILE_ROWS", "TILE_COLUMNS", "SCRATCH_FRACTION",
-           "engine_of", "weight_gradient_splits", "weight_gradient_tiles"]
+__all__ = ["FusedPasses", "SIMT_THREADS", "WMMA_THREADS", "TILE_ROWS", "TILE_COLUMNS", "MAX_KERNEL_VOLUME",
+           "MIN_COMPUTE_CAPABILITY", "DeviceTraits", "device_traits", "check_device", "engine_of",
+           "weight_gradient_tiles", "weight_gradient_scratch_words"]
 
 SIMT_THREADS = 256  # sc::kSimtThreads
 WMMA_THREADS = 128  # sc::kWmmaThreads
 TILE_ROWS = 64  # sc::kTileRows: rows of a block's tile
 TILE_COLUMNS = 64  # sc::kTileCols
 TILE_ELEMENTS = TILE_ROWS * TILE_COLUMNS
-# The weight gradient splits each tile's rows so that about this many blocks run...
-SPLIT_TARGET_BLOCKS = 1024
-# ...each split at least this many row tiles long...
-SPLIT_MIN_ROW_TILES = 4
-# ...and its partials take at most 1 / SCRATCH_FRACTION of the output gradient's bytes.
-SCRATCH_FRACTION = 5
+MAX_KERNEL_VOLUME = 64 * 32  # sc::kMaxMaskWords mask words of 32 offsets
+# The oldest GPU the feature kernels are built for: sm_75 (Turing), the oldest CUDA 13 supports.
+MIN_COMPUTE_CAPABILITY = 75
 
 _REVERSED, _TRANSPOSED, _BIAS = 1, 2, 4  # sc_implicit_gemm's flags
 
 
-def engine_of(dtype_name: str, tf32: bool) -> tuple[str, int]:
-    """``(Math tag, threads per block)`` of the conv kernels for a storage dtype name."""
-    if dtype_name in ("float16", "bfloat16") or (dtype_name == "float32" and tf32):
+@dataclass(frozen=True)
+class DeviceTraits:
+    """What the launch wrappers need of the GPU: its multiprocessors and compute capability (75 for sm_75)."""
+
+    sm_count: int
+    compute_capability: int
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_traits(device_id: int) -> DeviceTraits:
+    import cupy
+
+    device = cupy.cuda.Device(device_id)
+    return DeviceTraits(int(device.attributes["MultiProcessorCount"]), int(device.compute_capability))
+
+
+def device_traits(xp: Any) -> DeviceTraits:
+    """The current CuPy device's traits (memoized per device), or an sm_90 with `tile_shapes.DEFAULT_SM_COUNT`
+    multiprocessors for any other array module (the emulation)."""
+    if getattr(xp, "__name__", "") == "cupy":
+        return _cupy_traits(int(xp.cuda.runtime.getDevice()))
+    return DeviceTraits(tile_shapes.DEFAULT_SM_COUNT, 90)
+
+
+def check_device(dtype_name: str, traits: DeviceTraits, volume: int, caller: str) -> None:
+    """Raises a clear error where the fused kernels cannot run a pass (checked before any launch).
+
+    Raises:
+        RuntimeError: a GPU older than sm_75 (the kernels' oldest target), naming the dtype and the GPU.
+        ValueError: a kernel of more than `MAX_KERNEL_VOLUME` offsets.
+    """
+    if traits.compute_capability < MIN_COMPUTE_CAPABILITY:
+        major, minor = divmod(traits.compute_capability, 10)
+        raise RuntimeError(
+            f"{caller}: the fused convolution kernels need a GPU of compute capability 7.5 (sm_75) or newer; "
+            f"this GPU is {major}.{minor}, so a {dtype_name} convolution cannot run on it: run on the CPU "
+            "(NumPy arrays) or on a newer GPU")
+    if volume > MAX_KERNEL_VOLUME:
+        raise ValueError(f"{caller}: a kernel of {volume} offsets exceeds the fused kernels' "
+                         f"{MAX_KERNEL_VOLUME}; use a smaller kernel_size")
+
+
+def engine_of(dtype_name: str, tf32: bool, reduce: int | None = None) -> tuple[str, int]:
+    """``(Math tag, threads per block)`` of the conv kernels for a storage dtype name.
+
+    Args:
+        dtype_name: the storage dtype's name.
+        tf32: float32 on TF32 tensor cores.
+        reduce: channels an ``sc_implicit_gemm`` pass reduces over; at most
+            `tile_shapes.NARROW_REDUCTION` of them run on SIMT for every dtype (not padded to the
+            tensor cores' k). None for ``sc_weight_gradient``.
+
+    The Wmma instantiations run 128 threads on every GPU (on sm_75, bfloat16 and TF32 compile to the
+    SIMT engine at 128 threads: `tile_shapes.engine_of`).
+    """
+    tensor = dtype_name in ("float16", "bfloat16") or (dtype_name == "float32" and tf32)
+    if tensor and not (reduce is not None and reduce <= tile_shapes.NARROW_REDUCTION):
         return "sc::Wmma", WMMA_THREADS
     return "sc::Simt", SIMT_THREADS
 
@@ -59,18 +116,13 @@ def weight_gradient_tiles(volume: int, groups: int, in_per_group: int, out_per_g
     return volume * groups * -(-in_per_group // TILE_ROWS) * -(-out_per_group // TILE_COLUMNS)
 
 
-def weight_gradient_splits(num_rows: int, tiles: int, partial_itemsize: int, budget_bytes: int) -> int:
-    """How many parts the weight gradient splits the rows of each tile into (from sizes only, so fixed).
-
-    Enough blocks to fill a GPU (`SPLIT_TARGET_BLOCKS`), each split at least
-    `SPLIT_MIN_ROW_TILES` row tiles, and the partials (``tiles * splits`` tiles
-    of ``partial_itemsize``-byte sums) within ``budget_bytes``.
-    """
-    row_tiles = -(-num_rows // TILE_ROWS)
-    wanted = -(-SPLIT_TARGET_BLOCKS // max(tiles, 1))
-    by_rows = row_tiles // SPLIT_MIN_ROW_TILES
-    by_memory = budget_bytes // max(tiles * TILE_ELEMENTS * partial_itemsize, 1)
-    return max(1, min(wanted, by_rows, by_memory))
+def weight_gradient_scratch_words(tiles: int, splits: int, volume: int, row_tiles: int, partial_itemsize: int) -> int:
+    """Elements (of the ``partial_itemsize``-byte accumulator) of ``sc_weight_gradient``'s zeroed scratch:
+    the partials (``splits > 1``), then 32-bit counters per tile, a flag and a count per offset and the
+    per-offset row-tile lists ``[K, row_tiles]``."""
+    partials = tiles * splits * TILE_ELEMENTS if splits > 1 else 0
+    words = tiles + 2 * volume + volume * row_tiles
+    return partials + -(-words * 4 // partial_itemsize)
 
 
 @dataclass(frozen=True)
@@ -158,7 +210,8 @@ class FusedPasses:
         out = xp.empty((rows, out_channels), dtype=features.dtype)
         flags = _BIAS if bias is not None else 0
         bias = self._ready(bias, features.dtype) if bias is not None else weight
-        math, threads = engine_of(dtype_name, self.tf32)
+        check_device(dtype_name, device_traits(xp), neighbour_map.kernel_volume, "conv_forward")
+        math, threads = engine_of(dtype_name, self.tf32, in_per_group)
         out_per_group = out_channels // groups
         items = -(-rows // TILE_ROWS) * groups * -(-out_per_group // TILE_COLUMNS)
         self._launch("sc_implicit_gemm", (dtype_name, math), items, threads,
@@ -177,8 +230,8 @@ class FusedPasses:
             weight: ``[C_out, *kernel_size, C_in // groups]``.
             neighbour_map: the layer's `NeighbourMap`.
             groups: channel groups.
-            splits: row splits of the weight gradient; by default `weight_gradient_splits`
-                (tests pass others: the result depends on it only through rounding).
+            splits: row splits of the weight gradient; by default `tile_shapes.weight_gradient_splits`
+                for the device (tests pass others: the result depends on it only through rounding).
 
         Returns:
             The gradients in the features' dtype (``grad_weight`` in the weight's layout; the
@@ -194,13 +247,16 @@ class FusedPasses:
         out_channels, in_per_group = int(weight.shape[0]), int(weight.shape[-1])
         out_per_group = out_channels // groups
         volume = neighbour_map.kernel_volume
+        traits = device_traits(xp)
+        check_device(dtype_name, traits, volume, "conv_backward")
         math, threads = engine_of(dtype_name, self.tf32)
         channels_known = in_per_group > 0 and out_per_group > 0
         input_side = _side(neighbour_map, "input")
         if channels_known and int(input_side.num_rows):
             grad_features = xp.empty(features.shape, dtype=dtype)
             items = -(-int(input_side.num_rows) // TILE_ROWS) * groups * -(-in_per_group // TILE_COLUMNS)
-            self._launch("sc_implicit_gemm", (dtype_name, math), items, threads,
+            gemm_math, gemm_threads = engine_of(dtype_name, self.tf32, out_per_group)
+            self._launch("sc_implicit_gemm", (dtype_name, gemm_math), items, gemm_threads,
                          (grad_output, weight, weight, input_side.neighbours, input_side.masks, input_side.order,
                           input_side.num_rows, input_side.volume, input_side.mask_words, np.int32(groups),
                           np.int32(in_per_group), np.int32(out_per_group),
@@ -213,17 +269,21 @@ class FusedPasses:
             return grad_features, xp.zeros(weight.shape, dtype=dtype)
         tiles = weight_gradient_tiles(volume, groups, in_per_group, out_per_group)
         partial = np.dtype(np.float64 if dtype_name == "float64" else np.float32)
+        row_tiles = -(-rows // TILE_ROWS)
         if splits is None:
-            splits = weight_gradient_splits(rows, tiles, partial.itemsize, grad_output.nbytes // SCRATCH_FRACTION)
+            shape = tile_shapes.weight_gradient_tile(in_per_group, out_per_group, dtype_name, self.tf32,
+                                                     traits.compute_capability)
+            splits = tile_shapes.weight_gradient_splits(row_tiles, tiles, partial.itemsize, int(grad_output.nbytes),
+                                                        shape.blocks_per_sm, traits.sm_count)
         splits = max(1, int(splits))
-        # partials, then one uint32 counter per tile; zeroed (the counters must start at 0)
-        scratch_size = tiles * splits * TILE_ELEMENTS + -(-tiles * 4 // partial.itemsize) if splits > 1 else 1
-        scratch = xp.zeros(scratch_size, dtype=partial)
+        # zeroed: the counters and flags must start at 0
+        scratch = xp.zeros(weight_gradient_scratch_words(tiles, splits, volume, row_tiles, partial.itemsize),
+                           dtype=partial)
         grad_weight = xp.empty(weight.shape, dtype=dtype)
         self._launch("sc_weight_gradient", (dtype_name, math), tiles * splits, threads,
-                     (features, grad_output, output_side.neighbours, output_side.order, output_side.num_rows,
-                      output_side.volume, np.int32(groups), np.int32(in_per_group), np.int32(out_per_group),
-                      np.int32(splits), scratch, grad_weight))
+                     (features, grad_output, output_side.neighbours, output_side.masks, output_side.order,
+                      output_side.num_rows, output_side.volume, output_side.mask_words, np.int32(groups),
+                      np.int32(in_per_group), np.int32(out_per_group), np.int32(splits), scratch, grad_weight))
         return grad_features, grad_weight
 
     def _pool_launch(self, name: str, dtype_name: str, rows: int, channels: int, args: tuple) -> None:

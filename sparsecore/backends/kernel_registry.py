@@ -120,6 +120,9 @@ _STORAGE_ONLY = tuple(storage for storage, _ in FLOAT_TYPES)
 # tensor cores (wmma) for float16, bfloat16 and, TF32, float32 (implicit_gemm.cu).
 _FEATURE_ENGINES = (("float", "sc::Simt"), ("double", "sc::Simt"), ("float", "sc::Wmma"), ("__half", "sc::Wmma"),
                     ("__nv_bfloat16", "sc::Wmma"))
+# ...and for sc_implicit_gemm, SIMT for the 16-bit types too: a pass reducing over a few channels (a first
+# layer's 3 inputs) runs there instead of padding them to the tensor cores' k (`_kernel_fused.engine_of`).
+_CONV_ENGINES = _FEATURE_ENGINES + (("__half", "sc::Simt"), ("__nv_bfloat16", "sc::Simt"))
 
 KERNEL_FILES: tuple[KernelFile, ...] = (
     KernelFile(
@@ -146,7 +149,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
     KernelFile(
         "implicit_gemm.cu",
         (
-            _per_type("sc_implicit_gemm", _FEATURE_ENGINES),
+            _per_type("sc_implicit_gemm", _CONV_ENGINES),
             _per_type("sc_weight_gradient", _FEATURE_ENGINES),
         ),
         tensor_cores=True,

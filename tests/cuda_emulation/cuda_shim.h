@@ -469,6 +469,42 @@ inline float __float_to_tf32(float value) {
 }  // namespace wmma
 }  // namespace nvcuda
 
+// ---- cp.async: __pipeline_memcpy_async / __pipeline_commit / __pipeline_wait_prior ----
+// (the names of CUDA's pipeline primitives). A copy reads its source when issued and
+// lands in shared memory only when a wait retires its group, so a kernel that reads
+// staged data before its wait sees the old contents, as a GPU may. Copies not yet
+// committed join the next commit; each thread keeps its own groups (a fresh thread per
+// kernel thread, so none carries over between launches).
+namespace sc_emu {
+struct PendingCopy {
+  void* destination;
+  unsigned long size;
+  unsigned char bytes[16];
+};
+inline thread_local std::vector<PendingCopy> open_copies;
+inline thread_local std::vector<std::vector<PendingCopy>> committed_copies;  // oldest first
+}  // namespace sc_emu
+
+// size 4, 8 or 16 bytes; the last `zfill` of them zeros (the source is not read there).
+inline void __pipeline_memcpy_async(void* destination, const void* source, unsigned long size,
+                                    unsigned long zfill = 0) {
+  sc_emu::PendingCopy copy{destination, size, {}};
+  if (size > zfill) std::memcpy(copy.bytes, source, size - zfill);
+  sc_emu::open_copies.push_back(copy);
+}
+inline void __pipeline_commit() {
+  sc_emu::committed_copies.push_back(std::move(sc_emu::open_copies));
+  sc_emu::open_copies.clear();
+}
+// Lands every committed group but the newest `prior` ones.
+inline void __pipeline_wait_prior(unsigned long prior) {
+  auto& groups = sc_emu::committed_copies;
+  while (groups.size() > prior) {
+    for (const sc_emu::PendingCopy& copy : groups.front()) std::memcpy(copy.destination, copy.bytes, copy.size);
+    groups.erase(groups.begin());
+  }
+}
+
 // ---- launching ----
 namespace sc_emu {
 

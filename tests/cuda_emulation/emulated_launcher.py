@@ -23,12 +23,18 @@ __all__ = ["EmulatedLauncher", "RecordingLauncher", "LaunchRecord"]
 
 @dataclass(frozen=True)
 class EmulatedLauncher:
-    """Launches a registered name expression on the CPU emulation of CUDA."""
+    """Launches a registered name expression on the CPU emulation of CUDA.
+
+    Attributes:
+        arch: compute capability whose code path the kernels take (e.g. 75), None for the default (sm_90).
+    """
+
+    arch: int | None = None
 
     def launch(self, expression: str, grid: int, block: int, args: tuple[Any, ...]) -> None:
         """Runs ``expression<<<grid, block>>>(*args)`` on C-contiguous NumPy arrays."""
         file = kernel_registry.file_of_kernel(expression.split("<", 1)[0].strip())
-        harness.load_module(file).get_function(expression)((grid,), (block,), args)
+        harness.load_module(file, self.arch).get_function(expression)((grid,), (block,), args)
 
 
 @dataclass(frozen=True)

@@ -120,18 +120,27 @@ class _BuildPlan:
     library: Path
     source: str
     wrapper: str
+    flags: tuple[str, ...] = COMPILE_FLAGS
 
 
-def _plan(file: str, compiler: str, source: str | None = None) -> _BuildPlan:
+def _plan(file: str, compiler: str, source: str | None = None, arch: int | None = None) -> _BuildPlan:
     source = kernel_registry.kernel_source(file) if source is None else source
+    flags = _flags(arch)
     wrapper = _wrapper_source(file)
     digest = hashlib.sha256()
-    for part in (source, wrapper, SHIM_HEADER.read_text(), GUARD_HEADER.read_text(), " ".join(COMPILE_FLAGS),
+    for part in (source, wrapper, SHIM_HEADER.read_text(), GUARD_HEADER.read_text(), " ".join(flags),
                  _compiler_version(compiler)):
         digest.update(part.encode())
         digest.update(b"\0")
-    library = _cache_dir() / f"{Path(file).stem}-{digest.hexdigest()[:20]}.so"
-    return _BuildPlan(file, library, source, wrapper)
+    suffix = "" if arch is None else f"-sm{arch}"
+    library = _cache_dir() / f"{Path(file).stem}{suffix}-{digest.hexdigest()[:20]}.so"
+    return _BuildPlan(file, library, source, wrapper, flags)
+
+
+def _flags(arch: int | None) -> tuple[str, ...]:
+    """g++ flags; ``arch`` (e.g. 75) compiles the kernels' code path for that compute capability
+    (``SC_EMULATED_ARCH``, as ``__CUDA_ARCH__`` would be), None the default (sm_90)."""
+    return COMPILE_FLAGS if arch is None else (*COMPILE_FLAGS, f"-DSC_EMULATED_ARCH={int(arch) * 10}")
 
 
 def build_libraries(files: Sequence[str]) -> dict[str, Path]:
@@ -173,7 +182,7 @@ def _build_missing(compiler: str, plans: Sequence[_BuildPlan]) -> None:
         (work_dir / plan.file).write_text(plan.source)
         (work_dir / "wrapper.cpp").write_text(plan.wrapper)
         output = work_dir / "library.so"
-        command = [compiler, *COMPILE_FLAGS, "-include", str(SHIM_HEADER), f"-I{work_dir}", f"-I{SHIM_DIR}",
+        command = [compiler, *plan.flags, "-include", str(SHIM_HEADER), f"-I{work_dir}", f"-I{SHIM_DIR}",
                    str(work_dir / "wrapper.cpp"), "-o", str(output)]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         running.append((plan, work_dir, output, process))
@@ -322,10 +331,20 @@ class EmulatedModule:
 
 
 @functools.lru_cache(maxsize=None)
-def load_module(file: str) -> EmulatedModule:
-    """The emulated module of a kernel file, built on first use."""
-    library = build_libraries([file])[file]
-    return EmulatedModule(file, library)
+def load_module(file: str, arch: int | None = None) -> EmulatedModule:
+    """The emulated module of a kernel file, built on first use; ``arch`` (e.g. 75) builds the code path of
+    that compute capability (`_flags`), None the default."""
+    if arch is None:
+        library = build_libraries([file])[file]
+        return EmulatedModule(file, library)
+    compiler = compiler_path()
+    if compiler is None:
+        raise RuntimeError("g++ not found: the CUDA emulation tests need a C++20 compiler")
+    plan = _plan(file, compiler, arch=arch)
+    if not plan.library.is_file():
+        with _build_lock():
+            _build_missing(compiler, [plan])
+    return EmulatedModule(file, plan.library)
 
 
 def load_module_from_source(file: str, source: str) -> EmulatedModule:
