@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error.name != "torch":
             raise
         print("error: the demo runs the PyTorch frontend, and PyTorch is not installed here; install it with "
-              "pip install 'sparsecore[torch]' (the core alone runs examples/voxelize_numpy.py)", file=sys.stderr)
+              "pip install 'sparsecore-conv[torch]' (the core alone runs examples/voxelize_numpy.py)", file=sys.stderr)
         return 2
 
     if args.threads:

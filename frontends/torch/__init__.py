@@ -27,7 +27,7 @@ except ModuleNotFoundError as _missing:
         raise
     raise ModuleNotFoundError(
         "sparsecore.torch is the PyTorch frontend and needs PyTorch, which is not installed here; install it "
-        "with pip install 'sparsecore[torch]' (or see https://pytorch.org for a CUDA build). The core, "
+        "with pip install 'sparsecore-conv[torch]' (or see https://pytorch.org for a CUDA build). The core, "
         "sparsecore, runs without it (NumPy arrays), and sparsecore.runtime runs exported models without it",
         name="torch") from None
 
