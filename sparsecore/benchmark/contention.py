@@ -231,7 +231,8 @@ def run_contention_command(arguments: argparse.Namespace) -> int:
             print(f"# {workload}: skipped ({error})")
     loads_before = os.getloadavg()
     print(f"# {len(indices)} sites of {scene.source}; {cores} cores; threading layer "
-          f"{sparsecore.threads.threading_layer()}; spinner {arguments.spinner}; load average before "
+          f"{sparsecore.threads.threading_layer()}; OpenMP waits: {sparsecore.threads.openmp_wait_policy()}; "
+          f"spinner {arguments.spinner}; load average before "
           + " ".join(f"{value:.2f}" for value in loads_before), flush=True)
     for threads in arguments.threads:  # warm-up: compiles every kernel at every thread count
         _set_threads(threads)
