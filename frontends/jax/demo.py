@@ -65,7 +65,7 @@ def build_params(key: Any, in_channels: int, num_classes: int = 3) -> tuple[dict
         params[name] = {"weight": init_conv(k, cin, cout, 3)["weight"], "norm": norm}
     bound = 1.0 / np.sqrt(16)
     params["head"] = {"weight": uniform_from_key(keys[-1], (16, num_classes), bound),
-                      "bias": jnp.zeros((num_classes,))}
+                      "bias": jax.device_put(np.zeros((num_classes,), np.float32))}
     return params, state
 
 

@@ -53,9 +53,9 @@ def init_conv(key: Any, in_channels: int, out_channels: int, kernel_size: int | 
     fan_in = shape[-1] * math.prod(shape[1:-1])
     bound = 1.0 / math.sqrt(fan_in)
     generator = _generator(key)
-    params = {"weight": jnp.asarray(generator.uniform(-bound, bound, shape), dtype=dtype)}
+    params = {"weight": _on_device(generator.uniform(-bound, bound, shape), dtype)}
     if bias:
-        params["bias"] = jnp.asarray(generator.uniform(-bound, bound, (out_channels,)), dtype=dtype)
+        params["bias"] = _on_device(generator.uniform(-bound, bound, (out_channels,)), dtype)
     return params
 
 
@@ -74,7 +74,12 @@ def uniform_from_key(key: Any, shape: Sequence[int], bound: float, dtype: Any = 
     Returns:
         A ``jnp`` array of ``shape`` and ``dtype``.
     """
-    return jnp.asarray(_generator(key).uniform(-bound, bound, tuple(shape)), dtype=dtype)
+    return _on_device(_generator(key).uniform(-bound, bound, tuple(shape)), dtype)
+
+
+def _on_device(values: np.ndarray, dtype: Any) -> Any:
+    # cast on the host and transfer: a cast on the device, or jnp.asarray (a jitted copy), compiles per shape
+    return jax.device_put(values.astype(np.dtype(dtype)))
 
 
 def _generator(key: Any) -> np.random.Generator:
