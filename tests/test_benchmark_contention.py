@@ -60,12 +60,16 @@ def test_table_divides_by_the_quiet_median() -> None:
     assert "| torch step | 2 | 2 | 250.0 | 300 200 250 | 2.27x | 2.00x | 1.14 |" in table, table
 
 
-def test_bad_options_are_usage_errors() -> None:
+def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture) -> None:
+    from sparsecore.benchmark.cli import build_parser
+
     for argv in (["contention", "--busy", "1,-2"], ["contention", "--workload", "nothing"],
                  ["contention", "--threads", "two"]):
-        completed = subprocess.run([sys.executable, "-m", "sparsecore.benchmark", *argv], capture_output=True,
-                                   text=True, timeout=120)
-        assert completed.returncode == 2 and "error: argument" in completed.stderr, completed.stderr
+        with pytest.raises(SystemExit) as raised:
+            build_parser().parse_args(argv)
+        assert raised.value.code == 2 and "error: argument" in capsys.readouterr().err
+    arguments = build_parser().parse_args(["contention"])
+    assert arguments.busy == (0, 1, 2, 4) and arguments.threads == (1, 2) and arguments.workload == contention.WORKLOADS
 
 
 @pytest.mark.slow
