@@ -156,6 +156,18 @@ def load_scan(crop: int | None) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]
     return np.ascontiguousarray(features), np.ascontiguousarray(indices), spatial_shape
 
 
+def require(module: str, why: str) -> None:
+    """Stops with what to install when ``module`` does not import (instead of a bare ModuleNotFoundError)."""
+    try:
+        __import__(module)
+    except ModuleNotFoundError as missing:
+        if missing.name != module:
+            raise
+        raise SystemExit(f"error: examples/deploy_onnx.py {why} and needs {module}, which is not installed here: "
+                         "pip install 'sparsecore-conv[torch,onnx]' (the runtime side alone needs only "
+                         "'sparsecore-conv[onnx]')") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -165,10 +177,12 @@ def main() -> None:
     parser.add_argument("--output-dir", help="keep the ONNX files here (None: a temporary folder)")
     parser.add_argument("--runtime-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    require("onnx", "reads and writes ONNX files")
     if args.runtime_worker:
         run_runtime(Path(args.runtime_worker), args.repeat)
         return
 
+    require("torch", "builds the models it exports with sparsecore.torch")
     import torch
 
     import sparsecore.torch as spconv

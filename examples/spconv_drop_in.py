@@ -29,8 +29,16 @@ import time
 from functools import partial
 
 import numpy as np
-import torch
-from torch import nn
+
+try:
+    import torch
+    from torch import nn
+except ModuleNotFoundError as missing:
+    if missing.name != "torch":
+        raise
+    raise SystemExit("error: examples/spconv_drop_in.py runs a spconv model under sparsecore.torch and needs PyTorch, "
+                     "which is not installed here: pip install 'sparsecore-conv[torch]' (or see https://pytorch.org "
+                     "for a CUDA build); examples/voxelize_numpy.py runs on the core alone") from None
 
 import sparsecore as sc
 import sparsecore.torch

@@ -6,6 +6,7 @@ geometry (keys, hash tables, rulebooks) kept apart from the differentiable
 feature passes (gather-GEMM-scatter, pooling).
 """
 
+from . import threads as _threads  # first: it sets OpenMP's wait policy before a runtime loads
 from . import _dispatch
 from .capacity import (
     BoundCapacity,

@@ -326,15 +326,26 @@ def _jax_demo(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 when the check passed)."""
-    parser = argparse.ArgumentParser(prog="python -m sparsecore.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--points", metavar="FILE.npz", help="a real scan: .npz with points [P, 3+]")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--frontend", default="torch", choices=("torch", "jax"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser = argparse.ArgumentParser(prog="python -m sparsecore.demo", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, add_help=False)
+    parser.add_argument("-h", "--help", action="store_true", default=argparse.SUPPRESS,
+                        help="show this help and exit (with --frontend jax: the JAX demo's help)")
+    parser.add_argument("--points", metavar="FILE.npz",
+                        help="a real scan: .npz with points [P, 3+] (x y z first, metres); None: a synthetic "
+                        "64-beam scan, no download")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU; needs CuPy and a CUDA torch)")
+    parser.add_argument("--frontend", default="torch", choices=("torch", "jax"),
+                        help="torch: sparsecore.torch; jax: the same demo through sparsecore.jax (its own "
+                        "options, e.g. --impl, are passed on: python -m sparsecore.demo --frontend jax --help)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic scan and the weights")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (torch.set_num_threads); None: torch's default")
     args, unknown = parser.parse_known_args(argv)
-    if args.frontend == "jax":  # the JAX demo's own options (e.g. --impl) go to its parser
+    if args.frontend == "jax":  # the JAX demo's own options (e.g. --impl, --help) go to its parser
         return _jax_demo(argv)
+    if getattr(args, "help", False):
+        parser.print_help()
+        return 0
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
@@ -343,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error.name != "torch":
             raise
         print("error: the demo runs the PyTorch frontend, and PyTorch is not installed here; install it with "
-              "pip install 'sparsecore[torch]' (the core alone runs examples/voxelize_numpy.py)", file=sys.stderr)
+              "pip install 'sparsecore-conv[torch]' (the core alone runs examples/voxelize_numpy.py)", file=sys.stderr)
         return 2
 
     if args.threads:

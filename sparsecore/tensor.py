@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from ._dispatch import array_library, check_same_device, from_core_array
+from ._dispatch import array_library, check_same_device, device_of, from_core_array
 from ._kernel_builds import check_sites
 from .capacity import as_capacity_policy, check_capacity
 from .interop import as_batch_size, as_features, as_indices, as_spatial_shape
@@ -133,6 +133,15 @@ class SparseTensor:
         object.__setattr__(self, "_checked", False)
         self.__post_init__()
 
+    def __repr__(self) -> str:
+        """One short line: sizes, dtypes, library, device and cached rulebooks; never the arrays' values."""
+        library = type(self.features).__module__.split(".")[0]
+        return (f"SparseTensor(active_sites={self.num_active}, channels={self.num_channels}, "
+                f"features={_shape_text(self.features)} {self.core_features.dtype}, "
+                f"indices={_shape_text(self.indices)} {self.core_indices.dtype}, spatial_shape={self.spatial_shape}, "
+                f"batch_size={self.batch_size}, library={library}, device={device_of(self.core_features)}, "
+                f"cached_rulebooks={len(self.rulebooks.keys())})")
+
     @property
     def ndim(self) -> int:
         """Number of spatial axes ``D``."""
@@ -207,3 +216,7 @@ class SparseTensor:
         features, indices = from_core_array(features, like=dense), from_core_array(indices, like=dense)
         shape = dense.shape[2:] if channels_first else dense.shape[1:-1]
         return cls(features, indices, tuple(shape), int(dense.shape[0]), _checked=True)
+
+
+def _shape_text(array: Any) -> str:
+    return "[" + ", ".join(str(int(size)) for size in array.shape) + "]"

@@ -66,5 +66,9 @@ def test_the_notice_names_the_cache_folder_or_says_there_is_none() -> None:
             _cache_path = "/some/folder"
 
     assert notice(cache_folder(Cached())).endswith("cached in /some/folder)")
+    # the measured first compile, not a bare "seconds"
+    from sparsecore._compile_notice import FIRST_COMPILE_CPU_SECONDS
+
+    assert f"about {FIRST_COMPILE_CPU_SECONDS} s of CPU time" in notice("/x") and 5 <= FIRST_COMPILE_CPU_SECONDS <= 120
     assert "\n" not in notice(cache_folder(object()))
     assert "nowhere" in cache_folder(object())

@@ -251,3 +251,21 @@ def test_every_option_of_an_example_shows_its_default(name: str) -> None:
     assert options, text
     missing = [line for line in options if not line.startswith("-h,") and "(default:" not in line]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("name", ["spconv_drop_in", "deploy_onnx"])
+def test_an_example_without_torch_says_what_to_install(name: str, tmp_path: Path) -> None:
+    # torch blocked in the child (sys.modules['torch'] = None makes `import torch` fail as if it were absent)
+    _needs("onnx") if name == "deploy_onnx" else None
+    path = str(EXAMPLES / f"{name}.py")
+    code = ("import runpy, sys\n"
+            "sys.modules['torch'] = None\n"
+            f"sys.argv = [{path!r}]\n"
+            f"runpy.run_path({path!r}, run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_environment(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "ModuleNotFoundError" not in result.stderr, result.stderr
+    message = result.stderr.strip()
+    assert message.startswith("error: ") and "pip install 'sparsecore-conv[torch" in message, message
+    assert "torch" not in result.stdout

@@ -94,7 +94,7 @@ def test_import_sparsecore_torch_without_torch_names_the_extra() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     message = completed.stdout.split("MESSAGE:", 1)[1]
-    assert "pip install 'sparsecore[torch]'" in message and "PyTorch" in message, message
+    assert "pip install 'sparsecore-conv[torch]'" in message and "PyTorch" in message, message
 
 
 def test_the_demo_without_torch_names_the_extra_in_one_line() -> None:
@@ -107,7 +107,7 @@ def test_the_demo_without_torch_names_the_extra_in_one_line() -> None:
     assert completed.returncode == 2, completed.stderr
     message = completed.stderr.strip()
     assert "Traceback" not in message and message.count("\n") == 0, message
-    assert message.startswith("error: ") and "pip install 'sparsecore[torch]'" in message, message
+    assert message.startswith("error: ") and "pip install 'sparsecore-conv[torch]'" in message, message
 
 
 def test_import_sparsecore_jax_without_jax_names_the_extra() -> None:
@@ -123,7 +123,7 @@ def test_import_sparsecore_jax_without_jax_names_the_extra() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     message = completed.stdout.split("MESSAGE:", 1)[1]
-    assert "pip install 'sparsecore[jax]'" in message and "JAX" in message, message
+    assert "pip install 'sparsecore-conv[jax]'" in message and "JAX" in message, message
 
 
 def test_the_jax_demo_without_jax_names_the_extra_in_one_line() -> None:
@@ -139,7 +139,7 @@ def test_the_jax_demo_without_jax_names_the_extra_in_one_line() -> None:
     assert completed.returncode == 2, completed.stderr
     message = completed.stderr.strip()
     assert "Traceback" not in message and message.count("\n") == 0, message
-    assert message.startswith("error: ") and "pip install 'sparsecore[jax]'" in message, message
+    assert message.startswith("error: ") and "pip install 'sparsecore-conv[jax]'" in message, message
 
 
 def test_without_torch_the_core_still_convolves() -> None:

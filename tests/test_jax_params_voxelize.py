@@ -29,6 +29,32 @@ def test_init_conv_is_spconv_kaiming_uniform():
         sj.conv_weight_shape(8, 4, (3, 3), ndim=3)
 
 
+def test_init_conv_is_reproducible_from_the_key_and_compiles_nothing():
+    import jax.monitoring
+
+    raw, typed = jax.random.PRNGKey(5), jax.random.key(5)  # made (and compiled) before listening
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kwargs: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    shapes = ((3, 8), (8, 16), (16, 24), (24, 40))
+    first = [sj.init_conv(raw, cin, cout, 3, bias=True) for cin, cout in shapes]
+    again = [sj.init_conv(raw, cin, cout, 3, bias=True) for cin, cout in shapes]
+    other = sj.init_conv(jax.random.PRNGKey(6), 3, 8, 3)  # a new key, made inside the window: its own compile
+    compiles_for_keys = len(compiles)
+    norm, stats = sj.init_batch_norm(24)
+    halves = sj.init_conv(typed, 8, 16, 3, dtype=jnp.bfloat16)
+    assert len(compiles) == compiles_for_keys, "init_conv / init_batch_norm compiled an XLA computation"
+    for made, remade in zip(first, again):  # same key, same values
+        assert np.array_equal(np.asarray(made["weight"]), np.asarray(remade["weight"]))
+        assert np.array_equal(np.asarray(made["bias"]), np.asarray(remade["bias"]))
+    assert not np.array_equal(np.asarray(other["weight"]), np.asarray(first[0]["weight"]))
+    assert halves["weight"].dtype == jnp.bfloat16 and halves["weight"].shape == (16, 3, 3, 3, 8)
+    assert np.array_equal(np.asarray(norm["weight"]), np.ones(24)) and np.array_equal(np.asarray(stats["running_mean"]),
+                                                                                       np.zeros(24))
+    with pytest.raises(ValueError, match="one jax.random key"):
+        sj.init_conv(jax.random.split(raw, 3), 3, 8, 3)
+
+
 def test_params_from_state_dict():
     torch = pytest.importorskip("torch")
     state = {"net.0.weight": torch.ones(2, 3, 3, 3, 1), "net.0.bias": np.zeros(2, np.float32), "head.weight": [1.0]}

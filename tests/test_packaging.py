@@ -48,7 +48,7 @@ def wheel_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=300,
     )
     assert completed.returncode == 0, f"wheel build failed:\n{completed.stdout}\n{completed.stderr}"
-    wheels = sorted(output.glob("sparsecore-*.whl"))
+    wheels = sorted(output.glob("sparsecore_conv-*.whl"))
     assert len(wheels) == 1, f"expected one wheel, found {wheels}"
     return wheels[0]
 

@@ -98,3 +98,22 @@ def test_numpy_tensors_are_unchanged():
     assert x.features is x.core_features and x.indices is x.core_indices
     y = sc.sparse_conv(x, weight, kind="subm")
     assert isinstance(y.features, np.ndarray) and y.indices is x.indices
+
+
+def test_repr_is_one_short_line_without_the_arrays() -> None:
+    rng = np.random.default_rng(11)
+    sites = rng.choice(20 * 20 * 20, size=500, replace=False)
+    coords = np.stack(np.unravel_index(sites, (20, 20, 20)), axis=1)
+    indices = np.concatenate([rng.integers(0, 2, (500, 1)), coords], axis=1).astype(np.int32)
+    features = rng.standard_normal((500, 7)).astype(np.float32)
+    tensor = sc.SparseTensor(features, indices, (20, 20, 20), 2)
+    text = repr(tensor)
+    assert "\n" not in text and len(text) < 300, text
+    for expected in ("active_sites=500", "channels=7", "features=[500, 7] float32", "indices=[500, 4] int32",
+                     "spatial_shape=(20, 20, 20)", "batch_size=2", "library=numpy", "device=cpu",
+                     "cached_rulebooks=0"):
+        assert expected in text, (expected, text)
+    assert f"{features[0, 0]:.4f}"[:6] not in text and "array(" not in text
+    assert str(tensor) == text
+    empty = sc.SparseTensor(np.zeros((0, 3), np.float64), np.zeros((0, 4), np.int32), (4, 4, 4), 1)
+    assert "active_sites=0" in repr(empty) and "float64" in repr(empty)

@@ -356,3 +356,33 @@ def test_caller_torch_thread_setting_survives_the_compiled_kernels():
     assert completed.returncode == 0, completed.stderr
     line = [entry for entry in completed.stdout.splitlines() if entry.startswith("TORCH_THREADS")]
     assert line == ["TORCH_THREADS 1"], completed.stdout
+
+
+_WAIT_POLICY_SCRIPT = """
+import ctypes, os, sys
+if sys.argv[1] == "runtime-first":
+    ctypes.CDLL("libgomp.so.1")  # as `import torch` would, before sparsecore
+import sparsecore.threads as threads
+print(os.environ.get("OMP_WAIT_POLICY", "unset"))
+print(threads.openmp_wait_policy())
+"""
+
+
+@pytest.mark.parametrize("case", ["fresh", "user-active", "runtime-first"])
+def test_openmp_waits_are_passive_unless_chosen_or_too_late(case: str) -> None:
+    environment = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                                                 "KMP_BLOCKTIME")}
+    if case == "user-active":
+        environment["OMP_WAIT_POLICY"] = "ACTIVE"
+    completed = subprocess.run([sys.executable, "-c", _WAIT_POLICY_SCRIPT, case], capture_output=True, text=True,
+                               env=environment, timeout=120)
+    if completed.returncode != 0 and "libgomp" in completed.stderr:
+        pytest.skip("no libgomp.so.1 to load here")
+    assert completed.returncode == 0, completed.stderr
+    policy, decision = completed.stdout.splitlines()
+    if case == "fresh":  # no runtime loaded, nothing chosen: sparsecore asks for sleeping waits
+        assert policy == "PASSIVE" and decision.startswith("PASSIVE (set by sparsecore"), decision
+    elif case == "user-active":  # the user's choice stands
+        assert policy == "ACTIVE" and "as set in the environment (OMP_WAIT_POLICY=ACTIVE)" in decision
+    else:  # a runtime already read its settings: nothing is changed, and the decision says why
+        assert policy == "unset" and "loaded before sparsecore" in decision and "OMP_WAIT_POLICY=PASSIVE" in decision

@@ -33,7 +33,7 @@ except ModuleNotFoundError as _missing:
         raise
     raise ModuleNotFoundError(
         "sparsecore.jax is the JAX frontend and needs JAX, which is not installed here; install it with "
-        "pip install 'sparsecore[jax]' (or see https://docs.jax.dev for a GPU build). The core, sparsecore, "
+        "pip install 'sparsecore-conv[jax]' (or see https://docs.jax.dev for a GPU build). The core, sparsecore, "
         "runs without it (NumPy arrays)", name="jax") from None
 
 from .buckets import Buckets, CapacityError, CapacityPolicy, Fixed

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .primitives import compute_dtype
 from .tensor import SparseTensor
@@ -41,8 +42,10 @@ def init_batch_norm(num_features: int, *, dtype: Any = jnp.float32) -> tuple[dic
     """
     if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
         raise ValueError(f"num_features must be a positive int (the channels), got {num_features!r}")
-    params = {"weight": jnp.ones((num_features,), dtype), "bias": jnp.zeros((num_features,), dtype)}
-    state = {"running_mean": jnp.zeros((num_features,), dtype), "running_var": jnp.ones((num_features,), dtype)}
+    # made on the host and transferred: jnp.ones / jnp.zeros compile once per shape
+    ones, zeros = np.ones((num_features,), np.dtype(dtype)), np.zeros((num_features,), np.dtype(dtype))
+    params = {"weight": jax.device_put(ones), "bias": jax.device_put(zeros)}
+    state = {"running_mean": jax.device_put(zeros), "running_var": jax.device_put(ones)}
     return params, state
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["init_conv", "conv_weight_shape", "params_from_state_dict", "spconv_1x1_weight"]
+__all__ = ["init_conv", "uniform_from_key", "conv_weight_shape", "params_from_state_dict", "spconv_1x1_weight"]
 
 
 def conv_weight_shape(in_channels: int, out_channels: int, kernel_size: int | Sequence[int], ndim: int = 3,
@@ -38,8 +38,13 @@ def init_conv(key: Any, in_channels: int, out_channels: int, kernel_size: int | 
               groups: int = 1, bias: bool = False, dtype: Any = jnp.float32) -> dict[str, Any]:
     """``{"weight": [out, *k, in // groups]}`` (and ``"bias": [out]`` when ``bias``), spconv's init.
 
+    The values are drawn on the host with NumPy from a generator seeded by the
+    key's bits (`uniform_from_key`): the same key gives the same weights, and no
+    XLA computation is compiled per weight shape (``jax.random.uniform`` compiled
+    one per shape, 1-4 s each on a CPU).
+
     Args:
-        key: a ``jax.random`` key.
+        key: a ``jax.random`` key (raw ``uint32`` or typed).
         in_channels, out_channels, kernel_size, ndim, groups: the layer's shape.
         bias: whether to include a bias.
         dtype: parameter dtype.
@@ -47,11 +52,45 @@ def init_conv(key: Any, in_channels: int, out_channels: int, kernel_size: int | 
     shape = conv_weight_shape(in_channels, out_channels, kernel_size, ndim, groups)
     fan_in = shape[-1] * math.prod(shape[1:-1])
     bound = 1.0 / math.sqrt(fan_in)
-    weight_key, bias_key = jax.random.split(key)
-    params = {"weight": jax.random.uniform(weight_key, shape, dtype, -bound, bound)}
+    generator = _generator(key)
+    params = {"weight": _on_device(generator.uniform(-bound, bound, shape), dtype)}
     if bias:
-        params["bias"] = jax.random.uniform(bias_key, (out_channels,), dtype, -bound, bound)
+        params["bias"] = _on_device(generator.uniform(-bound, bound, (out_channels,)), dtype)
     return params
+
+
+def uniform_from_key(key: Any, shape: Sequence[int], bound: float, dtype: Any = jnp.float32) -> Any:
+    """``U(-bound, bound)`` of ``shape`` drawn with NumPy from a generator seeded by ``key``'s bits.
+
+    Reproducible from the key, and nothing is compiled (unlike ``jax.random.uniform``, one
+    XLA compile per shape).
+
+    Args:
+        key: a ``jax.random`` key (raw ``uint32`` or typed).
+        shape: the array's shape.
+        bound: the half-width of the interval.
+        dtype: the result's dtype.
+
+    Returns:
+        A ``jnp`` array of ``shape`` and ``dtype``.
+    """
+    return _on_device(_generator(key).uniform(-bound, bound, tuple(shape)), dtype)
+
+
+def _on_device(values: np.ndarray, dtype: Any) -> Any:
+    # cast on the host and transfer: a cast on the device, or jnp.asarray (a jitted copy), compiles per shape
+    return jax.device_put(values.astype(np.dtype(dtype)))
+
+
+def _generator(key: Any) -> np.random.Generator:
+    """A NumPy generator seeded by all the bits of one ``jax.random`` key."""
+    if jnp.issubdtype(getattr(key, "dtype", np.uint32), jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    words = np.asarray(key)
+    if words.dtype != np.uint32 or words.ndim != 1 or words.size < 1:
+        raise ValueError(f"key must be one jax.random key (e.g. jax.random.PRNGKey(0): uint32 [2]), got "
+                         f"{words.dtype} {words.shape}; split a batch of keys first")
+    return np.random.default_rng([int(word) for word in words])
 
 
 def _as_array(value: Any) -> Any:

@@ -27,7 +27,7 @@ except ModuleNotFoundError as _missing:
         raise
     raise ModuleNotFoundError(
         "sparsecore.torch is the PyTorch frontend and needs PyTorch, which is not installed here; install it "
-        "with pip install 'sparsecore[torch]' (or see https://pytorch.org for a CUDA build). The core, "
+        "with pip install 'sparsecore-conv[torch]' (or see https://pytorch.org for a CUDA build). The core, "
         "sparsecore, runs without it (NumPy arrays), and sparsecore.runtime runs exported models without it",
         name="torch") from None
 
@@ -84,6 +84,7 @@ from .tensor import IndiceData, SparseConvTensor
 from .onnx_export import ExportError, export_onnx  # noqa: E402  (deployment: docs/deployment.md)
 from .program_loading import load_program  # noqa: E402  (a .pt2 made elsewhere, loaded safely)
 from . import pytree  # noqa: E402,F401  (SparseConvTensor as a torch pytree node)
+from .spconv_alias import install_as_spconv  # noqa: E402  (sparsecore as the `spconv` existing code imports)
 
 __all__ = [
     "AddTable", "AddTableMisaligned", "AlgoHint", "ConcatTable", "ConvAlgo", "HashTable", "Identity",
@@ -99,4 +100,6 @@ __all__ = [
     "utils",
     # sparsecore's additions (not in spconv.pytorch): deployment (docs/deployment.md)
     "ExportError", "export_onnx", "load_program",
+    # and the one call that makes existing `import spconv` code run on sparsecore (docs/migrating_from_spconv.md)
+    "install_as_spconv",
 ]

@@ -250,14 +250,14 @@ def export_onnx(model: nn.Module, example_input: Any, path: Union[str, os.PathLi
             data-dependent control flow), a model in training mode, or an empty example; with
             ``precision="int8"``, a model that is not converted, or a tensor the format would
             need two precisions or two scales for; raised before anything is written.
-        ImportError: the ``onnx`` package is missing (``pip install 'sparsecore[onnx]'``).
+        ImportError: the ``onnx`` package is missing (``pip install 'sparsecore-conv[onnx]'``).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     try:
         import onnx
     except ImportError:
-        raise ImportError("export_onnx writes ONNX with the 'onnx' package: pip install 'sparsecore[onnx]'") from None
+        raise ImportError("export_onnx writes ONNX with the 'onnx' package: pip install 'sparsecore-conv[onnx]'") from None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if precision == "int8":

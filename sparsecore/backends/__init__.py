@@ -39,7 +39,7 @@ def backend_for(array: Any) -> ArrayBackend:
             raise RuntimeError(
                 "the input arrays live on a CUDA GPU, but the sparsecore GPU backend "
                 f"could not be loaded ({error}). Install the CUDA extra "
-                "(pip install 'sparsecore[cuda13]' or '[cuda12]'), or pass NumPy arrays "
+                "(pip install 'sparsecore-conv[cuda13]' or 'sparsecore-conv[cuda12]'), or pass NumPy arrays "
                 "to run on the CPU."
             ) from error
         return CUPY_BACKEND

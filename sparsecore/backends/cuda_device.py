@@ -44,7 +44,7 @@ def require_cuda(request: str = "a GPU computation", cpu_advice: str = CPU_ADVIC
     except ImportError as error:
         raise CudaUnavailableError(
             f"{request} needs CuPy, which does not import here ({error}). Install the CUDA extra "
-            f"(pip install 'sparsecore[cuda13]' or '[cuda12]') on a machine with an NVIDIA GPU. {cpu_advice}"
+            f"(pip install 'sparsecore-conv[cuda13]' or 'sparsecore-conv[cuda12]') on a machine with an NVIDIA GPU. {cpu_advice}"
         ) from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()

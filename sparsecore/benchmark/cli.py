@@ -1,11 +1,13 @@
-"""Command line of the benchmark: ``python -m sparsecore.benchmark {cpu,network,gpu,int8} [options]``.
+"""Command line of the benchmark: ``python -m sparsecore.benchmark {cpu,network,gpu,int8,contention} [options]``.
 
 ``cpu`` times single layers on the NumPy engine; ``network`` times spconv's
 reference network (``--device cpu`` or ``cuda``); ``gpu`` is ``network
 --device cuda`` on both reference scenes in float32, float16 and TF32, with the
 peak memory of one layer; ``int8`` compares int8 and float sparse convolution on one layer
 (`sparsecore.benchmark.int8`); ``targets`` judges a ``gpu`` run's JSON against
-issue 28's device targets (`sparsecore.benchmark.device_targets`).
+issue 28's device targets (`sparsecore.benchmark.device_targets`); ``contention``
+times a training step and the core network beside busy processes
+(`sparsecore.benchmark.contention`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from typing import Any, Sequence
 
 from sparsecore.benchmark import int8 as int8_suite, scenes
+from sparsecore.benchmark import contention as contention_suite
 from sparsecore.benchmark import runtime as runtime_suite
 from sparsecore.benchmark.thread_control import sparsecore_threads, thread_limit
 
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     targets.add_argument("json", nargs="+", metavar="JSON", help="benchmark JSON files (their rows are merged)")
     runtime_suite.add_parser(suites)
+    contention_suite.add_parser(suites)
     return parser
 
 
@@ -202,6 +206,8 @@ def main(argv: Sequence[str] | None = None, allow_reexec: bool = False) -> int:
         return int8_suite.run_int8_command(arguments)
     if arguments.suite == "runtime":
         return runtime_suite.run_runtime_command(arguments)
+    if arguments.suite == "contention":
+        return contention_suite.run_contention_command(arguments)
     if arguments.suite in ("network", "gpu"):
         from sparsecore.benchmark.network_command import run_network_command
 

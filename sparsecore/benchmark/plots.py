@@ -70,7 +70,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise SystemExit("error: --plot needs matplotlib (pip install 'sparsecore[dev]')") from error
+        raise SystemExit("error: --plot needs matplotlib (pip install 'sparsecore-conv[dev]')") from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
 

@@ -13,7 +13,7 @@ CuPy (GPU) arrays; each layer runs through the core's public functions
 int8 files (``export_onnx(..., precision="int8")`` or NVIDIA's int8
 export) run their int8 nodes through `sparsecore.int8` with the file's
 dynamic ranges (`sparsecore.runtime.quantized`). Reading the file needs the ``onnx`` package (``pip install
-'sparsecore[onnx]'``); torch and jax are never imported.
+'sparsecore-conv[onnx]'``); torch and jax are never imported.
 
 A model file is input from elsewhere: `load` validates it whole before the
 first run (`sparsecore.runtime.checks`, `sparsecore.runtime.int8_checks`),

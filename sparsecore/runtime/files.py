@@ -32,7 +32,7 @@ def _onnx() -> Any:
     except ImportError:
         raise ImportError(
             "sparsecore.runtime reads ONNX files with the 'onnx' package; install it with "
-            "pip install 'sparsecore[onnx]' (or pip install onnx)"
+            "pip install 'sparsecore-conv[onnx]' (or pip install onnx)"
         ) from None
     return onnx
 
