@@ -25,23 +25,22 @@ CuPy is touched only when CuPy arrays arrive.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from .._dispatch import array_module, device_of, to_core_array
+from .._dispatch import array_module, to_core_array
 from ..functional import sparse_conv
-from ..memory_budget import MemoryBudgetError, budget, check_bytes, parse_budget
+from ..memory_budget import MemoryBudgetError, budget, parse_budget
 from ..tensor import SparseTensor
 from ..threads import serialised_kernels
 from .capture import CapturedRuns
 from .nodes import (AddNode, ConvNode, Graph, GraphError, NonFiniteError, ReluNode, ReshapeNode, ScatterDenseNode,
                     TransposeNode)
-from .quantized import (Int8Value, computes_int8, int8_add, int8_conv, int8_parameters, residual_fusions,
+from .quantized import (Int8Value, computes_int8, int8_add, int8_conv, residual_fusions,
                         tensor_scales)
+from .weight_cache import WeightCache
 
 __all__ = ["Session", "RuntimeOutput", "DTYPES"]
 
@@ -115,12 +114,7 @@ class Session:
         self._scales = tensor_scales(graph)
         self._fusions = residual_fusions(graph)  # int8 conv -> Add -> Relu run as one int8 pass
         self.dtype = np.dtype(dtype)
-        # weights converted to this session's dtype, per device: (node id, device) -> (weight, bias), the arrays
-        # themselves converted once per initializer, (array id, device) -> array, their bytes counted
-        self._weights: dict[tuple[int, str], Any] = {}
-        self._arrays: dict[tuple[int, str], Any] = {}
-        self._cached_bytes = 0
-        self._cache_lock = threading.Lock()
+        self._weights = WeightCache(self.dtype, self.memory_budget)  # converted once, counted by the budget
         self._released = self._released_after()  # per node position, the values no later node reads
         if self.dtype == np.float16:
             self._check_float16_weights()
@@ -138,49 +132,7 @@ class Session:
                                      "dtype='float32'")
 
     def _parameters(self, node: ConvNode, like: Any) -> Any:
-        device = device_of(like)
-        key = (id(node), device)  # by the node itself: names need not be set
-        cached = self._weights.get(key)
-        if cached is None:
-            with self._cache_lock:  # threads sharing the session convert and count each array once
-                cached = self._weights.get(key)
-                if cached is None:
-                    cached = self._convert(node, like, device)
-                    self._weights[key] = cached
-        return cached
-
-    def _convert(self, node: ConvNode, like: Any, device: str) -> Any:
-        xp = array_module(like)
-        if computes_int8(node):  # quantized with the node's own ranges: one per node
-            parameters = int8_parameters(node, xp)
-            arrays = [getattr(parameters, field.name) for field in dataclasses.fields(parameters)]
-            self._count_cache(node, sum(int(getattr(array, "nbytes", 0)) for array in arrays), like)
-            return parameters
-        return (self._converted(node, node.weight, xp, device, like),
-                self._converted(node, node.bias, xp, device, like))
-
-    def _converted(self, node: ConvNode, array: np.ndarray, xp: Any, device: str, like: Any) -> Any:
-        """``array`` in the session's dtype on ``device``, converted once for every node that reads it (a weight
-        shared by several nodes is one initializer, one array) and counted against the memory budget."""
-        key = (id(array), device)
-        converted = self._arrays.get(key)
-        if converted is None:
-            converted = xp.asarray(array.astype(self.dtype, copy=False))
-            if converted is not array:  # a copy (another dtype, another device): the session holds its bytes
-                self._count_cache(node, int(converted.nbytes), like)
-            self._arrays[key] = converted
-        return converted
-
-    def _count_cache(self, node: ConvNode, nbytes: int, like: Any) -> None:
-        """Holds the session's converted weights, all of them together, to the memory budget."""
-        total = self._cached_bytes + nbytes
-        chosen = budget(self.memory_budget) if self.memory_budget is not None else contextlib.nullcontext()
-        with chosen:
-            check_bytes(total, f"node {node.name!r} (SparseConvolution): keeping the session's converted weights "
-                        f"({total} bytes, {len(self._arrays) + 1} arrays)", "Run the model in its stored dtype "
-                        "(dtype='float16' for an FP16 file), or give the session a larger memory_budget.",
-                        like=like)
-        self._cached_bytes = total
+        return self._weights.parameters(node, like)
 
     def _float(self, value: Any) -> Any:
         """A value for a float node: an int8 value dequantized; sparse features in the session's dtype."""
