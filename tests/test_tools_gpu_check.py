@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("peer", "device", "install", "imports", "kernels", "correctness", "hostops-emulation", "hostops",
-         "layers-estimate", "layers", "import-spconv", "benchmark", "targets")
+         "layers-estimate", "layers", "import-spconv", "benchmark", "targets", "capture")
 
 
 def _gpu_visible() -> bool:
@@ -58,6 +58,7 @@ def test_dry_run_keeps_going_and_reports_every_step(tmp_path: Path) -> None:
         assert exits[step].strip() == "0", (step, summary[:3000])
     assert exits["benchmark"].strip() == "1" and exits["targets"].strip() == "1"
     assert exits["layers"].strip() == "1"  # needs a GPU; the estimate's totals and targets are there still
+    assert exits["capture"].strip() == "0"  # says there is no GPU and measures nothing
     # the sections, in the order the run tells them
     titles = ["## device and versions", "## imports and CUDA headers", "## kernels:", "## correctness per dtype",
               "## host operations per layer", "## host operations: GPU against the emulation",
@@ -87,7 +88,8 @@ def test_the_script_parses_and_every_command_it_calls_answers_help() -> None:
     text = script.read_text()
     tools = sorted(set(re.findall(r"tools/(\w+\.py)", text)))
     modules = sorted(set(re.findall(r"-m (sparsecore[\w.]*)(?: ([a-z]+)\b)?", text)))
-    assert {"gpu_kernel_report.py", "gpu_layer_estimate.py", "gpu_layer_times.py", "host_operations.py"} <= set(tools)
+    assert {"gpu_kernel_report.py", "gpu_layer_estimate.py", "gpu_layer_times.py", "host_operations.py",
+            "capture_check.py"} <= set(tools)
     assert ("sparsecore.benchmark", "gpu") in modules and ("sparsecore.demo", "") in modules
     commands = [f"tools/{name}" for name in tools]
     commands += [f"-m {module}{' ' + verb if verb else ''}" for module, verb in modules]

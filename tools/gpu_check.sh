@@ -22,6 +22,8 @@
 #                 float32 / float16 / TF32, against spconv native and implicit GEMM in the same process,
 #                 per-layer time with TFLOP/s, two runs bitwise, the SubMConv3d 64->64 memory row
 #   targets       python -m sparsecore.benchmark targets: one PASS / FAIL / NOT MEASURED line per device target
+#   capture       tools/capture_check.py: the basic network's forward and training step, eager against a
+#                 torch CUDA graph and a CuPy graph (capacity mode), per step, against spconv (issue 36)
 # The spconv bundle (.peer/, tools/prepare_gpu_carry.sh) unpacks in the background from the start.
 #
 # GPU_CHECK_PART=standing: issue 29's other checks (every other gpu test, torch on CUDA, the demos, the
@@ -354,6 +356,9 @@ print('spconv', spconv.__version__, spconv.__file__)"
   tail -n 30 "$out/gpu_benchmark.txt" >"$scratch/benchmark_tail.txt"
   write_summary
   run_step targets 20 "$scratch/targets.txt" "$py" -P -m sparsecore.benchmark targets "$out/gpu_benchmark.json"
+  # --- issue 36: the basic network eager vs captured (torch CUDA graph, CuPy graph), per step
+  run_step capture 60 "$scratch/capture.txt" "$py" -P tools/capture_check.py --scene "$hostops_scene" --repeats 5
+  { echo "--- capture (tools/capture_check.py):"; cat "$scratch/capture.txt"; } >>"$log" 2>/dev/null
 fi
 
 if [ "$standing" = 1 ]; then
