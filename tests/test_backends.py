@@ -60,7 +60,7 @@ def test_zero_devices_and_missing_cupy_are_clear_too(monkeypatch):
     with pytest.raises(backends.CudaUnavailableError, match="no CUDA device is visible.*CUDA_VISIBLE_DEVICES"):
         backends.require_cuda()
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
-    missing = "needs CuPy, which does not import here.*sparsecore\\[cuda13\\]"
+    missing = "needs CuPy, which does not import here.*sparsecore-conv\\[cuda13\\]"
     with pytest.raises(backends.CudaUnavailableError, match=missing):
         backends.require_cuda("a CuPy array")
 

@@ -123,8 +123,12 @@ def test_emulated_capacity_mode_reads_nothing_back_and_matches_exact_mode(device
         assert reads == []
         np.testing.assert_array_equal(np.asarray(want_input), np.asarray(got_input))
         for want, got in zip(want_weights, got_weights):
-            if want is not None:  # a weight gradient sums over rows: same sums, the padding adds zeros
-                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+            if want is not None:  # a weight gradient sums over rows: same terms, the padding adds zeros; the
+                # splits (tile_shapes.weight_gradient_splits) follow the map's row count, so the capacity's map
+                # sums them in another order: equal within float32 rounding of a reordered sum
+                want, got = np.asarray(want), np.asarray(got)
+                bound = 64 * np.finfo(np.float32).eps * np.abs(want).max()
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=bound)
         run.tensor.check_capacity()  # one read: the counts, taught to the policy
     assert all(isinstance(rulebook.neighbour_map.output_neighbours, device_arrays.DeviceArray)
                for rulebook in networks.rulebooks(run))
