@@ -9,7 +9,6 @@ write past a buffer (an overflowing capacity writes nothing past it).
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
@@ -35,26 +34,8 @@ SHAPES = {1: (40,), 2: (12, 10), 3: (10, 9, 8), 4: (6, 5, 6, 5)}
 def device(monkeypatch):
     """The emulated kernel backend on `device_arrays.DeviceArray`, routed as the core routes CuPy arrays;
     yields the reads back attempted (each refused while `forbid_host_reads` is active)."""
-    from sparsecore import _dispatch, backends
-
     backend = device_arrays.device_backend(emulated_backend())
-    array_module, backend_for = _dispatch.array_module, backends.backend_for
-    for name, module in list(sys.modules.items()):
-        if name.startswith("sparsecore") and module is not None:
-            if getattr(module, "array_module", None) is array_module:
-                monkeypatch.setattr(module, "array_module", lambda value: device_arrays.DEVICE_NUMPY if isinstance(
-                    value, device_arrays.DeviceArray) else array_module(value))
-            if getattr(module, "backend_for", None) is backend_for:
-                monkeypatch.setattr(module, "backend_for", lambda array: backend if isinstance(
-                    array, device_arrays.DeviceArray) else backend_for(array))
-    reads: list[str] = []
-    refuse = device_arrays._refuse
-
-    def counted_refuse(what: str) -> None:
-        reads.append(what)
-        refuse(what)
-
-    monkeypatch.setattr(device_arrays, "_refuse", counted_refuse)
+    reads = device_arrays.route_to_emulated_backend(monkeypatch, backend)
     return reads
 
 

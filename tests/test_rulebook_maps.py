@@ -24,7 +24,6 @@ included, derives pairs (`forbid_host_reads`).
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import numpy as np
 import pytest
@@ -191,26 +190,8 @@ def test_properties_read_the_stored_map_and_pairs_are_derived_once(target):
 @pytest.fixture
 def device(monkeypatch):
     """The emulated kernel backend on `device_arrays.DeviceArray`, routed as the core routes CuPy arrays."""
-    from sparsecore import _dispatch, backends
-
     backend = device_arrays.device_backend(emulated_backend())
-    array_module, backend_for = _dispatch.array_module, backends.backend_for
-    for name, module in list(sys.modules.items()):
-        if name.startswith("sparsecore") and module is not None:
-            if getattr(module, "array_module", None) is array_module:
-                monkeypatch.setattr(module, "array_module", lambda value: device_arrays.DEVICE_NUMPY if isinstance(
-                    value, device_arrays.DeviceArray) else array_module(value))
-            if getattr(module, "backend_for", None) is backend_for:
-                monkeypatch.setattr(module, "backend_for", lambda array: backend if isinstance(
-                    array, device_arrays.DeviceArray) else backend_for(array))
-    reads: list[str] = []
-    refuse = device_arrays._refuse
-
-    def counted_refuse(what: str) -> None:
-        reads.append(what)
-        refuse(what)
-
-    monkeypatch.setattr(device_arrays, "_refuse", counted_refuse)
+    reads = device_arrays.route_to_emulated_backend(monkeypatch, backend)
     return backend, reads
 
 

@@ -214,3 +214,32 @@ def use_device_arrays(monkeypatch: Any) -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("sparsecore") and getattr(module, "array_module", None) is original:
             monkeypatch.setattr(module, "array_module", array_module)
+
+
+def route_to_emulated_backend(monkeypatch: Any, backend: Any) -> list[str]:
+    """Routes device arrays to ``backend`` (the emulated kernel backend on `DEVICE_NUMPY`) as the core routes
+    CuPy arrays, in every sparsecore module that imported ``array_module`` or ``backend_for``.
+
+    Returns:
+        The reads back attempted from then on (each still refused while `forbid_host_reads` is active).
+    """
+    from sparsecore import _dispatch, backends
+
+    array_module, backend_for = _dispatch.array_module, backends.backend_for
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sparsecore") and module is not None:
+            if getattr(module, "array_module", None) is array_module:
+                monkeypatch.setattr(module, "array_module", lambda value: DEVICE_NUMPY if isinstance(
+                    value, DeviceArray) else array_module(value))
+            if getattr(module, "backend_for", None) is backend_for:
+                monkeypatch.setattr(module, "backend_for", lambda array: backend if isinstance(
+                    array, DeviceArray) else backend_for(array))
+    reads: list[str] = []
+    refuse = sys.modules[__name__]._refuse
+
+    def counted_refuse(what: str) -> None:
+        reads.append(what)
+        refuse(what)
+
+    monkeypatch.setattr(sys.modules[__name__], "_refuse", counted_refuse)
+    return reads
