@@ -4,10 +4,8 @@ sites' neighbours (pools as the unique halved coordinates), the old rules by han
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +16,12 @@ from sparsecore.backends import tile_shapes
 from sparsecore.benchmark import scenes
 from sparsecore.benchmark.network import REFERENCE_NETWORK
 
+from tests.tool_modules import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> Any:
-    if name not in sys.modules:
-        sys.path.insert(0, str(ROOT / "tools"))
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-estimate = _load("gpu_layer_estimate")
+estimate = load_tool("gpu_layer_estimate")
 SHAPE = (64, 64, 64)  # six 2x2x2 pools leave 1 x 1 x 1
 
 

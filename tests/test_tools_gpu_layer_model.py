@@ -3,8 +3,6 @@ time model's direction (the old loads never faster than the new ones, a launch a
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +10,12 @@ import pytest
 
 from sparsecore.backends.tile_shapes import TileShape
 
+from tests.tool_modules import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-model = _load("gpu_layer_model")
+model = load_tool("gpu_layer_model")
 SIMT = TileShape(64, 64, 16, 256, "simt", 2)
 TENSOR = TileShape(64, 64, 32, 128, "tensor", 4)
 # two row tiles of 64 rows; offset 0 in both tiles (100 pairs), offset 1 in one (30), offset 2 nowhere

@@ -3,28 +3,18 @@ totals on made-up timings, the old kernels' name expressions, and the command's 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.tool_modules import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> Any:
-    if name not in sys.modules:
-        sys.path.insert(0, str(ROOT / "tools"))
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-times = _load("gpu_layer_times")
+times = load_tool("gpu_layer_times")
 
 
 def test_launches_go_to_their_pass() -> None:

@@ -4,26 +4,16 @@ block in 128-byte units, 2,048 threads, 32 blocks)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.tool_modules import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-tool = _load("gpu_occupancy")
+tool = load_tool("gpu_occupancy")
 
 
 @pytest.mark.parametrize(("registers", "threads", "shared", "blocks", "limit", "fraction"), [

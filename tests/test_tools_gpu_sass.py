@@ -9,15 +9,14 @@ extra installs it).
 
 from __future__ import annotations
 
-import importlib.util
 import struct
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from sparsecore.backends import kernel_registry
+
+from tests.tool_modules import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,17 +26,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     nvrtc = None
 
 
-def _load(name: str) -> Any:
-    if name not in sys.modules:
-        sys.path.insert(0, str(ROOT / "tools"))
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-sass = _load("gpu_sass")
+sass = load_tool("gpu_sass")
 needs_tools = pytest.mark.skipif(nvrtc is None or kernel_registry.cuda_include_dir() is None
                                  or sass.find_cuobjdump() is None,
                                  reason="needs NVRTC (cupy), the CUDA headers and cuobjdump "

@@ -13,9 +13,7 @@ right on made-up counts.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,22 +25,13 @@ import pytest
 from sparsecore.backends import kernel_registry
 from sparsecore.benchmark import network, scenes
 
+from tests.tool_modules import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-host_operations = _load("host_operations")
-host_counting = _load("host_counting")
+host_operations = load_tool("host_operations")
+host_counting = load_tool("host_counting")
 # conv (builds its rulebook), conv (reuses it), pool (builds), conv (builds on the pool's output sites)
 LAYERS = network.REFERENCE_NETWORK[:4]
 
