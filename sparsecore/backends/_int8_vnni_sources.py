@@ -20,7 +20,8 @@ output rows.
 
 Signed values: ``vpdpbusd`` multiplies unsigned by signed bytes. The
 activations are read as ``x + 128`` (unsigned: a copy of the source with its
-sign bits flipped, `_int8_vnni_kernels.unsigned_source`) and the weights stay
+sign bits flipped, made by the kernel's threads together before the items; NumPy twin
+`_int8_vnni_kernels.unsigned_source`) and the weights stay
 signed, so each pair adds ``x . w + 128 * sum_i w[c, k, i]``; the block
 subtracts that second term, a vector per offset (``corrections``), when it
 loads its accumulators. ``vpdpbusd`` wraps modulo ``2^32`` and the true sum
