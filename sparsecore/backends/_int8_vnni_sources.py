@@ -48,7 +48,8 @@ from numba.extending import intrinsic
 from ._work_queue import acquired, claim, new_counter, release
 from ._x86_intrinsics import LANES, prefetch, vpdpbusd_ir
 
-__all__ = ["ROWS", "NARROW_ROWS", "FLIP_WORDS", "MOST_VECTORS", "PREFETCH_BLOCKS", "PREFETCH_MIN_ROW_BYTES", "conv_kernel"]
+__all__ = ["ROWS", "NARROW_ROWS", "FLIP_WORDS", "MOST_VECTORS", "PREFETCH_BLOCKS", "PREFETCH_MIN_ROW_BYTES",
+           "conv_kernel"]
 
 ROWS = 6
 """Pairs (destination rows) whose sums `_dot_block` keeps in registers at once (up to 4 vectors each)."""
