@@ -10,12 +10,12 @@ int32 sum, then its float32 epilogue):
   `sparsecore.backends.x86_features` selects ``avx512_vnni`` (the CPU has it,
   numba can target it, ``SPARSECORE_CPU_ISA`` allows it: `vnni_on_cpu`);
   elsewhere the two routes below, chosen as before. Real scan, one thread,
-  process CPU time, medians of 7 interleaved rounds, 2026-12-07 19:02 UTC,
-  shared 2-core Xeon with AVX-512 VNNI (load average 35-54), float32 layer
-  (bias, ReLU) / today's int8 route / VNNI int8 layer (int8 in and out), ms:
-  subm 16 -> 16 15.6 / 17.6 / 5.1, 32 -> 32 32.3 / 33.4 / 9.8, 64 -> 64
-  83.2 / 81.8 / 21.7, 128 -> 128 310.7 / 316.6 / 59.3; strided 32 -> 64
-  43.4 / 54.9 / 13.2, 64 -> 128 97.5 / 101.6 / 29.5 (docs/quantization.md,
+  wall-clock medians of 5 interleaved rounds, 2026-12-07 20:22 UTC, quiet
+  2-core Xeon with AVX-512 VNNI (load average 0.8), float32 layer (bias,
+  ReLU) / today's int8 route / VNNI int8 layer (int8 in and out), ms:
+  subm 16 -> 16 12.8 / 13.6 / 4.2, 32 -> 32 27.5 / 28.6 / 8.0, 64 -> 64
+  78.4 / 81.4 / 19.2, 128 -> 128 291.0 / 245.6 / 55.6; strided 32 -> 64
+  36.6 / 51.8 / 10.0, 64 -> 128 97.1 / 87.4 / 24.5 (docs/quantization.md,
   section 7; ``python -m sparsecore.benchmark int8``);
 
 - the compiled int8 kernel (`sparsecore.backends._int8_cpu_kernels`, numba):

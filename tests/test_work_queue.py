@@ -7,6 +7,8 @@ leave the counter at ``items + lanes`` (each lane's last claim finds none).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -66,3 +68,49 @@ def test_a_new_counter_starts_at_zero() -> None:
         return claim(counter), claim(counter), claim(counter), counter[0]
 
     assert three_claims() == (0, 1, 2, 3)
+
+
+
+@functools.lru_cache(maxsize=1)
+def _filling_kernel():
+    numba_module()
+    from numba import njit, prange
+
+    from sparsecore.backends._work_queue import acquired, claim, new_counter, release
+
+    @njit(parallel=True)
+    def fill_then_sum(values, pieces, seen, lanes):
+        size = values.shape[0] // max(pieces, 1)
+        counter, done = new_counter(), new_counter()
+        for lane in prange(lanes):
+            piece = claim(counter)
+            while piece < pieces:
+                for index in range(piece * size, piece * size + size):
+                    values[index] = index + 1
+                release(done)
+                piece = claim(counter)
+            while acquired(done) < pieces:
+                pass
+            seen[lane] = values.sum()
+
+    return fill_then_sum
+
+
+@pytest.mark.parametrize("pieces, lanes", [(0, 2), (1, 2), (37, 2), (64, 4)])
+def test_every_lane_sees_every_piece_after_the_released_count(pieces: int, lanes: int) -> None:
+    """Lanes fill claimed pieces, `release` the count, wait for `acquired` to reach ``pieces``, then each
+    sums the whole array: every lane must see every piece written (more lanes than threads included:
+    a lane waits only for pieces that running lanes claimed)."""
+    numba = numba_module()
+    fill_then_sum = _filling_kernel()
+    size = 1000
+    values = np.zeros(pieces * size, dtype=np.int64)
+    seen = np.full(lanes, -1, dtype=np.int64)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(lanes, int(numba.config.NUMBA_NUM_THREADS)))
+    try:
+        fill_then_sum(values, pieces, seen, lanes)
+    finally:
+        numba.set_num_threads(previous)
+    total = pieces * size
+    np.testing.assert_array_equal(seen, np.full(lanes, total * (total + 1) // 2, dtype=np.int64))

@@ -21,7 +21,7 @@ import numpy as np
 
 from ._cpu_kernels import TilePlan, kernel_threads
 
-__all__ = ["padded_sizes", "pack_weights", "unsigned_source", "conv"]
+__all__ = ["padded_sizes", "pack_weights", "quad_source", "unsigned_source", "conv"]
 
 
 def padded_sizes(in_per_group: int, out_per_group: int) -> tuple[int, int]:
@@ -54,18 +54,23 @@ def pack_weights(weight: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarra
     return np.ascontiguousarray(packed).reshape(-1), corrections.reshape(-1)
 
 
-def unsigned_source(features: np.ndarray, groups: int) -> np.ndarray:
-    """uint8 ``[N, groups * 4 * quads]``: ``x + 128`` (the sign bit flipped), each group's channels padded
-    to whole quads (with 128, that is ``x = 0``; the padded weights are 0 anyway)."""
+def quad_source(features: np.ndarray, groups: int) -> np.ndarray:
+    """int8 ``[N, groups * 4 * quads]`` C-contiguous: ``features``, each group's channels padded to whole
+    quads with 0 (the kernel's input; it flips the sign bits itself, as `unsigned_source` does here)."""
     rows, in_channels = features.shape
     in_per_group = in_channels // groups
     quads = -(-in_per_group // 4)
-    flipped = np.bitwise_xor(np.ascontiguousarray(features).view(np.uint8), np.uint8(0x80))
     if 4 * quads == in_per_group:
-        return flipped
-    padded = np.full((rows, groups, 4 * quads), 0x80, dtype=np.uint8)
-    padded[:, :, :in_per_group] = flipped.reshape(rows, groups, in_per_group)
+        return np.ascontiguousarray(features)
+    padded = np.zeros((rows, groups, 4 * quads), dtype=np.int8)
+    padded[:, :, :in_per_group] = features.reshape(rows, groups, in_per_group)
     return padded.reshape(rows, groups * 4 * quads)
+
+
+def unsigned_source(features: np.ndarray, groups: int) -> np.ndarray:
+    """uint8 ``[N, groups * 4 * quads]``: ``x + 128`` (the sign bit flipped) of `quad_source` (padded lanes
+    128, that is ``x = 0``; the padded weights are 0 anyway): the NumPy twin of the kernel's own flip."""
+    return np.bitwise_xor(quad_source(features, groups).view(np.uint8), np.uint8(0x80))
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +111,7 @@ def conv(features: np.ndarray, weight: np.ndarray, plan: TilePlan, num_output: i
     has_bias, has_residual = epilogue.bias is not None, epilogue.residual is not None
     with kernel_threads(pairs * (features.shape[1] + out_channels)) as lanes:
         kernels.conv_kernel(
-            unsigned_source(features, groups), plan.starts, plan.sources, plan.local_rows, weights, corrections,
+            quad_source(features, groups), plan.starts, plan.sources, plan.local_rows, weights, corrections,
             volume, groups, quads, out_channels // groups, padded_out, plan.capacity,
             np.ascontiguousarray(epilogue.multiplier, dtype=np.float32),
             np.ascontiguousarray(epilogue.bias if has_bias else np.zeros(1), dtype=np.float32), has_bias,

@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["claim", "new_counter"]
+__all__ = ["claim", "new_counter", "release", "acquired"]
 
 
 @intrinsic
@@ -56,3 +56,31 @@ def claim(typing_context: Any, counter: Any) -> Any:
 def new_counter() -> Any:
     """A fresh counter at 0 (int64 ``[1]``), shared by the lanes of the loop that follows."""
     return np.zeros(1, dtype=np.int64)
+
+
+@intrinsic
+def release(typing_context: Any, counter: Any) -> Any:
+    """``counter[0]++`` as one atomic add with release order: whatever this thread wrote before it is seen by
+    a thread whose `acquired` reads the new count (``counter``: int64 ``[1]``)."""
+    signature = types.void(counter)
+
+    def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+        view = context.make_array(signature.args[0])(context, builder, arguments[0])
+        int64 = ir.IntType(64)
+        builder.atomic_rmw("add", builder.bitcast(view.data, int64.as_pointer()), ir.Constant(int64, 1), "release")
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def acquired(typing_context: Any, counter: Any) -> Any:
+    """``counter[0]`` read atomically with acquire order (pairs with `release`; ``counter``: int64 ``[1]``)."""
+    signature = types.int64(counter)
+
+    def codegen(context: Any, builder: Any, signature: Any, arguments: Any) -> Any:
+        view = context.make_array(signature.args[0])(context, builder, arguments[0])
+        int64 = ir.IntType(64)
+        return builder.load_atomic(builder.bitcast(view.data, int64.as_pointer()), "acquire", 8)
+
+    return signature, codegen
