@@ -33,7 +33,7 @@ from .._compile_notice import numba_for_kernels
 from ._cpu_kernels import ROW_BLOCK, TILE_ITEMS, TilePlan, _tile_sources, kernel_threads, tile_items
 
 __all__ = ["LANES", "DOT_BLOCK_BYTES", "padded_columns", "source_words", "pack_matrices",
-           "dot_items", "dot_rows", "weight_gradient", "amx_available", "amx_rows", "amx_backward_items",
+           "dot_items", "dot_rows", "amx_available", "amx_rows", "amx_backward_items",
            "amx_backward", "dot_backward"]
 
 LANES = 16
@@ -179,6 +179,22 @@ def amx_backward_items(rows: int, volume: int, in_channels: int, out_channels: i
                       pairs)
 
 
+def _backward_buffers(source: np.ndarray, matrices: np.ndarray, plan: TilePlan, pairs: int,
+                      rows_multiple: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+    """What `amx_backward` and `dot_backward` allocate: the padded float32 weight gradient ``[K, a16, b16]``
+    (zeros), and, unless the pass has no work, ``(grad_source uint16 [N_in, a], the transposed matrices packed
+    with ``rows_multiple`` [K, b' / 2, a16], the per-work-item shares [items, K, a16, b16])``."""
+    volume, in_channels, out_channels = matrices.shape
+    padded_in, padded_out = padded_columns(in_channels), padded_columns(out_channels)
+    grad_matrices = np.zeros((volume, padded_in, padded_out), dtype=np.float32)
+    if pairs == 0 or source.shape[0] == 0 or in_channels == 0 or out_channels == 0:
+        return grad_matrices, None
+    grad_source = np.empty(source.shape, dtype=np.uint16)
+    packed = pack_matrices(np.ascontiguousarray(matrices.transpose(0, 2, 1)), rows_multiple)  # [K, b / 2, a16]
+    partial = np.empty(((plan.starts.shape[0] - 1) // max(1, volume), volume, padded_in, padded_out), np.float32)
+    return grad_matrices, (grad_source, packed, partial)
+
+
 def amx_backward(grad: np.ndarray, source: np.ndarray, matrices: np.ndarray, plan: TilePlan,
                  pairs: int) -> tuple[np.ndarray, np.ndarray]:
     """Both gradients in one pass on AMX tiles (where `amx_available`; `_bf16_amx_backward`).
@@ -194,14 +210,11 @@ def amx_backward(grad: np.ndarray, source: np.ndarray, matrices: np.ndarray, pla
         ``(grad_source bfloat16 [N_in, a], grad_matrices float32 [K, a, b])``, the weight gradient's shares
         added in work-item order (bitwise the same at every thread count).
     """
-    volume, in_channels, out_channels = matrices.shape
-    padded_in, padded_out = padded_columns(in_channels), padded_columns(out_channels)
-    grad_matrices = np.zeros((volume, padded_in, padded_out), dtype=np.float32)
-    if pairs == 0 or source.shape[0] == 0 or in_channels == 0 or out_channels == 0:
+    _, in_channels, out_channels = matrices.shape
+    grad_matrices, buffers = _backward_buffers(source, matrices, plan, pairs, 32)
+    if buffers is None:
         return np.zeros(source.shape, dtype=source.dtype), grad_matrices[:, :in_channels, :out_channels]
-    grad_source = np.empty(source.shape, dtype=np.uint16)
-    packed = pack_matrices(np.ascontiguousarray(matrices.transpose(0, 2, 1)), 32)  # [K, b / 2, a16]
-    partial = np.empty(((plan.starts.shape[0] - 1) // max(1, volume), volume, padded_in, padded_out), np.float32)
+    grad_source, packed, partial = buffers
     kernels = _amx_sources()
     from . import _bf16_amx_backward
 
@@ -218,14 +231,11 @@ def dot_backward(grad: np.ndarray, source: np.ndarray, matrices: np.ndarray, pla
                  pairs: int) -> tuple[np.ndarray, np.ndarray]:
     """`amx_backward` on ``vdpbf16ps`` (`_bf16_dot_backward`): the same arguments (a plan with
     `amx_backward_items` blocks a work item) and results."""
-    volume, in_channels, out_channels = matrices.shape
-    padded_in, padded_out = padded_columns(in_channels), padded_columns(out_channels)
-    grad_matrices = np.zeros((volume, padded_in, padded_out), dtype=np.float32)
-    if pairs == 0 or source.shape[0] == 0 or in_channels == 0 or out_channels == 0:
+    _, in_channels, out_channels = matrices.shape
+    grad_matrices, buffers = _backward_buffers(source, matrices, plan, pairs, 2)
+    if buffers is None:
         return np.zeros(source.shape, dtype=source.dtype), grad_matrices[:, :in_channels, :out_channels]
-    grad_source = np.empty(source.shape, dtype=np.uint16)
-    packed = pack_matrices(np.ascontiguousarray(matrices.transpose(0, 2, 1)))  # [K, b / 2, a16]
-    partial = np.empty(((plan.starts.shape[0] - 1) // max(1, volume), volume, padded_in, padded_out), np.float32)
+    grad_source, packed, partial = buffers
     numba_for_kernels()
     from . import _bf16_dot_backward
 
