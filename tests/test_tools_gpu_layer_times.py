@@ -49,7 +49,7 @@ def test_the_old_kernels_are_issue_28s_ten_instantiations() -> None:
 
 
 def test_without_a_gpu_it_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    if times._gpu_visible():
+    if load_tool("gpu_kernel_report").gpu_visible():
         pytest.skip("a GPU is visible")
     assert times.main(["--scene", "synthetic"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -288,7 +288,8 @@ def format_reports(reports: list[FileReport], header: str) -> str:
     return "\n".join(lines)
 
 
-def _gpu_visible() -> bool:
+def gpu_visible() -> bool:
+    """Whether CuPy imports and sees a CUDA device (False on any failure: no CuPy, no driver, no device)."""
     try:
         import cupy
 
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparsecore.backends import kernel_registry
 
     files = [name for name in args.files.split(",") if name] or [entry.file for entry in kernel_registry.KERNEL_FILES]
-    on_gpu = args.device == "cuda" or (args.device == "auto" and _gpu_visible())
+    on_gpu = args.device == "cuda" or (args.device == "auto" and gpu_visible())
     run_nvrtc = not on_gpu or args.nvrtc or bool(args.sass)
     cached = [path for path in Path(cache_dir).rglob("*") if path.is_file()]
     gpu_pass = (f"on (CUPY_CACHE_DIR={cache_dir}, {'NOT EMPTY: not cold' if cached else 'empty'})" if on_gpu

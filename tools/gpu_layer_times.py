@@ -329,15 +329,6 @@ def format_times(timings: list[PassTiming]) -> str:
     return "\n".join(lines)
 
 
-def _gpu_visible() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scene", choices=("basic", "synthetic"), default="basic")
@@ -357,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.old_kernels is not None and not (args.old_kernels / "implicit_gemm.cu").is_file():
         parser.error(f"--old-kernels must be a kernels_cu/ folder holding implicit_gemm.cu, got {args.old_kernels}")
-    if not _gpu_visible():
+    from gpu_kernel_report import gpu_visible
+
+    if not gpu_visible():
         print("gpu_layer_times: needs a CUDA GPU (CuPy sees none); the estimate alone: "
               "python tools/gpu_layer_estimate.py", file=sys.stderr)
         return 1
