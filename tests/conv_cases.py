@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import sparsecore as sc
+
 try:
     from . import dense_oracle as do
 except ImportError:
@@ -49,3 +51,26 @@ def expected_sites(case: do.ConvCase, indices: np.ndarray) -> np.ndarray:
                                 case.padding, case.dilation)
     return do.transposed_sites(indices, case.spatial_shape, case.batch_size, case.kernel_size, case.stride,
                                case.padding, case.dilation, case.output_padding)
+
+
+def case_geometry(case: do.ConvCase, kind: str | None = None) -> sc.ConvGeometry:
+    """The `ConvGeometry` of ``case`` (its own kind, or ``kind``: e.g. "inverse" on a regular case's sizes)."""
+    kind = kind or case.kind
+    if kind == "subm":
+        return sc.ConvGeometry.create(case.ndim, case.kernel_size, dilation=case.dilation, kind="subm")
+    return sc.ConvGeometry.create(case.ndim, case.kernel_size, stride=case.stride, padding=case.padding,
+                                  dilation=case.dilation, output_padding=case.output_padding, kind=kind)
+
+
+def case_dense_fn(case: do.ConvCase, indices, spatial_shape, transposed: bool = False, output_padding=None):
+    """The dense (float64 torch) computation of ``case`` on ``indices`` as a function of (features, weight[, bias])."""
+    padding = do.subm_padding(case.kernel_size, case.dilation, case.ndim) if case.kind == "subm" else case.padding
+
+    def fn(feats, weight, bias=None):
+        x = do.densify(feats, indices, spatial_shape, case.batch_size)
+        if transposed:
+            extra = case.output_padding if output_padding is None else output_padding
+            return do.dense_conv_transpose(x, weight, case.stride, padding, case.dilation, extra, case.groups, bias)
+        return do.dense_conv(x, weight, case.stride, padding, case.dilation, case.groups, bias)
+
+    return fn

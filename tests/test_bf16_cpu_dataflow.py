@@ -32,9 +32,14 @@ from sparsecore import conv, pool
 from sparsecore.backends import _bf16_cpu_kernels, _cpu_kernels, x86_features
 
 try:
+    from . import conv_cases
     from . import dense_oracle as do
 except ImportError:
+    import conv_cases
     import dense_oracle as do
+
+_geometry = conv_cases.case_geometry
+_dense_fn = conv_cases.case_dense_fn
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -62,27 +67,6 @@ def _bfloat16(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(bfloat16 array, its exact float64 values)``."""
     stored = np.asarray(values, np.float32).astype(BFLOAT16)
     return stored, stored.astype(np.float64)
-
-
-def _geometry(case: do.ConvCase, kind: str | None = None) -> sc.ConvGeometry:
-    kind = kind or case.kind
-    if kind == "subm":
-        return sc.ConvGeometry.create(case.ndim, case.kernel_size, dilation=case.dilation, kind="subm")
-    return sc.ConvGeometry.create(case.ndim, case.kernel_size, stride=case.stride, padding=case.padding,
-                                  dilation=case.dilation, output_padding=case.output_padding, kind=kind)
-
-
-def _dense_fn(case: do.ConvCase, indices, spatial_shape, transposed: bool, output_padding=None):
-    padding = do.subm_padding(case.kernel_size, case.dilation, case.ndim) if case.kind == "subm" else case.padding
-
-    def fn(feats, weight, bias=None):
-        x = do.densify(feats, indices, spatial_shape, case.batch_size)
-        if transposed:
-            extra = case.output_padding if output_padding is None else output_padding
-            return do.dense_conv_transpose(x, weight, case.stride, padding, case.dilation, extra, case.groups, bias)
-        return do.dense_conv(x, weight, case.stride, padding, case.dilation, case.groups, bias)
-
-    return fn
 
 
 def _case(kind: str, ndim: int, seed: int, in_channels: int, out_channels: int, groups: int = 1) -> do.ConvCase:

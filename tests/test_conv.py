@@ -26,6 +26,9 @@ except ImportError:
     import conv_cases
     import dense_oracle as do
 
+_geometry = conv_cases.case_geometry
+_dense_fn = conv_cases.case_dense_fn
+
 REGULAR = do.sample_cases("regular", 96, base_seed=1000)
 SUBM = do.sample_cases("subm", 60, base_seed=2000)
 TRANSPOSED = do.sample_cases("transposed", 72, base_seed=3000)
@@ -64,31 +67,6 @@ HAND = [_hand_case(i, spec) for i, spec in enumerate(_HAND)]
 REGULAR += [c for c in HAND if c.kind == "regular"]
 SUBM += [c for c in HAND if c.kind == "subm"]
 TRANSPOSED += [c for c in HAND if c.kind == "transposed"]
-
-
-def _geometry(case: do.ConvCase, kind: str | None = None):
-    kind = kind or case.kind
-    if kind == "subm":
-        return sc.ConvGeometry.create(case.ndim, case.kernel_size, dilation=case.dilation, kind="subm")
-    return sc.ConvGeometry.create(case.ndim, case.kernel_size, stride=case.stride, padding=case.padding,
-                                  dilation=case.dilation, output_padding=case.output_padding, kind=kind)
-
-
-def _dense_fn(case: do.ConvCase, indices, spatial_shape, transposed=False, output_padding=None):
-    """The dense computation of ``case`` as a function of (features, weight[, bias])."""
-    if case.kind == "subm":
-        padding = do.subm_padding(case.kernel_size, case.dilation, case.ndim)
-    else:
-        padding = case.padding
-
-    def fn(feats, weight, bias=None):
-        x = do.densify(feats, indices, spatial_shape, case.batch_size)
-        if transposed:
-            op = case.output_padding if output_padding is None else output_padding
-            return do.dense_conv_transpose(x, weight, case.stride, padding, case.dilation, op, case.groups, bias)
-        return do.dense_conv(x, weight, case.stride, padding, case.dilation, case.groups, bias)
-
-    return fn
 
 
 _expected_sites = conv_cases.expected_sites

@@ -24,17 +24,22 @@ from sparsecore import conv, pool
 from sparsecore.backends import NUMPY_BACKEND
 
 try:
+    from . import conv_cases
     from . import dense_oracle as do
     from .cuda_emulation import device_arrays
     from .cuda_emulation.fused_twins import gemm_error_bound
     from .cuda_emulation.numpy_twins import narrow, widen
     from .kernel_targets import BFLOAT16, emulated_backend
 except ImportError:
+    import conv_cases
     import dense_oracle as do
     from cuda_emulation import device_arrays
     from cuda_emulation.fused_twins import gemm_error_bound
     from cuda_emulation.numpy_twins import narrow, widen
     from kernel_targets import BFLOAT16, emulated_backend
+
+_geometry = conv_cases.case_geometry
+_dense_fn = conv_cases.case_dense_fn
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 CASES = (do.sample_cases("regular", 4, base_seed=6100) + do.sample_cases("subm", 4, base_seed=6200)
@@ -55,27 +60,6 @@ CASE_DTYPES = [pytest.param(case, dtype_name, id=f"{case}-{dtype_name}")
                for case, dtypes in zip(CASES, _DESIGN) for dtype_name in dtypes]
 INVERSE_DTYPES = [pytest.param(case, dtype_name, id=f"{case}-{dtype_name}")
                   for case, dtypes in zip(INVERSE, _INVERSE_DESIGN) for dtype_name in dtypes]
-
-
-def _geometry(case: do.ConvCase, kind: str | None = None) -> sc.ConvGeometry:
-    kind = kind or case.kind
-    if kind == "subm":
-        return sc.ConvGeometry.create(case.ndim, case.kernel_size, dilation=case.dilation, kind="subm")
-    return sc.ConvGeometry.create(case.ndim, case.kernel_size, stride=case.stride, padding=case.padding,
-                                  dilation=case.dilation, output_padding=case.output_padding, kind=kind)
-
-
-def _dense_fn(case: do.ConvCase, indices, spatial_shape, transposed: bool, output_padding=None):
-    padding = do.subm_padding(case.kernel_size, case.dilation, case.ndim) if case.kind == "subm" else case.padding
-
-    def fn(feats, weight, bias=None):
-        x = do.densify(feats, indices, spatial_shape, case.batch_size)
-        if transposed:
-            extra = case.output_padding if output_padding is None else output_padding
-            return do.dense_conv_transpose(x, weight, case.stride, padding, case.dilation, extra, case.groups, bias)
-        return do.dense_conv(x, weight, case.stride, padding, case.dilation, case.groups, bias)
-
-    return fn
 
 
 def _stored(values: np.ndarray, dtype_name: str):
