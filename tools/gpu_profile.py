@@ -15,7 +15,7 @@ It prints, and writes to ``$OUT/gpu_profile.txt`` (or ``--output``):
   time and by cumulative time (the device reads, ``tolist``/``get``/``item``,
   show up here as calls).
 
-No assertion: it is a measurement for docs/performance.md, not a test.
+No assertion: it is a measurement for docs/gpu.md, not a test.
 """
 
 from __future__ import annotations

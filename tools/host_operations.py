@@ -1,7 +1,7 @@
 """How many host operations the GPU path issues, per layer of spconv's basic network: on the CPU emulation or a GPU.
 
 On a GPU every array operation costs host time (about 20 us of CuPy on the H200
-of 2026-12-04, docs/performance.md), so the forward of spconv's basic network is
+of 2026-12-04, docs/performance_history.md), so the forward of spconv's basic network is
 bound by how many it issues, not by the device. This counts them per layer and
 per stage (rulebooks, convolution, pool) of the forward with its rulebook builds
 and of the backward (the engine is `host_counting`):

@@ -19,7 +19,7 @@ The NumPy backend's fused and tiled dataflows (`sparsecore.cpu_dataflow`) run on
 
 The fused dataflow's weight gradient stays on BLAS (one ``gathered_input^T @ gathered_grad``
 per offset, `sparsecore.cpu_dataflow`): a compiled blocked outer-product kernel was
-2-4x slower than that at 16 and 64 channels (docs/performance.md).
+2-4x slower than that at 16 and 64 channels (docs/performance_history.md).
 
 The fused row kernels (grouped layers) compile their channel counts in as
 constants (one compiled kernel per ``(groups, in_per_group, out_per_group)``)
@@ -247,7 +247,7 @@ def tile_items(blocks: int, volume: int = 0, in_channels: int = 0, out_channels:
 SMALL_GEMM_WORK = 1_000_000
 """Most multiply-adds (``rows x a x b``) of one GEMM of the tiled kernels: OpenBLAS runs products up to
 10^6 on its small-matrix kernels where it has them (AVX-512 builds), 1.2x-1.5x faster at 64 to 128 channels
-on the test machine (`_tile_kernel_sources`; docs/performance.md)."""
+on the test machine (`_tile_kernel_sources`; docs/performance_history.md)."""
 
 SMALL_GEMM_MIN_ROWS = 32
 """Fewest rows of a GEMM slice: wider layers (``a x b`` above ``SMALL_GEMM_WORK / 32``, about 176 x 176)

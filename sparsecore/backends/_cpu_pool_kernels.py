@@ -3,7 +3,7 @@
 The NumPy backend's `max_pool_pairs` and `max_pool_backward_pairs` run here:
 one pass over the pairs in their order instead of a gather, a comparison and a
 scatter per kernel offset (the basic network's six SparseMaxPool3d layers on
-the real scan, forward: 241 -> 32 ms at one thread, docs/performance.md). The
+the real scan, forward: 241 -> 32 ms at one thread, docs/performance_history.md). The
 backend passes its compute dtype: float16 is compared and summed in float32
 (exact for the maximum; the gradient's sums are float32, as the NumPy loop's
 were). The kernels themselves are in `_pool_kernel_sources`.
