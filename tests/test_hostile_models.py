@@ -30,7 +30,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("torch")
 
-from tests import hostile_cases, hostile_data_cases  # noqa: E402
+from tests import hostile_cases, hostile_child, hostile_data_cases  # noqa: E402
 from tests.runtime_graphs import BATCH, SHAPE, base_expected, base_model  # noqa: E402
 from tests.dense_oracle import make_rng, random_features, random_indices  # noqa: E402
 
@@ -87,7 +87,7 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                                                                   "NUMBA_NUM_THREADS": "2"},
                    "threads": {key: value for key, value in threads.items() if key != "expected"}})
     plan = hostile_cases.write_groups(groups, folder)
-    done = subprocess.run([sys.executable, "-c", hostile_cases.ZYGOTE, str(plan)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", hostile_child.ZYGOTE, str(plan)], capture_output=True, text=True,
                           timeout=600, env=_environment(), cwd=folder)
     records, statuses = {}, {}
     for line in done.stdout.splitlines():
