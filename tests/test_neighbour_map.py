@@ -3,8 +3,9 @@
 Random injective pair lists (within an offset, each input row and each output
 row at most once, as in any rulebook) are turned into maps with
 `neighbour_map_from_pairs`; every table entry, mask bit and row order is
-checked against a loop over the pairs and Python's own (stable) ``sorted`` of
-the mask words; `pairs_from_neighbour_map` must give the pairs back, grouped by
+checked against a loop over the pairs and the row order's loop oracle
+(``row_order_oracle``: Python's stable ``sorted`` of the mask words, tiles
+regrouped); `pairs_from_neighbour_map` must give the pairs back, grouped by
 offset and ordered by output row. Also: orders sorted on first read (and only
 then), `swapped`, `input_side`, `neighbour_map_of`'s memo, copies and the
 constructor's checks.
@@ -25,8 +26,10 @@ from sparsecore.neighbour_map import (NeighbourMap, mask_order, mask_words, neig
 
 try:
     from .cuda_emulation import device_arrays
+    from .row_order_oracle import oracle_order
 except ImportError:
     from cuda_emulation import device_arrays
+    from row_order_oracle import oracle_order
 
 
 def _rng(*seed: int) -> np.random.Generator:
@@ -48,7 +51,7 @@ def _random_pairs(rng: np.random.Generator, num_input: int, num_output: int, vol
 
 
 def _oracle_side(pairs_by_offset, rows: int, volume: int, output_side: bool):
-    """Table, masks (as Python int bit sets) and stable mask order, by loops and ``sorted``."""
+    """Table, masks (as Python int bit sets) and row order (stable mask sort, tiles regrouped), by loops."""
     table = [[-1] * volume for _ in range(rows)]
     for offset, pairs in enumerate(pairs_by_offset):
         for input_row, output_row in pairs:
@@ -58,7 +61,7 @@ def _oracle_side(pairs_by_offset, rows: int, volume: int, output_side: bool):
     words = mask_words(volume)
     masks = [[sum(1 << (k % 32) for k in range(volume) if table[r][k] >= 0 and k // 32 == w) for w in range(words)]
              for r in range(rows)]
-    order = sorted(range(rows), key=lambda r: tuple(masks[r]))  # Python's sort is stable
+    order = oracle_order([sum(word << (32 * w) for w, word in enumerate(masks[r])) for r in range(rows)], words)
     return np.array(table, np.int32).reshape(rows, volume), np.array(masks, np.uint32).reshape(rows, words), \
         np.array(order, np.int32)
 
@@ -142,7 +145,7 @@ def test_orders_are_sorted_when_first_read_and_kept():
     first = neighbour_map.output_order
     assert first is neighbour_map.output_order  # memoised
     assert neighbour_map.__dict__["_input_order"] is None  # the other side is not sorted with it
-    np.testing.assert_array_equal(first, np.argsort(neighbour_map.output_masks[:, 0], kind="stable"))
+    np.testing.assert_array_equal(first, oracle_order([int(m) for m in neighbour_map.output_masks[:, 0]], 1))
     swapped = neighbour_map.swapped()
     assert swapped.__dict__["_input_order"] is first and swapped.__dict__["_output_order"] is None
     np.testing.assert_array_equal(swapped.output_order, neighbour_map.input_order)
