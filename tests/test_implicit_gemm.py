@@ -23,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsecore.backends import _kernel_fused, kernel_registry, tile_shapes
+from sparsecore.backends import _kernel_fused, _kernel_maps, kernel_registry, tile_shapes
 from sparsecore.backends._kernel_fused import FusedPasses
+from sparsecore.neighbour_map import ROW_PLAN, NeighbourMap, row_order
 
 try:
     from cuda_emulation import fused_twins as twins, harness
@@ -122,6 +123,31 @@ def test_weight_gradient_splits_sum_exactly(target, engine, splits):
     expected = twins.weight_gradient(features, grad_output, neighbour_map.output_neighbours, 1, weight.shape,
                                      dtype_name)
     np.testing.assert_array_equal(bits(target, grad_weight, dtype_name), narrow(expected, dtype_name))
+
+
+def test_weight_gradient_walks_the_row_plans_tile_sets_or_every_tile(target):
+    """Offsets held by few row tiles: the weight gradient over the map's row plan (its per-offset row-tile
+    bit sets, built once with the plan) and over the same order given as int32 (every row tile walked) both
+    equal the exact twin bitwise."""
+    rng = rng_for(49)
+    neighbour_map = random_map(rng, 260, 250, (3, 3), density=0.04)  # 4 row tiles
+    assert _kernel_maps.plan_bit_sets(250, 9, 1)
+    features = twins.small_integers(rng, (260, 3), "float32")
+    weight = twins.small_integers(rng, (2, 9, 3), "float32")
+    grad_output = twins.small_integers(rng, (250, 2), "float32")
+    given = NeighbourMap(neighbour_map.output_neighbours, neighbour_map.output_masks,
+                         row_order(np, neighbour_map.output_masks), neighbour_map.input_neighbours,
+                         neighbour_map.input_masks, row_order(np, neighbour_map.input_masks), 260, 250, (3, 3))
+    expected = narrow(twins.weight_gradient(features, grad_output, neighbour_map.output_neighbours, 1, weight.shape,
+                                            "float32"), "float32")
+    passes = _passes(target, False)
+    for walked in (neighbour_map, given):
+        device_map = on_target(target, walked)
+        _, grad_weight = passes.conv_backward(target.put(grad_output), target.put(features), target.put(weight),
+                                              device_map, 1, splits=3)
+        np.testing.assert_array_equal(target.get(grad_weight), expected)
+    assert target.xp is not np or (ROW_PLAN, "output") in neighbour_map.derived
+    assert (ROW_PLAN, "output") not in given.derived
 
 
 def _within_gemm_bound(actual, exact, abs_sum, dtype_name, tf32, what):
@@ -318,8 +344,8 @@ def test_a_missing_copy_wait_reads_stale_shared_memory():
     expected = narrow(twins.implicit_gemm(features, weight, None, neighbour_map.output_neighbours, 1, "float32"),
                       "float32")
     arguments = (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                 neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1), np.int32(1), np.int32(8),
-                 np.int32(8), np.int32(_UNUSED_FLAG))
+                 neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1), np.int32(1),
+                 np.int32(8), np.int32(8), np.int32(_UNUSED_FLAG))
     out = np.zeros((70, 8), np.float32)
     module.get_function("sc_implicit_gemm<float, sc::Simt>")((2,), (256,), (*arguments, out))
     assert not np.array_equal(out, expected)
@@ -375,8 +401,8 @@ def test_a_barrier_some_threads_skip_fails_as_a_deadlock():
     out = np.zeros((70, 4), np.float32)
     with pytest.raises(harness.BarrierDeadlock, match=r"__syncthreads\(\) in block 0: .* a barrier in a branch"):
         kernel((2,), (256,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                              neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1), np.int32(1),
-                              np.int32(4), np.int32(4), np.int32(0), out))
+                              neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1),
+                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), out))
 
 
 def test_a_barrier_never_reached_times_out():
@@ -389,8 +415,8 @@ def test_a_barrier_never_reached_times_out():
         scratch = np.zeros(_kernel_fused.weight_gradient_scratch_words(3, 2, 4), np.float32)
         with pytest.raises(harness.LaunchTimeout, match=r"still waited when the launch's time ran out"):
             kernel((1,), (256,), (features, np.zeros((70, 4), np.float32), neighbour_map.output_neighbours,
-                                  neighbour_map.output_masks, neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3),
-                                  np.int32(1), np.int32(1), np.int32(4), np.int32(4), np.int32(2), scratch,
+                                  neighbour_map.output_masks, neighbour_map.output_order, np.int32(1), np.int64(70),
+                                  np.int32(3), np.int32(1), np.int32(1), np.int32(4), np.int32(4), np.int32(2), scratch,
                                   np.zeros(weight.shape, np.float32)))
     finally:
         module.set_timeout(harness.LAUNCH_TIMEOUT_SECONDS)
@@ -404,8 +430,8 @@ def test_a_launch_with_the_wrong_block_size_traps():
     kernel = harness.load_module("implicit_gemm.cu").get_function("sc_implicit_gemm<float, sc::Simt>")
     with pytest.raises(harness.KernelTrap, match=r"__trap\(\)"):
         kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                              neighbour_map.output_order, np.int32(1), np.int64(40), np.int32(3), np.int32(1), np.int32(1),
-                              np.int32(4), np.int32(4), np.int32(0), np.zeros((40, 4), np.float32)))
+                              neighbour_map.output_order, np.int32(1), np.int64(40), np.int32(3), np.int32(1),
+                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), np.zeros((40, 4), np.float32)))
 
 
 # ------------------------------------------------------------------------- the TF32 rule

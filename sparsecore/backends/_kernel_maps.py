@@ -24,8 +24,9 @@ sizes an allocation:
 
 The maps' mask-sorted row orders are not sorted here: `sparsecore.neighbour_map.NeighbourMap`
 sorts a side when it is first read, so a pooling layer (whose kernels read the
-tables only) never pays for them. The fused conv passes ask `row_plan` instead,
-once per side: the stable argsort of the masks (int64, as ``xp.argsort`` gives
+tables only) never pays for them. A submanifold map (convolutions only) gets
+its `row_plan` with its build; other maps when a fused conv pass first asks for
+a side's order: the stable argsort of the masks (int64, as ``xp.argsort`` gives
 it) rewritten in place by ``sc_map_row_plan``: the rows of each 64-row tile
 regrouped (`sparsecore.tile_order`) in the low words, the per-offset row-tile
 bit sets of the weight gradient in the high words: two operations, as the
