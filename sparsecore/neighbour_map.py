@@ -162,14 +162,20 @@ class NeighbourMap:
     def swapped(self) -> "NeighbourMap":
         """The map with inputs and outputs exchanged (an inverse conv of a regular one): same offsets.
 
-        Orders not sorted yet stay unsorted (each map sorts its own on first read).
+        Orders not sorted yet stay unsorted (each map sorts its own on first read); row plans built so far
+        are carried over.
         """
         if self.symmetric:
             return self
         stored = self.__dict__
-        return NeighbourMap(self.input_neighbours, self.input_masks, stored["_input_order"], self.output_neighbours,
-                            self.output_masks, stored["_output_order"], self.num_output, self.num_input,
-                            tuple(self.kernel_size), self.identity_offset)
+        swapped = NeighbourMap(self.input_neighbours, self.input_masks, stored["_input_order"],
+                               self.output_neighbours, self.output_masks, stored["_output_order"], self.num_output,
+                               self.num_input, tuple(self.kernel_size), self.identity_offset)
+        for side, other in (("output", "input"), ("input", "output")):  # row plans built so far
+            plan = self.derived.get((ROW_PLAN, other))
+            if plan is not None:
+                swapped.derived[(ROW_PLAN, side)] = plan
+        return swapped
 
 
 class _SortedOnRead:

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import sparsecore as sc
-from sparsecore.neighbour_map import (NeighbourMap, mask_order, mask_words, neighbour_map_from_pairs,
-                                      neighbour_map_of, pairs_from_neighbour_map, row_masks)
+from sparsecore.neighbour_map import (ROW_PLAN, NeighbourMap, mask_order, mask_words, neighbour_map_from_pairs,
+                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_order)
 
 
 try:
@@ -216,3 +216,20 @@ def test_the_constructor_checks_shapes():
         NeighbourMap(table, masks, None, table, masks, None, 3, 3, (3, 3), 4, True)
     with pytest.raises(ValueError, match="input_neighbours must have shape"):
         NeighbourMap(table, masks, None, table[:2], masks[:2], None, 3, 3, (3, 3))
+
+
+def test_an_order_is_read_out_of_a_row_plan_and_plans_follow_a_swap():
+    """A side with a row plan (built by the GPU's passes, `_kernel_maps.row_plan`) gives the plan's low 32-bit
+    words as its order; `swapped` hands each side's plan to the other side."""
+    rng = _rng(7)
+    pair_input, pair_output, starts = _random_pairs(rng, 30, 20, 9)
+    neighbour_map = neighbour_map_from_pairs(np, pair_input, pair_output, starts, 30, 20, (3, 3))
+    expected = neighbour_map_from_pairs(np, pair_input, pair_output, starts, 30, 20, (3, 3)).output_order
+    high = rng.integers(0, 1 << 31, 20).astype(np.int64) << 32  # bit sets in the high words
+    plan = expected.astype(np.int64) | high
+    neighbour_map.derived[(ROW_PLAN, "output")] = plan
+    assert stored_order(neighbour_map, "output") is None
+    order = neighbour_map.output_order
+    assert order.dtype == np.int32 and stored_order(neighbour_map, "output") is order
+    np.testing.assert_array_equal(order, expected)
+    assert neighbour_map.swapped().derived[(ROW_PLAN, "input")] is plan
