@@ -642,7 +642,10 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
     if (tid < mask_words) shared.words[tid] = 0u;
     if (tid < sc::kTileRows) {
       const long long position = row_tile * sc::kTileRows + tid;
-      shared.rows[tid] = position < num_rows ? __ldg(order + position * order_step) : -1;
+      // positions are < 2^31 (the wrapper checks), so position * order_step fits 32 unsigned bits
+      shared.rows[tid] = position < num_rows
+                             ? __ldg(order + static_cast<unsigned int>(position) * static_cast<unsigned int>(order_step))
+                             : -1;
     }
     Engine engine;
     engine.clear();
@@ -721,10 +724,10 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
 //   features   T     [num_input, groups * a]
 //   grad_out   T     [num_rows, groups * b]
 //   neighbours int32 [num_rows, K]       the output side (not reversed)
-//   masks      uint32 [num_rows, mask_words]
 //   order      int32 [num_rows * order_step]  as for sc_implicit_gemm; order_step 2 (a row
 //              plan) with mask_words <= 2 and K * ceil(row_tiles / 32) <= num_rows: the
 //              plan's high words hold the per-offset row-tile bit sets (TileSets)
+//   mask_words the side's mask words (the masks themselves are not read)
 //   splits     row splits per tile (>= 1): split s of offset k walks the s-th of `splits`
 //              equal chunks of the row tiles holding k (every row tile without bit sets)
 //   scratch    Acc   zeroed on entry, layout: partials [tiles * splits * 4096] (used when
@@ -735,8 +738,8 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
 // Staging: features a(c, r) as [r][c] (column-major), grad_out b(r, j) as [r][j].
 template <typename T, typename Math>
 __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __restrict__ grad_out,
-                                   const int* __restrict__ neighbours, const unsigned int* __restrict__ masks,
-                                   const int* __restrict__ order, int order_step, long long num_rows, int volume,
+                                   const int* __restrict__ neighbours, const int* __restrict__ order,
+                                   int order_step, long long num_rows, int volume,
                                    int mask_words, int groups, int in_per_group, int out_per_group, int splits,
                                    typename sc::Accumulator<T>::type* __restrict__ scratch,
                                    T* __restrict__ grad_weight) {
@@ -808,7 +811,9 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
         [&](const Round& round, int buffer) {
           if (tid < sc::kTileRows) {
             const long long position = round.tile * sc::kTileRows + tid;
-            const int row = position < num_rows ? __ldg(order + position * order_step) : -1;
+            const int row = position < num_rows ? __ldg(order + static_cast<unsigned int>(position) *
+                                                                     static_cast<unsigned int>(order_step))
+                                                : -1;
             shared.other[buffer][tid] = row;
             shared.found[buffer][tid] = row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + k) : -1;
           }

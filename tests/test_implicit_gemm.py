@@ -415,7 +415,7 @@ def test_a_barrier_never_reached_times_out():
         scratch = np.zeros(_kernel_fused.weight_gradient_scratch_words(3, 2, 4), np.float32)
         with pytest.raises(harness.LaunchTimeout, match=r"still waited when the launch's time ran out"):
             kernel((1,), (256,), (features, np.zeros((70, 4), np.float32), neighbour_map.output_neighbours,
-                                  neighbour_map.output_masks, neighbour_map.output_order, np.int32(1), np.int64(70),
+                                  neighbour_map.output_order, np.int32(1), np.int64(70),
                                   np.int32(3), np.int32(1), np.int32(1), np.int32(4), np.int32(4), np.int32(2), scratch,
                                   np.zeros(weight.shape, np.float32)))
     finally:

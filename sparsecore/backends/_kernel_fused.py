@@ -306,9 +306,8 @@ class FusedPasses:
         scratch = xp.zeros(weight_gradient_scratch_words(tiles, splits, partial.itemsize), dtype=partial)
         grad_weight = xp.empty(weight.shape, dtype=dtype)
         self._launch("sc_weight_gradient", (dtype_name, math), tiles * splits, threads,
-                     (features, grad_output, output_side.neighbours, output_side.masks, output_side.order,
-                      output_side.order_step, output_side.num_rows, output_side.volume, output_side.mask_words,
-                      np.int32(groups), np.int32(in_per_group), np.int32(out_per_group), np.int32(splits), scratch,
+                     (features, grad_output, output_side.neighbours, output_side.order, output_side.order_step,
+                      output_side.num_rows, output_side.volume, output_side.mask_words, np.int32(groups), np.int32(in_per_group), np.int32(out_per_group), np.int32(splits), scratch,
                       grad_weight))
         return grad_features, grad_weight
 
