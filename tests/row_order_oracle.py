@@ -56,9 +56,7 @@ def oracle_order(masks: list[int], words: int, regroup: bool = True) -> list[int
     for start in range(0, len(order), 64):
         tile: list[int | None] = list(order[start:start + 64])
         tile += [None] * (64 - len(tile))
-        grouped: list[int | None] = []
-        for segment in range(0, 64, 64):
-            grouped += _greedy(tile[segment:segment + 64], masks, 16)
+        grouped = _greedy(tile, masks, 16)
         halves: list[int | None] = []
         for segment in range(0, 64, 16):
             halves += _greedy(grouped[segment:segment + 16], masks, 8)
