@@ -773,7 +773,6 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
 
   struct Round {
     bool valid;
-    long long rank;  // among the row tiles holding the offset
     long long tile;  // the row tile
     int r0;
   };
@@ -800,12 +799,13 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
     const int out_count = out_per_group - j0 < sc::kTileCols ? out_per_group - j0 : sc::kTileCols;
     Engine engine;
     engine.clear();
+    const long long last = first < stop ? sets.at(k, stop - 1) : -1;  // the split's last row tile
     sc::run_rounds(
-        Round{first < stop, first, first < stop ? sets.at(k, first) : -1, 0},
+        Round{first < stop, first < stop ? sets.at(k, first) : -1, 0},
         [&](const Round& round) {
-          if (round.r0 + kStep < sc::kTileRows) return Round{true, round.rank, round.tile, round.r0 + kStep};
-          const bool more = round.rank + 1 < stop;
-          return Round{more, round.rank + 1, more ? sets.after(k, round.tile) : -1, 0};
+          if (round.r0 + kStep < sc::kTileRows) return Round{true, round.tile, round.r0 + kStep};
+          const bool more = round.tile != last;
+          return Round{more, more ? sets.after(k, round.tile) : -1, 0};
         },
         [](const Round& a, const Round& b) { return a.tile == b.tile; },
         [&](const Round& round, int buffer) {
