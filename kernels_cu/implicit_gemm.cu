@@ -3,8 +3,10 @@
 // The map (sparsecore/neighbour_map.py): neighbours int32 [N, K] (the row of the
 // other side paired with row r through offset k, -1 for none), masks uint32
 // [N, W] (bit k % 32 of word k / 32 set where neighbours[r, k] >= 0, W =
-// ceil(K / 32)) and order int32 [N] (the rows stably sorted by mask, so a tile
-// of consecutive rows in that order shares most of its offsets).
+// ceil(K / 32)) and order [N] (the rows sorted by mask, so a tile of consecutive
+// rows in that order shares most of its offsets), read as int32 words
+// order[p * order_step]: order_step 1 for an int32 order, 2 for a row plan
+// (int64 slots whose low words are the order: neighbour_map.cu section 4).
 //
 // Weights stay in spconv's layout [C_out, K, a] (kernel axes flattened, a =
 // C_in / groups, b = C_out / groups) and are read in place with strides: the
@@ -30,11 +32,12 @@
 // sc_weight_gradient: dW_k[g][c][j] = sum over rows o with i = neighbours[o, k] >= 0
 // of features[i, g * a + c] * grad_out[o, g * b + j], over the output side. A
 // block owns (offset, group, 64 x 64 channel tile, split of the offset's row
-// tiles); it walks only the row tiles whose OR mask holds its offset (a per-offset
-// tile list the launch builds in its scratch), its split's partial sums go to
-// scratch, and the last block of a tile to finish (an atomic counter after a
-// __threadfence) sums them in split order and writes dW in the weight layout. The
-// atomics decide who builds or sums, not what: the result is bitwise reproducible.
+// tiles); it walks only the row tiles whose OR mask holds its offset (the map's
+// row plan holds a bit set of them per offset, built once per map:
+// neighbour_map.cu section 4), its split's partial sums go to scratch, and the
+// last block of a tile to finish (an atomic counter after a __threadfence) sums
+// them in split order and writes dW in the weight layout. The atomics decide who
+// sums, not what: the result is bitwise reproducible.
 //
 // Operands reach shared memory in rounds of kStep reduction elements, two stages
 // deep: round r + 1's copies are issued before round r is multiplied (run_rounds).
@@ -473,7 +476,6 @@ struct Shared {
   int found[2][kTileRows];
   int other[2][kTileRows];
   unsigned int words[kMaxMaskWords];
-  int scan[kSimtThreads];
   int flag;
   alignas(128) unsigned char bytes[Engine::kSharedBytes];
 };
@@ -530,43 +532,50 @@ __device__ __forceinline__ void run_rounds(Round round, Next next, SameRows same
   }
 }
 
-// The row tiles (kTileRows rows of `order`) whose OR mask holds offset k, ascending,
-// into list[0, count); returns count. Called by every thread of the block.
-template <typename Engine>
-__device__ __forceinline__ int build_offset_tiles(Shared<Engine>& shared, const unsigned int* __restrict__ masks,
-                                                  const int* __restrict__ order, long long num_rows, int mask_words,
-                                                  int k, int* __restrict__ list) {
-  constexpr int kThreads = Engine::threads;
-  const long long row_tiles = (num_rows + kTileRows - 1) / kTileRows;
-  const int tid = threadIdx.x;
-  const int w = k / 32;
-  const unsigned int bit = 1u << (k % 32);
-  int count = 0;
-  for (long long base = 0; base < row_tiles; base += kThreads) {
-    const long long t = base + tid;
-    int held = 0;
-    if (t < row_tiles) {
-      for (int r = 0; r < kTileRows && !held; ++r) {
-        const long long position = t * kTileRows + r;
-        if (position < num_rows) {
-          held = (__ldg(masks + static_cast<long long>(__ldg(order + position)) * mask_words + w) & bit) != 0u;
-        }
-      }
-    }
-    shared.scan[tid] = held;
-    __syncthreads();
-    for (int step = 1; step < kThreads; step *= 2) {  // inclusive scan, fixed order
-      const int add = tid >= step ? shared.scan[tid - step] : 0;
-      __syncthreads();
-      shared.scan[tid] += add;
-      __syncthreads();
-    }
-    if (held) list[count + shared.scan[tid] - 1] = static_cast<int>(t);
-    count += shared.scan[kThreads - 1];
-    __syncthreads();  // scan is rewritten by the next chunk
+// The per-offset row-tile bit sets of a row plan (neighbour_map.cu section 4): word c of
+// offset k (bit j: row tile 32 c + j holds k) is the high word of slot k * chunks + c.
+struct TileSets {
+  const unsigned int* words;  // nullptr: no bit sets, every row tile is walked
+  long long chunks;
+  long long row_tiles;
+
+  __device__ __forceinline__ unsigned int word(int k, long long c) const {
+    return __ldg(words + 2 * (static_cast<long long>(k) * chunks + c) + 1);
   }
-  return count;
-}
+  // Row tiles holding offset k.
+  __device__ __forceinline__ long long count(int k) const {
+    if (words == nullptr) return row_tiles;
+    long long total = 0;
+    for (long long c = 0; c < chunks; ++c) total += __popc(word(k, c));
+    return total;
+  }
+  // The row tile of rank `rank` (0-based) among those holding k, or -1.
+  __device__ __forceinline__ long long at(int k, long long rank) const {
+    if (words == nullptr) return rank < row_tiles ? rank : -1;
+    for (long long c = 0; c < chunks; ++c) {
+      unsigned int bits = word(k, c);
+      const int held = __popc(bits);
+      if (rank < held) {
+        for (; rank > 0; --rank) bits &= bits - 1u;  // drop the lowest set bits
+        return c * 32 + __ffs(bits) - 1;
+      }
+      rank -= held;
+    }
+    return -1;
+  }
+  // The next row tile after `tile` holding k, or -1.
+  __device__ __forceinline__ long long after(int k, long long tile) const {
+    if (words == nullptr) return tile + 1 < row_tiles ? tile + 1 : -1;
+    long long c = (tile + 1) / 32;
+    if (c >= chunks) return -1;
+    unsigned int bits = (tile + 1) % 32 == 0 ? word(k, c) : word(k, c) & (~0u << ((tile + 1) % 32));
+    while (bits == 0u) {
+      if (++c >= chunks) return -1;
+      bits = word(k, c);
+    }
+    return c * 32 + __ffs(bits) - 1;
+  }
+};
 
 }  // namespace sc
 
@@ -576,7 +585,7 @@ __device__ __forceinline__ int build_offset_tiles(Shared<Engine>& shared, const 
 //   bias       T      [groups * b]               read when flags & 4 (forward only); else any array
 //   neighbours int32  [num_rows, K]              the written side's table (-1: none)
 //   masks      uint32 [num_rows, mask_words]     mask_words <= kMaxMaskWords
-//   order      int32  [num_rows]                 a permutation of the rows
+//   order      int32  [num_rows * order_step]    a permutation of the rows at order[p * order_step]
 //   flags      1: reversed offsets (table column k is weight offset K - 1 - k),
 //              2: transposed weights (the input gradient: M_k = W_k^T), 4: add the bias
 //   out        T      [num_rows, groups * D]     every row written once (D = b forward, a transposed)
@@ -587,8 +596,8 @@ template <typename T, typename Math>
 __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restrict__ weight,
                                  const T* __restrict__ bias, const int* __restrict__ neighbours,
                                  const unsigned int* __restrict__ masks, const int* __restrict__ order,
-                                 long long num_rows, int volume, int mask_words, int groups, int in_per_group,
-                                 int out_per_group, int flags, T* __restrict__ out) {
+                                 int order_step, long long num_rows, int volume, int mask_words, int groups,
+                                 int in_per_group, int out_per_group, int flags, T* __restrict__ out) {
   using Engine = typename sc::EngineOf<T, Math, true>::type;
   using Geometry = typename Engine::Geometry;
   using Acc = typename Engine::Acc;
@@ -633,7 +642,10 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
     if (tid < mask_words) shared.words[tid] = 0u;
     if (tid < sc::kTileRows) {
       const long long position = row_tile * sc::kTileRows + tid;
-      shared.rows[tid] = position < num_rows ? __ldg(order + position) : -1;
+      // positions are < 2^31 (the wrapper checks), so position * order_step fits 32 unsigned bits
+      shared.rows[tid] = position < num_rows
+                             ? __ldg(order + static_cast<unsigned int>(position) * static_cast<unsigned int>(order_step))
+                             : -1;
     }
     Engine engine;
     engine.clear();
@@ -712,25 +724,23 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
 //   features   T     [num_input, groups * a]
 //   grad_out   T     [num_rows, groups * b]
 //   neighbours int32 [num_rows, K]       the output side (not reversed)
-//   masks      uint32 [num_rows, mask_words]
-//   order      int32 [num_rows]
+//   order      int32 [num_rows * order_step]  as for sc_implicit_gemm; order_step 2 (a row
+//              plan) with mask_words <= 2 and K * ceil(row_tiles / 32) <= num_rows: the
+//              plan's high words hold the per-offset row-tile bit sets (TileSets)
+//   mask_words the side's mask words (the masks themselves are not read)
 //   splits     row splits per tile (>= 1): split s of offset k walks the s-th of `splits`
-//              equal chunks of the row tiles whose OR mask holds k (its tile list)
-//   scratch    Acc   zeroed on entry, layout (32-bit words after the partials):
-//              partials [tiles * splits * 4096] (used when splits > 1), then
-//              counters [tiles], flags [K], counts [K], lists [K * row_tiles]; the
-//              counters are left zero on exit
+//              equal chunks of the row tiles holding k (every row tile without bit sets)
+//   scratch    Acc   zeroed on entry, layout: partials [tiles * splits * 4096] (used when
+//              splits > 1), then 32-bit counters [tiles], left zero on exit
 //   grad_weight T    [groups * b, K, a]  every element written once
 // tiles = K * groups * ceil(a / 64) * ceil(b / 64); work items = tiles * splits, offsets
-// fastest (so the first blocks cover every offset). The first block to reach an
-// offset builds its tile list in scratch (a flag: 0 none, 1 building, 2 built) while
-// the offset's other blocks wait for it; the builder is running, so the wait ends.
+// fastest (so the first blocks cover every offset).
 // Staging: features a(c, r) as [r][c] (column-major), grad_out b(r, j) as [r][j].
 template <typename T, typename Math>
 __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __restrict__ grad_out,
-                                   const int* __restrict__ neighbours, const unsigned int* __restrict__ masks,
-                                   const int* __restrict__ order, long long num_rows, int volume, int mask_words,
-                                   int groups, int in_per_group, int out_per_group, int splits,
+                                   const int* __restrict__ neighbours, const int* __restrict__ order,
+                                   int order_step, long long num_rows, int volume,
+                                   int mask_words, int groups, int in_per_group, int out_per_group, int splits,
                                    typename sc::Accumulator<T>::type* __restrict__ scratch,
                                    T* __restrict__ grad_weight) {
   using Engine = typename sc::EngineOf<T, Math, false>::type;
@@ -745,14 +755,14 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
   const int out_tiles = (out_per_group + sc::kTileCols - 1) / sc::kTileCols;
   const long long tiles = static_cast<long long>(volume) * groups * in_tiles * out_tiles;
   const long long row_tiles = (num_rows + sc::kTileRows - 1) / sc::kTileRows;
+  const long long chunks = (row_tiles + 31) / 32;
+  const bool bit_sets = order_step == 2 && mask_words <= 2 && static_cast<long long>(volume) * chunks <= num_rows;
+  const sc::TileSets sets{bit_sets ? reinterpret_cast<const unsigned int*>(order) : nullptr, chunks, row_tiles};
   const long long in_pitch = static_cast<long long>(groups) * in_per_group;
   const long long out_pitch = static_cast<long long>(groups) * out_per_group;
   Acc* partials = scratch;
   unsigned int* counters =
       reinterpret_cast<unsigned int*>(partials + (splits > 1 ? tiles * splits * sc::kTileElements : 0));
-  unsigned int* flags = counters + tiles;
-  int* counts = reinterpret_cast<int*>(flags + volume);
-  int* lists = counts + volume;
   const bool vector_a = sc::aligned16(features) && in_pitch % kVector == 0 && in_per_group % kVector == 0;
   const bool vector_b = sc::aligned16(grad_out) && out_pitch % kVector == 0 && out_per_group % kVector == 0;
   const int tid = threadIdx.x;
@@ -763,7 +773,7 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
 
   struct Round {
     bool valid;
-    long long position;  // in the offset's tile list
+    long long tile;  // the row tile
     int r0;
   };
 
@@ -779,29 +789,7 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
     const long long tile = ((static_cast<long long>(k) * groups + g) * in_tiles + in_tile) * out_tiles + out_tile;
     const int c0 = in_tile * sc::kTileRows;
     const int j0 = out_tile * sc::kTileCols;
-    int* list = lists + static_cast<long long>(k) * row_tiles;
-    if (tid == 0) {  // the offset's tile list: build it, wait for it, or find it built
-      unsigned int state = atomicCAS(flags + k, 0u, 1u);
-      if (state == 1u) {
-        while (atomicAdd(flags + k, 0u) != 2u) {
-        }
-      }
-      shared.flag = state == 0u;
-    }
-    __syncthreads();
-    if (shared.flag) {  // block-uniform
-      const int count = sc::build_offset_tiles(shared, masks, order, num_rows, mask_words, k, list);
-      __threadfence();  // the list and its count before the flag
-      __syncthreads();
-      if (tid == 0) {
-        counts[k] = count;
-        __threadfence();
-        atomicExch(flags + k, 2u);
-      }
-    }
-    __threadfence();
-    __syncthreads();
-    const long long count = __ldcg(counts + k);
+    const long long count = sets.count(k);  // the same in every thread
     const long long per_split = (count + splits - 1) / splits;
     const long long first = split * per_split;
     const long long stop = first + per_split < count ? first + per_split : count;
@@ -811,17 +799,21 @@ __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __re
     const int out_count = out_per_group - j0 < sc::kTileCols ? out_per_group - j0 : sc::kTileCols;
     Engine engine;
     engine.clear();
+    const long long last = first < stop ? sets.at(k, stop - 1) : -1;  // the split's last row tile
     sc::run_rounds(
-        Round{first < stop, first, 0},
+        Round{first < stop, first < stop ? sets.at(k, first) : -1, 0},
         [&](const Round& round) {
-          if (round.r0 + kStep < sc::kTileRows) return Round{true, round.position, round.r0 + kStep};
-          return Round{round.position + 1 < stop, round.position + 1, 0};
+          if (round.r0 + kStep < sc::kTileRows) return Round{true, round.tile, round.r0 + kStep};
+          const bool more = round.tile != last;
+          return Round{more, more ? sets.after(k, round.tile) : -1, 0};
         },
-        [](const Round& a, const Round& b) { return a.position == b.position; },
+        [](const Round& a, const Round& b) { return a.tile == b.tile; },
         [&](const Round& round, int buffer) {
           if (tid < sc::kTileRows) {
-            const long long position = static_cast<long long>(__ldcg(list + round.position)) * sc::kTileRows + tid;
-            const int row = position < num_rows ? __ldg(order + position) : -1;
+            const long long position = round.tile * sc::kTileRows + tid;
+            const int row = position < num_rows ? __ldg(order + static_cast<unsigned int>(position) *
+                                                                     static_cast<unsigned int>(order_step))
+                                                : -1;
             shared.other[buffer][tid] = row;
             shared.found[buffer][tid] = row >= 0 ? __ldg(neighbours + static_cast<long long>(row) * volume + k) : -1;
           }

@@ -55,6 +55,22 @@
 //         of its key's run), both masks from the rows written.
 //    Output rows are the distinct valid keys in increasing key order (the
 //    CPU builders' order).
+//
+// 4. A side's row plan (sc_map_row_plan; sparsecore.tile_order, _kernel_maps.row_plan),
+//    in place over plan int64 [N], the rows stably sorted by mask (xp.argsort): each
+//    slot keeps its row in its low 32-bit word (rows < 2^31, so the high word is 0).
+//    One thread per row tile of 64 positions regroups the tile's rows (two greedy
+//    passes: 16-row groups, then 8-row halves of each; kept only where neither the
+//    8-row nor the 16-row slices hold more offsets than in the sort;
+//    sparsecore/tile_order.py holds the rule and its NumPy twin) and writes them back
+//    into the same slots' low words.
+//    A block owns 32 consecutive tiles (a chunk c) and, when volume * C <= N (C =
+//    ceil(tiles / 32)), writes the high word of slot k * C + c: bit j set when tile
+//    32 c + j holds offset k in a row's mask (the per-offset row-tile bit sets the
+//    weight gradient walks). Low words are written only by their tile's thread, high
+//    words only by their chunk's block: no two threads write the same 32-bit word,
+//    and a thread reads only low words. Masks of more than kPlanWords words are not
+//    regrouped (the host does not launch: the plan stays the sort).
 
 #include "sc_common.cuh"
 #include "sc_hash.cuh"
@@ -400,4 +416,146 @@ __global__ void sc_map_strided_capacity(const int* __restrict__ indices, long lo
     sc::strided_item(indices, n, ndim, batch_size, geometry, transposed, volume, words, order, ranks, total,
                      capacity, output_indices, output_neighbours, output_masks, input_neighbours, input_masks, e);
   });
+}
+
+namespace sc {
+
+constexpr int kPlanTileRows = 64;  // sc::kTileRows of implicit_gemm.cu
+constexpr int kPlanThreads = 32;   // threads (tiles) of a block: one bit-set word
+constexpr int kPlanWords = 2;      // sparsecore.tile_order.MAX_REGROUP_WORDS
+
+// Shared memory of sc_map_row_plan: per thread (last index) its tile's slots (the
+// sorted positions 0..63): row, mask words and offset count; the arrangement of
+// slots (-1: none) and the next pass's; the tile's OR mask.
+struct PlanShared {
+  int row[kPlanTileRows][kPlanThreads];
+  unsigned int mask[kPlanWords][kPlanTileRows][kPlanThreads];
+  int count[kPlanTileRows][kPlanThreads];
+  signed char arrangement[kPlanTileRows][kPlanThreads];
+  signed char next[kPlanTileRows][kPlanThreads];
+  unsigned int tile_or[kPlanWords][kPlanThreads];
+};
+
+// One greedy pass of sparsecore.tile_order over thread `tid`'s arrangement: each segment of
+// `segment` positions into groups of `group` rows (seed: most offsets; then fewest new
+// offsets, most offsets, earliest position); -1 entries go after the segment's rows.
+__device__ __forceinline__ void plan_pass(PlanShared& shared, int tid, int words, int segment, int group) {
+  const int most = 32 * words + 1;
+  for (int s0 = 0; s0 < kPlanTileRows; s0 += segment) {
+    unsigned long long taken = 0ull;
+    for (int p = 0; p < segment; ++p) {
+      if (shared.arrangement[s0 + p][tid] < 0) taken |= 1ull << p;
+    }
+    unsigned int held[kPlanWords] = {0u, 0u};
+    for (int pick = 0; pick < segment; ++pick) {
+      if (pick % group == 0) {
+        held[0] = 0u;
+        held[1] = 0u;
+      }
+      int best = -1;
+      int best_key = 0;
+      for (int p = 0; p < segment; ++p) {
+        if ((taken >> p) & 1ull) continue;
+        const int slot = shared.arrangement[s0 + p][tid];
+        const int count = shared.count[slot][tid];
+        int key;
+        if (pick % group == 0) {
+          key = (most - count) * segment + p;
+        } else {
+          int growth = 0;
+          for (int w = 0; w < words; ++w) growth += __popc(shared.mask[w][slot][tid] & ~held[w]);
+          key = (growth * most + (most - count)) * segment + p;
+        }
+        if (best < 0 || key < best_key) {
+          best = p;
+          best_key = key;
+        }
+      }
+      if (best < 0) {
+        shared.next[s0 + pick][tid] = -1;
+        continue;
+      }
+      const int slot = shared.arrangement[s0 + best][tid];
+      taken |= 1ull << best;
+      for (int w = 0; w < words; ++w) held[w] |= shared.mask[w][slot][tid];
+      shared.next[s0 + pick][tid] = static_cast<signed char>(slot);
+    }
+  }
+  for (int p = 0; p < kPlanTileRows; ++p) shared.arrangement[p][tid] = shared.next[p][tid];
+}
+
+// The offsets held by thread `tid`'s 8-row slices (summed) plus (1 << 20) times those held by its
+// 16-row slices, for its arrangement (`sorted`: the identity, slots in sorted order).
+__device__ __forceinline__ long long plan_slice_counts(const PlanShared& shared, int tid, int words, bool sorted) {
+  long long eight = 0;
+  long long sixteen = 0;
+  for (int w = 0; w < words; ++w) {
+    for (int s = 0; s < kPlanTileRows; s += 16) {
+      unsigned int halves[2] = {0u, 0u};
+      for (int p = 0; p < 16; ++p) {
+        const int slot = sorted ? s + p : shared.arrangement[s + p][tid];
+        if (slot >= 0) halves[p / 8] |= shared.mask[w][slot][tid];  // a missing row's mask is 0
+      }
+      eight += __popc(halves[0]) + __popc(halves[1]);
+      sixteen += __popc(halves[0] | halves[1]);
+    }
+  }
+  return eight + (sixteen << 20);
+}
+
+}  // namespace sc
+
+// Section 4: a side's row plan, in place. Launch with kPlanThreads threads per block, any grid.
+__global__ void sc_map_row_plan(const unsigned int* __restrict__ masks, long long num_rows, int mask_words,
+                                int volume, long long* plan) {
+  if (blockDim.x != sc::kPlanThreads || mask_words > sc::kPlanWords) __trap();
+  __shared__ sc::PlanShared shared;
+  int* low = reinterpret_cast<int*>(plan);  // slot p: low word 2 p, high word 2 p + 1
+  const int tid = threadIdx.x;
+  const long long tiles = (num_rows + sc::kPlanTileRows - 1) / sc::kPlanTileRows;
+  const long long chunks = (tiles + sc::kPlanThreads - 1) / sc::kPlanThreads;
+  const bool bit_sets = static_cast<long long>(volume) * chunks <= num_rows;
+  for (long long chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+    const long long tile = chunk * sc::kPlanThreads + tid;
+    const long long first = tile * sc::kPlanTileRows;
+    const int rows = tile < tiles ? static_cast<int>(num_rows - first < sc::kPlanTileRows ? num_rows - first
+                                                                                             : sc::kPlanTileRows)
+                                  : 0;
+    unsigned int tile_or[sc::kPlanWords] = {0u, 0u};
+    for (int j = 0; j < sc::kPlanTileRows; ++j) {
+      const bool valid = j < rows;
+      const int row = valid ? low[2 * (first + j)] : -1;
+      int count = 0;
+      for (int w = 0; w < sc::kPlanWords; ++w) {
+        const unsigned int word = valid && w < mask_words ? __ldg(masks + static_cast<long long>(row) * mask_words + w)
+                                                          : 0u;
+        shared.mask[w][j][tid] = word;
+        tile_or[w] |= word;
+        count += __popc(word);
+      }
+      shared.row[j][tid] = row;
+      shared.count[j][tid] = count;
+      shared.arrangement[j][tid] = static_cast<signed char>(valid ? j : -1);
+    }
+    const long long before = sc::plan_slice_counts(shared, tid, mask_words, true);
+    sc::plan_pass(shared, tid, mask_words, sc::kPlanTileRows, 16);
+    sc::plan_pass(shared, tid, mask_words, 16, 8);
+    const long long after = sc::plan_slice_counts(shared, tid, mask_words, false);
+    const bool keep = (after & 0xFFFFF) <= (before & 0xFFFFF) && (after >> 20) <= (before >> 20);
+    if (keep) {
+      for (int p = 0; p < rows; ++p) low[2 * (first + p)] = shared.row[shared.arrangement[p][tid]][tid];
+    }
+    for (int w = 0; w < sc::kPlanWords; ++w) shared.tile_or[w][tid] = tile_or[w];
+    __syncthreads();
+    if (bit_sets) {
+      for (int k = tid; k < volume; k += sc::kPlanThreads) {
+        unsigned int bits = 0u;
+        for (int j = 0; j < sc::kPlanThreads; ++j) {
+          bits |= ((shared.tile_or[k >> 5][j] >> (k & 31)) & 1u) << j;  // tiles past the end hold nothing
+        }
+        low[2 * (static_cast<long long>(k) * chunks + chunk) + 1] = static_cast<int>(bits);
+      }
+    }
+    __syncthreads();  // tile_or is rewritten by the next chunk
+  }
 }

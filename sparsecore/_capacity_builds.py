@@ -23,7 +23,7 @@ from .backends import ArrayBackend
 from .capacity import CapacityStatus, true_rows
 from .geometry import ConvGeometry
 from .hashing import check_packable
-from .neighbour_map import NeighbourMap
+from .neighbour_map import ROW_PLAN, NeighbourMap
 from .pair_map import PairMap
 
 __all__ = ["capacity_rulebook", "exact_of", "padded_rows"]
@@ -40,6 +40,7 @@ def _kernel_rulebook(Rulebook: type, indices: Any, shape: tuple[int, ...], out_s
                                                               geometry.dilation, check, skip_padding=True)
         neighbour_map = NeighbourMap(neighbours, masks, None, None, None, None, count, count,
                                      tuple(geometry.kernel_size), geometry.kernel_volume // 2, True)
+        neighbour_map.derived[(ROW_PLAN, "output")] = backend.row_plan(masks, geometry.kernel_volume)
         status = None if problems is None else CapacityStatus(layer, count, None, problems, indices, shape, batch)
         return Rulebook(geometry, shape, shape, batch, indices, indices, stored_map=neighbour_map, capacity=status)
     if check:

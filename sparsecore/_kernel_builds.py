@@ -25,7 +25,7 @@ from .backends import ArrayBackend, backend_for
 from .geometry import ConvGeometry
 from .hashing import check_packable, pack_keys
 from .interop import INT64_MAX, check_indices_in_range, check_unique_sites
-from .neighbour_map import NeighbourMap
+from .neighbour_map import ROW_PLAN, NeighbourMap
 
 __all__ = ["builds_neighbour_maps", "submanifold_neighbour_map", "strided_neighbour_map", "check_sites",
            "raise_site_problems", "raise_duplicate"]
@@ -72,8 +72,11 @@ def submanifold_neighbour_map(indices: Any, shape: tuple[int, ...], batch: int, 
         if bits:
             raise_site_problems(bits, indices, shape, batch, backend, _reach(geometry))
     count = int(indices.shape[0])
-    return NeighbourMap(neighbours, masks, None, None, None, None, count, count, tuple(geometry.kernel_size),
-                        geometry.kernel_volume // 2, True)
+    neighbour_map = NeighbourMap(neighbours, masks, None, None, None, None, count, count,
+                                 tuple(geometry.kernel_size), geometry.kernel_volume // 2, True)
+    # a submanifold map serves convolutions only: its row plan is built with it (two operations)
+    neighbour_map.derived[(ROW_PLAN, "output")] = backend.row_plan(masks, geometry.kernel_volume)
+    return neighbour_map
 
 
 def strided_neighbour_map(indices: Any, shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int,

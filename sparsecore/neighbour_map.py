@@ -14,17 +14,23 @@ out per row:
   words, bit ``k % 32`` of word ``k // 32``) and ``output_order`` /
   ``input_order`` the rows stably sorted by mask, so a tile of consecutive rows
   in that order shares most of its offsets and a kernel skips the offsets no
-  row of its tile has.
+  row of its tile has; inside each 64-row tile the rows are then regrouped
+  into 16- and 8-row slices of similar masks (`sparsecore.tile_order`), the
+  slices the kernels' warps skip offsets by.
 
 A submanifold map is symmetric (``input_neighbours[i, k] == output_neighbours[i, K - 1 - k]``),
 so it stores one side only (``symmetric=True``; ``input_neighbours`` and the
 input masks and order are None) and the input gradient reads the output side
 with the offsets reversed.
 
-The row orders are sorted when first read (`mask_order`, memoised on the map)
+The row orders are sorted when first read (`row_order`, memoised on the map)
 unless a builder gave them: only a kernel that tiles rows by mask asks for
 them, so a pooling layer, whose kernels read the tables alone, never pays for
 the sort, and the input side's order is sorted by the first input gradient.
+The GPU's fused passes build a side's order as a row plan instead
+(``sparsecore.backends._kernel_maps.row_plan``: the same order, and per-offset
+row-tile bit sets for the weight gradient, kept in ``derived`` under
+`ROW_PLAN`); the attribute reads the order out of a plan when there is one.
 
 This module holds the value and its two conversions, written once against
 ``xp`` (NumPy or CuPy): `neighbour_map_from_pairs` (a map for any pair map,
@@ -43,6 +49,7 @@ from typing import Any
 import numpy
 
 from .interop import array_module
+from .tile_order import regroup_tiles
 
 __all__ = [
     "NeighbourMap",
@@ -52,7 +59,12 @@ __all__ = [
     "neighbour_map_of",
     "row_masks",
     "mask_order",
+    "row_order",
+    "stored_order",
+    "ROW_PLAN",
 ]
+
+ROW_PLAN = "row plan"  # NeighbourMap.derived[(ROW_PLAN, side)]: a side's int64 row plan (see _kernel_maps.row_plan)
 
 
 def mask_words(kernel_volume: int) -> int:
@@ -69,9 +81,11 @@ class NeighbourMap:
             row ``o`` through offset ``k``, or -1.
         output_masks: uint32 ``[N_out, W]`` (``W = mask_words(K)``): bit ``k % 32``
             of word ``k // 32`` is set exactly when ``output_neighbours[o, k] >= 0``.
-        output_order: int32 ``[N_out]``: the output rows stably sorted by mask
-            (by word 0, then word 1, ...): a permutation of ``range(N_out)``.
-            Sorted from the masks when first read if the map was made with None.
+        output_order: int32 ``[N_out]``: a permutation of ``range(N_out)`` that
+            puts rows of similar masks together (`row_order`: stably sorted by
+            mask, word 0 first, then regrouped inside each 64-row tile); any
+            permutation is valid. Made from the masks when first read if the map
+            was made with None.
         input_neighbours: int32 ``[N_in, K]``: the output row fed by input row
             ``i`` through offset ``k``, or -1; None when ``symmetric``.
         input_masks: uint32 ``[N_in, W]`` of ``input_neighbours``; None when ``symmetric``.
@@ -148,14 +162,20 @@ class NeighbourMap:
     def swapped(self) -> "NeighbourMap":
         """The map with inputs and outputs exchanged (an inverse conv of a regular one): same offsets.
 
-        Orders not sorted yet stay unsorted (each map sorts its own on first read).
+        Orders not sorted yet stay unsorted (each map sorts its own on first read); row plans built so far
+        are carried over.
         """
         if self.symmetric:
             return self
         stored = self.__dict__
-        return NeighbourMap(self.input_neighbours, self.input_masks, stored["_input_order"], self.output_neighbours,
-                            self.output_masks, stored["_output_order"], self.num_output, self.num_input,
-                            tuple(self.kernel_size), self.identity_offset)
+        swapped = NeighbourMap(self.input_neighbours, self.input_masks, stored["_input_order"],
+                               self.output_neighbours, self.output_masks, stored["_output_order"], self.num_output,
+                               self.num_input, tuple(self.kernel_size), self.identity_offset)
+        for side, other in (("output", "input"), ("input", "output")):  # row plans built so far
+            plan = self.derived.get((ROW_PLAN, other))
+            if plan is not None:
+                swapped.derived[(ROW_PLAN, side)] = plan
+        return swapped
 
 
 class _SortedOnRead:
@@ -174,7 +194,11 @@ class _SortedOnRead:
             masks = getattr(instance, f"{self.side}_masks")
             if masks is None:  # the input side of a symmetric map
                 return None
-            order = mask_order(array_module(masks), masks)
+            plan = instance.derived.get((ROW_PLAN, self.side))
+            if plan is not None:  # the order is the plan's low words (one cast)
+                order = plan.astype(array_module(plan).int32)
+            else:
+                order = row_order(array_module(masks), masks)
             instance.__dict__[self.slot] = order
         return order
 
@@ -201,6 +225,28 @@ def row_masks(xp: Any, neighbours: Any) -> Any:
     return (padded.reshape(rows, words, 32) * bits).sum(axis=2, dtype=xp.uint32).astype(xp.uint32)
 
 
+def stored_order(neighbour_map: NeighbourMap, side: str) -> Any:
+    """The ``"output"`` or ``"input"`` order of a map if it was given or already made, else None (never sorts)."""
+    return neighbour_map.__dict__.get(f"_{side}_order")
+
+
+def row_order(xp: Any, masks: Any) -> Any:
+    """int32 ``[N]``: a side's row order, its masks' `mask_order` regrouped inside each row tile
+    (`sparsecore.tile_order.regroup_tiles`)."""
+    return regroup_tiles(xp, masks, sorted_rows(xp, masks))
+
+
+def sorted_rows(xp: Any, masks: Any) -> Any:
+    """int64 ``[N]``: `mask_order` before its cast to int32 (what ``xp.argsort`` returns)."""
+    rows, words = int(masks.shape[0]), int(masks.shape[1])
+    if words == 1:
+        return xp.argsort(masks.reshape(rows), kind="stable")
+    order = xp.argsort(masks[:, words - 1], kind="stable")
+    for word in range(words - 2, -1, -1):
+        order = order[xp.argsort(masks[order, word], kind="stable")]
+    return order
+
+
 def mask_order(xp: Any, masks: Any) -> Any:
     """int32 ``[N]`` rows stably sorted by their uint32 ``[N, W]`` masks (word 0 first).
 
@@ -210,13 +256,7 @@ def mask_order(xp: Any, masks: Any) -> Any:
     lexicographic sort that needs no multi-key sort (CuPy's ``lexsort`` takes
     two-dimensional keys only).
     """
-    rows, words = int(masks.shape[0]), int(masks.shape[1])
-    if words == 1:
-        return xp.argsort(masks.reshape(rows), kind="stable").astype(xp.int32)
-    order = xp.argsort(masks[:, words - 1], kind="stable")
-    for word in range(words - 2, -1, -1):
-        order = order[xp.argsort(masks[order, word], kind="stable")]
-    return order.astype(xp.int32)
+    return sorted_rows(xp, masks).astype(xp.int32)
 
 
 def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_starts: tuple[int, ...],

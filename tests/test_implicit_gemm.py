@@ -23,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsecore.backends import _kernel_fused, kernel_registry, tile_shapes
+from sparsecore.backends import _kernel_fused, _kernel_maps, kernel_registry, tile_shapes
 from sparsecore.backends._kernel_fused import FusedPasses
+from sparsecore.neighbour_map import ROW_PLAN, NeighbourMap, row_order
 
 try:
     from cuda_emulation import fused_twins as twins, harness
@@ -124,6 +125,31 @@ def test_weight_gradient_splits_sum_exactly(target, engine, splits):
     np.testing.assert_array_equal(bits(target, grad_weight, dtype_name), narrow(expected, dtype_name))
 
 
+def test_weight_gradient_walks_the_row_plans_tile_sets_or_every_tile(target):
+    """Offsets held by few row tiles: the weight gradient over the map's row plan (its per-offset row-tile
+    bit sets, built once with the plan) and over the same order given as int32 (every row tile walked) both
+    equal the exact twin bitwise."""
+    rng = rng_for(49)
+    neighbour_map = random_map(rng, 260, 250, (3, 3), density=0.04)  # 4 row tiles
+    assert _kernel_maps.plan_bit_sets(250, 9, 1)
+    features = twins.small_integers(rng, (260, 3), "float32")
+    weight = twins.small_integers(rng, (2, 9, 3), "float32")
+    grad_output = twins.small_integers(rng, (250, 2), "float32")
+    given = NeighbourMap(neighbour_map.output_neighbours, neighbour_map.output_masks,
+                         row_order(np, neighbour_map.output_masks), neighbour_map.input_neighbours,
+                         neighbour_map.input_masks, row_order(np, neighbour_map.input_masks), 260, 250, (3, 3))
+    expected = narrow(twins.weight_gradient(features, grad_output, neighbour_map.output_neighbours, 1, weight.shape,
+                                            "float32"), "float32")
+    passes = _passes(target, False)
+    for walked in (neighbour_map, given):
+        device_map = on_target(target, walked)
+        _, grad_weight = passes.conv_backward(target.put(grad_output), target.put(features), target.put(weight),
+                                              device_map, 1, splits=3)
+        np.testing.assert_array_equal(target.get(grad_weight), expected)
+    assert target.xp is not np or (ROW_PLAN, "output") in neighbour_map.derived
+    assert (ROW_PLAN, "output") not in given.derived
+
+
 def _within_gemm_bound(actual, exact, abs_sum, dtype_name, tf32, what):
     error = np.abs(actual.astype(np.float64) - exact)
     bound = twins.gemm_error_bound(abs_sum, dtype_name, tf32)
@@ -183,10 +209,13 @@ def test_one_launch_forward_two_backward_in_the_engine_configuration(target, eng
     # SIMT in every dtype; the weight gradient runs on the dtype's engine
     math, threads = _kernel_fused.engine_of(dtype_name, tf32)
     type_name = kernel_registry.cuda_type_name(dtype_name)
-    assert [(record.expression, record.block) for record in launcher.records] == [
+    records = [record for record in launcher.records if record.expression != "sc_map_row_plan"]
+    plans = [(record.expression, record.block) for record in launcher.records if record not in records]
+    assert plans in ([], [("sc_map_row_plan", 32)] * 2)  # each side's row plan, unless its order was given
+    assert [(record.expression, record.block) for record in records] == [
         (f"sc_implicit_gemm<{type_name}, sc::Simt>", 256), (f"sc_implicit_gemm<{type_name}, sc::Simt>", 256),
         (f"sc_weight_gradient<{type_name}, {math}>", threads)]
-    assert all(record.grid == 2 for record in launcher.records)
+    assert all(record.grid == 2 for record in records)
     assert threads == (128 if math == "sc::Wmma" else 256)
     assert _kernel_fused.engine_of(dtype_name, tf32, 9) == (math, threads)  # 9 channels: the dtype's engine
 
@@ -207,8 +236,8 @@ def test_empty_maps_and_channels_launch_nothing(target):
     out = passes.conv_forward(target.put(np.zeros((0, 3), np.float32)), target.put(np.ones((4, 3, 3), np.float32)),
                               outputs_only, target.put(bias), 1)
     np.testing.assert_array_equal(target.get(out), np.tile(bias, (6, 1)))
-    assert launcher.records == [] or {record.expression.split("<")[0] for record in launcher.records} == {
-        "sc_implicit_gemm"}
+    assert {record.expression.split("<")[0] for record in launcher.records} <= {"sc_implicit_gemm",
+                                                                                "sc_map_row_plan"}
 
 
 def test_weight_gradient_splits_fill_two_waves_within_the_scratch_cap():
@@ -222,10 +251,10 @@ def test_weight_gradient_splits_fill_two_waves_within_the_scratch_cap():
         output_bytes = rows * channels * itemsize
         splits = tile_shapes.weight_gradient_splits(row_tiles, tiles, itemsize, output_bytes, blocks_per_sm, sms)
         assert tiles * splits >= 2 * sms * blocks_per_sm or splits == row_tiles, (rows, channels, splits)
-        words = _kernel_fused.weight_gradient_scratch_words(tiles, splits, 27, row_tiles, itemsize)
+        words = _kernel_fused.weight_gradient_scratch_words(tiles, splits, itemsize)
         partials = tiles * splits * _kernel_fused.TILE_ELEMENTS * itemsize
         assert partials <= tile_shapes.scratch_cap(output_bytes), (rows, channels, partials)
-        assert words * itemsize - partials == 4 * (tiles + 2 * 27 + 27 * row_tiles)  # counters, flags, lists
+        assert words * itemsize - partials == -(-4 * tiles // itemsize) * itemsize  # a counter per tile
     # the cap binds (here on a GPU of 1,000 multiprocessors): the partials stay within max(64 MiB, the output
     # gradient), and where even two splits would not fit there is one (no partials at all)
     tiles = _kernel_fused.weight_gradient_tiles(27, 1, 256, 256)
@@ -315,8 +344,8 @@ def test_a_missing_copy_wait_reads_stale_shared_memory():
     expected = narrow(twins.implicit_gemm(features, weight, None, neighbour_map.output_neighbours, 1, "float32"),
                       "float32")
     arguments = (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                 neighbour_map.output_order, np.int64(70), np.int32(3), np.int32(1), np.int32(1), np.int32(8),
-                 np.int32(8), np.int32(_UNUSED_FLAG))
+                 neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1), np.int32(1),
+                 np.int32(8), np.int32(8), np.int32(_UNUSED_FLAG))
     out = np.zeros((70, 8), np.float32)
     module.get_function("sc_implicit_gemm<float, sc::Simt>")((2,), (256,), (*arguments, out))
     assert not np.array_equal(out, expected)
@@ -336,7 +365,7 @@ def _emulated_module(source: str):
 
 
 _EARLY_BARRIER = "    engine.clear();\n    __syncthreads();\n"
-_WEIGHT_BARRIER = "      shared.flag = state == 0u;\n    }\n    __syncthreads();\n"
+_WEIGHT_BARRIER = "    __threadfence();  // this split's partials before its count\n    __syncthreads();\n"
 
 
 _COPY_WAIT = "      wait_copies<1>();  // this round's copies have landed\n"
@@ -372,8 +401,8 @@ def test_a_barrier_some_threads_skip_fails_as_a_deadlock():
     out = np.zeros((70, 4), np.float32)
     with pytest.raises(harness.BarrierDeadlock, match=r"__syncthreads\(\) in block 0: .* a barrier in a branch"):
         kernel((2,), (256,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                              neighbour_map.output_order, np.int64(70), np.int32(3), np.int32(1), np.int32(1),
-                              np.int32(4), np.int32(4), np.int32(0), out))
+                              neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1),
+                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), out))
 
 
 def test_a_barrier_never_reached_times_out():
@@ -383,11 +412,11 @@ def test_a_barrier_never_reached_times_out():
         neighbour_map = random_map(rng_for(47), 80, 70, (3,))
         features, weight = _simt_arguments(neighbour_map)
         kernel = module.get_function("sc_weight_gradient<float, sc::Simt>")
-        scratch = np.zeros(_kernel_fused.weight_gradient_scratch_words(3, 1, 3, 2, 4), np.float32)
+        scratch = np.zeros(_kernel_fused.weight_gradient_scratch_words(3, 2, 4), np.float32)
         with pytest.raises(harness.LaunchTimeout, match=r"still waited when the launch's time ran out"):
             kernel((1,), (256,), (features, np.zeros((70, 4), np.float32), neighbour_map.output_neighbours,
-                                  neighbour_map.output_masks, neighbour_map.output_order, np.int64(70), np.int32(3),
-                                  np.int32(1), np.int32(1), np.int32(4), np.int32(4), np.int32(1), scratch,
+                                  neighbour_map.output_order, np.int32(1), np.int64(70),
+                                  np.int32(3), np.int32(1), np.int32(1), np.int32(4), np.int32(4), np.int32(2), scratch,
                                   np.zeros(weight.shape, np.float32)))
     finally:
         module.set_timeout(harness.LAUNCH_TIMEOUT_SECONDS)
@@ -401,8 +430,8 @@ def test_a_launch_with_the_wrong_block_size_traps():
     kernel = harness.load_module("implicit_gemm.cu").get_function("sc_implicit_gemm<float, sc::Simt>")
     with pytest.raises(harness.KernelTrap, match=r"__trap\(\)"):
         kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                              neighbour_map.output_order, np.int64(40), np.int32(3), np.int32(1), np.int32(1),
-                              np.int32(4), np.int32(4), np.int32(0), np.zeros((40, 4), np.float32)))
+                              neighbour_map.output_order, np.int32(1), np.int64(40), np.int32(3), np.int32(1),
+                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), np.zeros((40, 4), np.float32)))
 
 
 # ------------------------------------------------------------------------- the TF32 rule

@@ -3,8 +3,9 @@
 Random injective pair lists (within an offset, each input row and each output
 row at most once, as in any rulebook) are turned into maps with
 `neighbour_map_from_pairs`; every table entry, mask bit and row order is
-checked against a loop over the pairs and Python's own (stable) ``sorted`` of
-the mask words; `pairs_from_neighbour_map` must give the pairs back, grouped by
+checked against a loop over the pairs and the row order's loop oracle
+(``row_order_oracle``: Python's stable ``sorted`` of the mask words, tiles
+regrouped); `pairs_from_neighbour_map` must give the pairs back, grouped by
 offset and ordered by output row. Also: orders sorted on first read (and only
 then), `swapped`, `input_side`, `neighbour_map_of`'s memo, copies and the
 constructor's checks.
@@ -19,14 +20,16 @@ import numpy as np
 import pytest
 
 import sparsecore as sc
-from sparsecore.neighbour_map import (NeighbourMap, mask_order, mask_words, neighbour_map_from_pairs,
-                                      neighbour_map_of, pairs_from_neighbour_map, row_masks)
+from sparsecore.neighbour_map import (ROW_PLAN, NeighbourMap, mask_order, mask_words, neighbour_map_from_pairs,
+                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_order)
 
 
 try:
     from .cuda_emulation import device_arrays
+    from .row_order_oracle import oracle_order
 except ImportError:
     from cuda_emulation import device_arrays
+    from row_order_oracle import oracle_order
 
 
 def _rng(*seed: int) -> np.random.Generator:
@@ -48,7 +51,7 @@ def _random_pairs(rng: np.random.Generator, num_input: int, num_output: int, vol
 
 
 def _oracle_side(pairs_by_offset, rows: int, volume: int, output_side: bool):
-    """Table, masks (as Python int bit sets) and stable mask order, by loops and ``sorted``."""
+    """Table, masks (as Python int bit sets) and row order (stable mask sort, tiles regrouped), by loops."""
     table = [[-1] * volume for _ in range(rows)]
     for offset, pairs in enumerate(pairs_by_offset):
         for input_row, output_row in pairs:
@@ -58,7 +61,7 @@ def _oracle_side(pairs_by_offset, rows: int, volume: int, output_side: bool):
     words = mask_words(volume)
     masks = [[sum(1 << (k % 32) for k in range(volume) if table[r][k] >= 0 and k // 32 == w) for w in range(words)]
              for r in range(rows)]
-    order = sorted(range(rows), key=lambda r: tuple(masks[r]))  # Python's sort is stable
+    order = oracle_order([sum(word << (32 * w) for w, word in enumerate(masks[r])) for r in range(rows)], words)
     return np.array(table, np.int32).reshape(rows, volume), np.array(masks, np.uint32).reshape(rows, words), \
         np.array(order, np.int32)
 
@@ -142,7 +145,7 @@ def test_orders_are_sorted_when_first_read_and_kept():
     first = neighbour_map.output_order
     assert first is neighbour_map.output_order  # memoised
     assert neighbour_map.__dict__["_input_order"] is None  # the other side is not sorted with it
-    np.testing.assert_array_equal(first, np.argsort(neighbour_map.output_masks[:, 0], kind="stable"))
+    np.testing.assert_array_equal(first, oracle_order([int(m) for m in neighbour_map.output_masks[:, 0]], 1))
     swapped = neighbour_map.swapped()
     assert swapped.__dict__["_input_order"] is first and swapped.__dict__["_output_order"] is None
     np.testing.assert_array_equal(swapped.output_order, neighbour_map.input_order)
@@ -213,3 +216,20 @@ def test_the_constructor_checks_shapes():
         NeighbourMap(table, masks, None, table, masks, None, 3, 3, (3, 3), 4, True)
     with pytest.raises(ValueError, match="input_neighbours must have shape"):
         NeighbourMap(table, masks, None, table[:2], masks[:2], None, 3, 3, (3, 3))
+
+
+def test_an_order_is_read_out_of_a_row_plan_and_plans_follow_a_swap():
+    """A side with a row plan (built by the GPU's passes, `_kernel_maps.row_plan`) gives the plan's low 32-bit
+    words as its order; `swapped` hands each side's plan to the other side."""
+    rng = _rng(7)
+    pair_input, pair_output, starts = _random_pairs(rng, 30, 20, 9)
+    neighbour_map = neighbour_map_from_pairs(np, pair_input, pair_output, starts, 30, 20, (3, 3))
+    expected = neighbour_map_from_pairs(np, pair_input, pair_output, starts, 30, 20, (3, 3)).output_order
+    high = rng.integers(0, 1 << 31, 20).astype(np.int64) << 32  # bit sets in the high words
+    plan = expected.astype(np.int64) | high
+    neighbour_map.derived[(ROW_PLAN, "output")] = plan
+    assert stored_order(neighbour_map, "output") is None
+    order = neighbour_map.output_order
+    assert order.dtype == np.int32 and stored_order(neighbour_map, "output") is order
+    np.testing.assert_array_equal(order, expected)
+    assert neighbour_map.swapped().derived[(ROW_PLAN, "input")] is plan

@@ -207,8 +207,9 @@ def test_launches_and_reads_per_build(device, kind, checked):
     rulebook = sc.build_rulebook(indices, (20, 18, 16), 2, geometry, backend=backend, assume_unique=not checked)
     strided = ["sc_map_candidates", "sc_map_mark_outputs"] + (["sc_map_check_sites"] if checked else []) \
         + ["sc_map_strided"]
-    expected = (["sc_map_insert_sites"] + (["sc_map_check_sites"] if checked else []) + ["sc_map_submanifold"]
-                if kind == "subm" else (["sc_map_insert_sites"] if checked else []) + strided)
+    expected = (["sc_map_insert_sites"] + (["sc_map_check_sites"] if checked else [])
+                + ["sc_map_submanifold", "sc_map_row_plan"] if kind == "subm"
+                else (["sc_map_insert_sites"] if checked else []) + strided)
     assert [record.expression for record in launcher.records] == expected
     # a submanifold build reads nothing back unless it checks the sites; a strided build reads its count
     # (and the checks' verdict with it): at most one read per build

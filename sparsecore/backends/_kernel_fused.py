@@ -19,8 +19,16 @@ depend on the map alone are kept per map (`NeighbourMap.derived`).
 The weight gradient splits each tile's rows for at least two waves of
 resident blocks on the GPU in hand (`tile_shapes.weight_gradient_splits`:
 the multiprocessor count from CuPy's device attributes, `DEFAULT_SM_COUNT`
-on the emulation); its scratch (split partials, counters and the per-offset
-row-tile lists the launch builds) stays under `tile_shapes.scratch_cap`.
+on the emulation); its scratch (split partials and counters) stays under
+`tile_shapes.scratch_cap`.
+
+Row orders: a side the kernels tile by mask is read through its row plan
+(`_kernel_maps.row_plan`, built on the first pass that asks, kept in the map's
+``derived``): the order, regrouped inside each row tile, and the per-offset
+row-tile bit sets the weight gradient walks, in one int64 array (the kernels
+read the order every second int32 word: ``order_step`` 2). A map whose order
+was given (a JAX layout's) or already read is used as it is (``order_step``
+1), and its weight gradient walks every row tile.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from ..neighbour_map import ROW_PLAN, stored_order
 from . import tile_shapes
+from ._kernel_maps import row_plan
 from ._launch import KernelDevice, check_float, check_row_count, expression_of
 
 __all__ = ["FusedPasses", "SIMT_THREADS", "WMMA_THREADS", "TILE_ROWS", "TILE_COLUMNS", "MAX_KERNEL_VOLUME",
@@ -116,30 +126,46 @@ def weight_gradient_tiles(volume: int, groups: int, in_per_group: int, out_per_g
     return volume * groups * -(-in_per_group // TILE_ROWS) * -(-out_per_group // TILE_COLUMNS)
 
 
-def weight_gradient_scratch_words(tiles: int, splits: int, volume: int, row_tiles: int, partial_itemsize: int) -> int:
+def weight_gradient_scratch_words(tiles: int, splits: int, partial_itemsize: int) -> int:
     """Elements (of the ``partial_itemsize``-byte accumulator) of ``sc_weight_gradient``'s zeroed scratch:
-    the partials (``splits > 1``), then 32-bit counters per tile, a flag and a count per offset and the
-    per-offset row-tile lists ``[K, row_tiles]``."""
+    the partials (``splits > 1``), then a 32-bit counter per tile."""
     partials = tiles * splits * TILE_ELEMENTS if splits > 1 else 0
-    words = tiles + 2 * volume + volume * row_tiles
-    return partials + -(-words * 4 // partial_itemsize)
+    return partials + -(-tiles * 4 // partial_itemsize)
 
 
 @dataclass(frozen=True)
 class _Side:
     """One side of a map as a kernel reads it: table, masks, order (None for the pools, which need
-    none: reading it would sort it), reversed, and their scalars."""
+    none: reading it would sort it; a row plan or an int32 order, read every ``order_step`` int32
+    words), reversed, and their scalars."""
 
     neighbours: Any
     masks: Any
     order: Any
+    order_step: np.int32
     reversed: bool
     num_rows: np.int64
     volume: np.int32
     mask_words: np.int32
 
 
-def _side(neighbour_map: Any, which: str, ordered: bool = True) -> _Side:
+def _order(device: KernelDevice, neighbour_map: Any, which: str, masks: Any) -> tuple[Any, int]:
+    """``(order, order_step)`` of a side: its row plan (built now if the side has neither a plan nor an
+    order), else the order it was given (int32, contiguous)."""
+    side = "output" if which == "output" or neighbour_map.symmetric else "input"
+    plan = neighbour_map.derived.get((ROW_PLAN, side))
+    if plan is None:
+        order = stored_order(neighbour_map, side)
+        if order is not None:
+            if order.dtype != np.int32 or not order.flags.c_contiguous:
+                order = device.xp.ascontiguousarray(order, dtype=device.xp.int32)
+            return order, 1
+        plan = row_plan(device, masks, neighbour_map.kernel_volume)
+        neighbour_map.derived[(ROW_PLAN, side)] = plan
+    return plan.view(device.xp.int32), 2  # int32 words [2 N]: a view, no copy
+
+
+def _side(device: KernelDevice, neighbour_map: Any, which: str, ordered: bool = True) -> _Side:
     """The map's ``"output"`` or ``"input"`` side, kept in ``neighbour_map.derived``."""
     key = ("fused side", which, ordered)
     side = neighbour_map.derived.get(key)
@@ -150,11 +176,11 @@ def _side(neighbour_map: Any, which: str, ordered: bool = True) -> _Side:
             neighbours, masks, reversed_offsets = neighbour_map.output_neighbours, neighbour_map.output_masks, True
         else:
             neighbours, masks, reversed_offsets = neighbour_map.input_neighbours, neighbour_map.input_masks, False
-        order = None
+        order, step = None, 1
         if ordered:
-            order = neighbour_map.input_side()[2] if which == "input" else neighbour_map.output_order
+            order, step = _order(device, neighbour_map, which, masks)
         check_row_count(int(neighbours.shape[0]), f"the map's {which} side", "fused passes")
-        side = _Side(neighbours, masks, order, reversed_offsets, np.int64(neighbours.shape[0]),
+        side = _Side(neighbours, masks, order, np.int32(step), reversed_offsets, np.int64(neighbours.shape[0]),
                      np.int32(neighbours.shape[1]), np.int32(masks.shape[1]))
         neighbour_map.derived[key] = side
     return side
@@ -200,7 +226,7 @@ class FusedPasses:
         features = self._ready(features, features.dtype)
         weight = self._ready(weight, features.dtype)
         out_channels, in_per_group = int(weight.shape[0]), int(weight.shape[-1])
-        side = _side(neighbour_map, "output")
+        side = _side(self.device, neighbour_map, "output")
         rows = int(side.num_rows)
         if in_per_group == 0 or rows == 0 or out_channels == 0:
             out = xp.zeros((rows, out_channels), dtype=features.dtype)
@@ -215,9 +241,9 @@ class FusedPasses:
         out_per_group = out_channels // groups
         items = -(-rows // TILE_ROWS) * groups * -(-out_per_group // TILE_COLUMNS)
         self._launch("sc_implicit_gemm", (dtype_name, math), items, threads,
-                     (features, weight, bias, side.neighbours, side.masks, side.order, side.num_rows, side.volume,
-                      side.mask_words, np.int32(groups), np.int32(in_per_group), np.int32(out_per_group),
-                      np.int32(flags | (_REVERSED if side.reversed else 0)), out))
+                     (features, weight, bias, side.neighbours, side.masks, side.order, side.order_step,
+                      side.num_rows, side.volume, side.mask_words, np.int32(groups), np.int32(in_per_group),
+                      np.int32(out_per_group), np.int32(flags | (_REVERSED if side.reversed else 0)), out))
         return out
 
     def conv_backward(self, grad_output: Any, features: Any, weight: Any, neighbour_map: Any, groups: int,
@@ -251,19 +277,19 @@ class FusedPasses:
         check_device(dtype_name, traits, volume, "conv_backward")
         math, threads = engine_of(dtype_name, self.tf32)
         channels_known = in_per_group > 0 and out_per_group > 0
-        input_side = _side(neighbour_map, "input")
+        input_side = _side(self.device, neighbour_map, "input")
         if channels_known and int(input_side.num_rows):
             grad_features = xp.empty(features.shape, dtype=dtype)
             items = -(-int(input_side.num_rows) // TILE_ROWS) * groups * -(-in_per_group // TILE_COLUMNS)
             gemm_math, gemm_threads = engine_of(dtype_name, self.tf32, out_per_group)
             self._launch("sc_implicit_gemm", (dtype_name, gemm_math), items, gemm_threads,
                          (grad_output, weight, weight, input_side.neighbours, input_side.masks, input_side.order,
-                          input_side.num_rows, input_side.volume, input_side.mask_words, np.int32(groups),
-                          np.int32(in_per_group), np.int32(out_per_group),
+                          input_side.order_step, input_side.num_rows, input_side.volume, input_side.mask_words,
+                          np.int32(groups), np.int32(in_per_group), np.int32(out_per_group),
                           np.int32(_TRANSPOSED | (_REVERSED if input_side.reversed else 0)), grad_features))
         else:
             grad_features = xp.zeros(features.shape, dtype=dtype)
-        output_side = _side(neighbour_map, "output")
+        output_side = _side(self.device, neighbour_map, "output")
         rows = int(output_side.num_rows)
         if not channels_known or rows == 0 or neighbour_map.num_input == 0:
             return grad_features, xp.zeros(weight.shape, dtype=dtype)
@@ -276,14 +302,13 @@ class FusedPasses:
             splits = tile_shapes.weight_gradient_splits(row_tiles, tiles, partial.itemsize, int(grad_output.nbytes),
                                                         shape.blocks_per_sm, traits.sm_count)
         splits = max(1, int(splits))
-        # zeroed: the counters and flags must start at 0
-        scratch = xp.zeros(weight_gradient_scratch_words(tiles, splits, volume, row_tiles, partial.itemsize),
-                           dtype=partial)
+        # zeroed: the counters must start at 0
+        scratch = xp.zeros(weight_gradient_scratch_words(tiles, splits, partial.itemsize), dtype=partial)
         grad_weight = xp.empty(weight.shape, dtype=dtype)
         self._launch("sc_weight_gradient", (dtype_name, math), tiles * splits, threads,
-                     (features, grad_output, output_side.neighbours, output_side.masks, output_side.order,
-                      output_side.num_rows, output_side.volume, output_side.mask_words, np.int32(groups),
-                      np.int32(in_per_group), np.int32(out_per_group), np.int32(splits), scratch, grad_weight))
+                     (features, grad_output, output_side.neighbours, output_side.order, output_side.order_step,
+                      output_side.num_rows, output_side.volume, output_side.mask_words, np.int32(groups), np.int32(in_per_group), np.int32(out_per_group), np.int32(splits), scratch,
+                      grad_weight))
         return grad_features, grad_weight
 
     def _pool_launch(self, name: str, dtype_name: str, rows: int, channels: int, args: tuple) -> None:
@@ -296,7 +321,7 @@ class FusedPasses:
         xp = self.device.xp
         dtype_name = check_float(features, "features", "max_pool_forward")
         features = self._ready(features, features.dtype)
-        side = _side(neighbour_map, "output", ordered=False)
+        side = _side(self.device, neighbour_map, "output", ordered=False)
         rows, channels = int(side.num_rows), int(features.shape[1])
         out = xp.empty((rows, channels), dtype=features.dtype)
         argmax = xp.empty((rows, channels), dtype=xp.int32)
@@ -311,7 +336,7 @@ class FusedPasses:
         dtype_name = check_float(grad_output, "grad_output", "max_pool_backward")
         grad_output = self._ready(grad_output, grad_output.dtype)
         argmax = self._ready(argmax, np.dtype(np.int32))
-        side = _side(neighbour_map, "input", ordered=False)
+        side = _side(self.device, neighbour_map, "input", ordered=False)
         rows, channels = int(side.num_rows), int(grad_output.shape[1])
         grad = xp.empty((rows, channels), dtype=grad_output.dtype)
         if rows and channels:
@@ -325,7 +350,7 @@ class FusedPasses:
         xp = self.device.xp
         dtype_name = check_float(features, "features", "avg_pool_forward")
         features = self._ready(features, features.dtype)
-        side = _side(neighbour_map, "output", ordered=False)
+        side = _side(self.device, neighbour_map, "output", ordered=False)
         rows, channels = int(side.num_rows), int(features.shape[1])
         out = xp.empty((rows, channels), dtype=features.dtype)
         if rows and channels:
@@ -338,8 +363,8 @@ class FusedPasses:
         xp = self.device.xp
         dtype_name = check_float(grad_output, "grad_output", "avg_pool_backward")
         grad_output = self._ready(grad_output, grad_output.dtype)
-        side = _side(neighbour_map, "input", ordered=False)
-        output_side = _side(neighbour_map, "output", ordered=False)
+        side = _side(self.device, neighbour_map, "input", ordered=False)
+        output_side = _side(self.device, neighbour_map, "output", ordered=False)
         rows, channels = int(side.num_rows), int(grad_output.shape[1])
         grad = xp.empty((rows, channels), dtype=grad_output.dtype)
         if rows and channels:

@@ -24,7 +24,13 @@ sizes an allocation:
 
 The maps' mask-sorted row orders are not sorted here: `sparsecore.neighbour_map.NeighbourMap`
 sorts a side when it is first read, so a pooling layer (whose kernels read the
-tables only) never pays for them.
+tables only) never pays for them. A submanifold map (convolutions only) gets
+its `row_plan` with its build; other maps when a fused conv pass first asks for
+a side's order: the stable argsort of the masks (int64, as ``xp.argsort`` gives
+it) rewritten in place by ``sc_map_row_plan``: the rows of each 64-row tile
+regrouped (`sparsecore.tile_order`) in the low words, the per-offset row-tile
+bit sets of the weight gradient in the high words: two operations, as the
+argsort and the cast to int32 were before.
 """
 
 from __future__ import annotations
@@ -34,14 +40,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._launch import INT32_MAX, KernelDevice, check_row_count, hash_capacity
+from ..neighbour_map import sorted_rows
+from ..tile_order import MAX_REGROUP_WORDS, TILE_ROWS
+from ._launch import INT32_MAX, KernelDevice, check_row_count, hash_capacity, launch
 
-__all__ = ["MAX_AXES", "PROBLEM_OUTSIDE", "PROBLEM_DUPLICATE", "StridedMap", "submanifold_map", "strided_map"]
+__all__ = ["MAX_AXES", "PROBLEM_OUTSIDE", "PROBLEM_DUPLICATE", "PLAN_THREADS", "StridedMap", "submanifold_map",
+           "strided_map", "row_plan", "plan_bit_sets"]
 
 MAX_AXES = 4  # sc::kMapAxes
 PROBLEM_OUTSIDE = 1  # a site outside [0, batch_size) x the grid
 PROBLEM_DUPLICATE = 2  # two sites with the same coordinates
 _PROBLEM_SHIFT = 40  # where a checked strided build's problem bits sit in its count word
+PLAN_THREADS = 32  # sc::kPlanThreads: threads (row tiles) per block of sc_map_row_plan
 
 
 def _axes(values: Sequence[int]) -> tuple[np.int64, ...]:
@@ -221,3 +231,33 @@ def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int]
                (indices, np.int64(count), *shape, *strided, np.int32(words), order, ranks, np.int64(total),
                 output_indices, output_neighbours, output_masks, input_neighbours, input_masks))
     return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours, input_masks)
+
+
+def plan_bit_sets(num_rows: int, volume: int, mask_words: int) -> bool:
+    """Whether a row plan of these sizes holds the per-offset row-tile bit sets (``neighbour_map.cu`` section 4):
+    masks regrouped (at most `MAX_REGROUP_WORDS` words) and ``volume * ceil(tiles / 32) <= num_rows``."""
+    tiles = -(-int(num_rows) // TILE_ROWS)
+    chunks = -(-tiles // PLAN_THREADS)
+    return int(mask_words) <= MAX_REGROUP_WORDS and int(volume) * chunks <= int(num_rows)
+
+
+def row_plan(device: KernelDevice, masks: Any, volume: int) -> Any:
+    """A map side's row plan: int64 ``[N]``, in two operations (an argsort and one ``sc_map_row_plan``).
+
+    Slot ``p``'s low 32-bit word is the row at position ``p`` of the side's order
+    (`sparsecore.neighbour_map.row_order`, bitwise); where `plan_bit_sets`, the high word of slot
+    ``k * C + c`` (``C = ceil(tiles / 32)``) has bit ``j`` set when row tile ``32 c + j`` holds offset ``k``;
+    every other high word is 0. Nothing is read back.
+
+    Args:
+        device: the kernel device.
+        masks: uint32 ``[N, W]`` C-contiguous row masks.
+        volume: kernel offsets ``K``.
+    """
+    rows, words = int(masks.shape[0]), int(masks.shape[1])
+    plan = sorted_rows(device.xp, masks)  # int64, a new array
+    if rows and words <= MAX_REGROUP_WORDS:
+        chunks = -(-(-(-rows // TILE_ROWS)) // PLAN_THREADS)
+        launch(device.launcher, "sc_map_row_plan", (), chunks * PLAN_THREADS,
+               (masks, np.int64(rows), np.int32(words), np.int32(volume), plan), PLAN_THREADS, device.max_blocks)
+    return plan

@@ -250,6 +250,11 @@ class KernelBackend:
         return _kernel_maps.submanifold_map(self.device, indices, spatial_shape, batch_size, kernel_size, dilation,
                                             check, skip_padding)
 
+    def row_plan(self, masks: Any, volume: int) -> Any:
+        """A map side's row plan (its order, regrouped by tile, and per-offset row-tile bit sets) in two
+        operations, no read back (`_kernel_maps.row_plan`)."""
+        return _kernel_maps.row_plan(self.device, masks, volume)
+
     def strided_map(self, indices: Any, spatial_shape: Sequence[int], batch_size: int, geometry: Any,
                     output_spatial_shape: Sequence[int], check: bool, capacity: int | None = None) -> Any:
         """A regular, transposed or pooling neighbour map with one read back, or none at a ``capacity``

@@ -93,10 +93,10 @@ _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 reg
     ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75
 }
 _WEIGHT_GRADIENT = {  # sc_weight_gradient
-    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 84 registers
-    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 128
-    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 87
-    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 127
+    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 79 registers
+    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 124
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 93
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 120
     ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4, 16, 8),  # TF32: 128
     ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
     ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
