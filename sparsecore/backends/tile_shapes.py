@@ -9,7 +9,9 @@ how the weight gradient splits its rows (`weight_gradient_splits`), and, for
 a layer described by its neighbour map's statistics (`MapStats`), the blocks
 a pass launches and its useful and issued floating-point operations
 (`forward_cost`, `weight_gradient_cost`): the per-layer estimate a device
-run is compared with. Nothing here imports CuPy; `map_stats` takes NumPy arrays.
+run is compared with. A forward or input gradient with fewer output tiles
+than the GPU has block slots splits each tile's offsets over several blocks
+(`forward_splits`). Nothing here imports CuPy; `map_stats` takes NumPy arrays.
 
 Counting rules (2 FLOP per multiply-add):
 
@@ -33,8 +35,9 @@ from typing import Any
 import numpy as np
 
 __all__ = ["TileShape", "MapStats", "SLICE_ROWS", "PassCost", "WeightGradientCost", "DEFAULT_SM_COUNT",
-           "SCRATCH_FLOOR_BYTES", "TILE_ROWS", "NARROW_REDUCTION", "engine_of", "choose_tile", "weight_gradient_tile",
-           "map_stats", "forward_cost", "weight_gradient_splits", "weight_gradient_cost", "scratch_cap"]
+           "SCRATCH_FLOOR_BYTES", "TILE_ROWS", "NARROW_REDUCTION", "FORWARD_WAVES", "engine_of", "choose_tile",
+           "weight_gradient_tile", "map_stats", "forward_splits", "forward_cost", "weight_gradient_splits",
+           "weight_gradient_cost", "scratch_cap"]
 
 # Multiprocessors assumed where no device says (the emulation, the CPU estimate): an H100 SXM.
 DEFAULT_SM_COUNT = 132
@@ -47,6 +50,9 @@ SCRATCH_FLOOR_BYTES = 64 * 1024 * 1024
 NARROW_REDUCTION = 8
 # Resident blocks wanted per multiprocessor slot: the weight gradient launches at least this many waves.
 WEIGHT_GRADIENT_WAVES = 2
+# A forward or input gradient with fewer output tiles than block slots splits their offsets for about this
+# many waves (at most one split per offset; the partials within SCRATCH_FLOOR_BYTES).
+FORWARD_WAVES = 2
 
 
 @dataclass(frozen=True)
@@ -227,6 +233,8 @@ class PassCost:
         waves: ``blocks / (sm_count * tile.blocks_per_sm)``.
         useful_flops: 2 * multiply-adds of the convolution itself.
         issued_flops: 2 * multiply-adds the tensor or CUDA cores execute, padding included.
+        splits: blocks per output tile (the forward's offset splits, the weight gradient's row splits).
+        scratch_bytes: the split partials and counters.
     """
 
     tile: TileShape
@@ -234,14 +242,41 @@ class PassCost:
     waves: float
     useful_flops: int
     issued_flops: int
+    splits: int = 1
+    scratch_bytes: int = 0
 
 
 def _padded(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
+def forward_splits(tiles: int, volume: int, blocks_per_sm: int, partial_itemsize: int = 4,
+                   sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Offset splits per output tile of a forward or input gradient, from host-known sizes only.
+
+    A pass with at least as many output tiles (row tiles x column tiles x groups) as the GPU has block
+    slots (``sm_count * blocks_per_sm``) runs one block per tile. With fewer, each tile's offsets are
+    split over ``floor(FORWARD_WAVES * slots / tiles)`` blocks (so about `FORWARD_WAVES` waves), at most
+    one per offset and with the partial tiles (``tiles * splits`` of ``TILE_ROWS x 64`` sums of
+    ``partial_itemsize`` bytes) within `SCRATCH_FLOOR_BYTES`.
+
+    Args:
+        tiles: output tiles of the pass.
+        volume: kernel offsets ``K``.
+        blocks_per_sm: resident blocks per multiprocessor of the pass's tile (`choose_tile`).
+        partial_itemsize: bytes of one partial sum (4, or 8 for float64).
+        sm_count: multiprocessors of the GPU.
+    """
+    slots = sm_count * blocks_per_sm
+    if tiles <= 0 or tiles >= slots or volume <= 1:
+        return 1
+    by_memory = SCRATCH_FLOOR_BYTES // (tiles * TILE_ROWS * 64 * partial_itemsize)
+    return int(max(1, min(FORWARD_WAVES * slots // tiles, volume, by_memory)))
+
+
 def forward_cost(stats: MapStats, in_channels: int, out_channels: int, dtype_name: str, tf32: bool = False,
-                 arch: int = 90, groups: int = 1, sm_count: int = DEFAULT_SM_COUNT) -> PassCost:
+                 arch: int = 90, groups: int = 1, sm_count: int = DEFAULT_SM_COUNT,
+                 split: bool = True) -> PassCost:
     """The forward (or, with the channels swapped and the input side's stats, the input gradient) of a layer.
 
     Args:
@@ -251,15 +286,20 @@ def forward_cost(stats: MapStats, in_channels: int, out_channels: int, dtype_nam
         dtype_name, tf32, arch: as for `choose_tile`.
         groups: channel groups.
         sm_count: multiprocessors of the GPU.
+        split: split offsets as the kernels do (`forward_splits`); False: one block per tile.
     """
     a, b = in_channels // groups, out_channels // groups
     tile = choose_tile(a, b, dtype_name, tf32, arch)
     column_tiles = -(-b // tile.columns)
-    blocks = stats.row_tiles * groups * column_tiles
+    tiles = stats.row_tiles * groups * column_tiles
+    itemsize = 8 if dtype_name == "float64" else 4
+    splits = forward_splits(tiles, len(stats.tiles_per_offset), tile.blocks_per_sm, itemsize, sm_count) if split else 1
+    blocks = tiles * splits
     slices = sum(stats.slices(tile.slice_rows))
     issued = 2 * groups * slices * tile.slice_rows * _padded(a, tile.reduce_unit) * _padded(b, tile.column_unit)
     useful = 2 * groups * stats.pairs * a * b
-    return PassCost(tile, blocks, blocks / (sm_count * tile.blocks_per_sm), useful, issued)
+    scratch = (tiles * splits * TILE_ROWS * 64 * itemsize + tiles * 4) if splits > 1 else 0
+    return PassCost(tile, blocks, blocks / (sm_count * tile.blocks_per_sm), useful, issued, splits, scratch)
 
 
 def scratch_cap(grad_output_bytes: int) -> int:
