@@ -608,14 +608,15 @@ __device__ __forceinline__ int split_rank(int split, int splits, int present) {
 // The last block of a tile: for every element it writes (tile row m with rows[m] >= 0,
 // column n < columns), the sum of the non-empty splits' partials (tile_partials + s *
 // kTileElements, row-major [m][n]) taken in split order 0, 1, ..., then the bias
-// (has_bias), rounded once and written to out[rows[m] * out_pitch + n]. Each thread sums
-// kChunk elements at a time, its kChunk loads of a split issued together. A function of
-// its own (not inlined): its registers do not add to those the rounds hold.
+// (has_bias), rounded once and written to out[rows[m] * out_pitch + n]. A thread sums
+// kChunk consecutive elements at a time and loads them from kGroup splits before adding
+// (kChunk * kGroup loads in flight; an empty split's stale partial is never read).
 template <typename T, typename Acc, int kThreads>
 __device__ __forceinline__ void sum_split_partials(const Acc* __restrict__ tile_partials, int splits, int present,
-                                                const int* rows, int columns, const T* __restrict__ bias,
-                                                bool has_bias, T* __restrict__ out, long long out_pitch) {
-  constexpr int kChunk = 4;
+                                                   const int* rows, int columns, const T* __restrict__ bias,
+                                                   bool has_bias, T* __restrict__ out, long long out_pitch) {
+  constexpr int kChunk = 16 / static_cast<int>(sizeof(Acc));  // 4 floats or 2 doubles
+  constexpr int kGroup = 4;
   static_assert(kTileElements % (kThreads * kChunk) == 0, "the tile's elements spread evenly over the block");
   for (int first = threadIdx.x * kChunk; first < kTileElements; first += kThreads * kChunk) {
     const int m = first / kTileCols;
@@ -624,10 +625,18 @@ __device__ __forceinline__ void sum_split_partials(const Acc* __restrict__ tile_
     if (row < 0 || n >= columns) continue;
     Acc sum[kChunk];
     for (int i = 0; i < kChunk; ++i) sum[i] = Acc(0);
-    for (int s = 0; s < splits; ++s) {
-      if (split_rank(s, splits, present) == split_rank(s + 1, splits, present)) continue;  // an empty split
-      const Acc* partial = tile_partials + static_cast<long long>(s) * kTileElements + first;
-      for (int i = 0; i < kChunk; ++i) sum[i] += __ldcg(partial + i);
+    for (int s0 = 0; s0 < splits; s0 += kGroup) {
+      Acc value[kGroup][kChunk];
+      for (int j = 0; j < kGroup; ++j) {
+        const int s = s0 + j;
+        const bool written = s < splits && split_rank(s, splits, present) < split_rank(s + 1, splits, present);
+        const Acc* partial = tile_partials + static_cast<long long>(s) * kTileElements + first;
+        for (int i = 0; i < kChunk; ++i) value[j][i] = written ? __ldcg(partial + i) : Acc(0);
+      }
+      // in split order; adding the 0 of a missing split leaves a sum (never -0: it starts at +0) unchanged
+      for (int j = 0; j < kGroup; ++j) {
+        for (int i = 0; i < kChunk; ++i) sum[i] += value[j][i];
+      }
     }
     for (int i = 0; i < kChunk && n + i < columns; ++i) {
       Acc value = sum[i];
@@ -696,9 +705,8 @@ struct ForwardBlocks<float, Wmma> {  // TF32
 // then the bias, and writes the rows, and sets the counter back to 0. Results depend on
 // `splits` (the host chooses it from sizes only), never on the blocks' timing.
 template <typename T, typename Math>
-__global__ void SC_LAUNCH_BOUNDS((sc::EngineOf<T, Math, true>::type::threads),
-                                 (sc::ForwardBlocks<T, Math>::value))
-    sc_implicit_gemm(const T* __restrict__ source, const T* __restrict__ weight,
+SC_LAUNCH_BOUNDS((sc::EngineOf<T, Math, true>::type::threads), (sc::ForwardBlocks<T, Math>::value))
+__global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restrict__ weight,
                                  const T* __restrict__ bias, const int* __restrict__ neighbours,
                                  const unsigned int* __restrict__ masks, const int* __restrict__ order,
                                  long long num_rows, int volume, int mask_words, int groups, int in_per_group,

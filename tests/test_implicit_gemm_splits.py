@@ -177,24 +177,27 @@ def test_one_scratch_per_map_allocated_once_grown_only_when_needed(target):
     assert tuple(out.shape) == (0, 70) and len(launcher.records) == launches and SCRATCH not in empty.derived
 
 
-def test_forward_splits_fill_two_waves_only_where_a_layer_has_fewer_tiles_than_slots():
-    """The basic network's small layers on 132 SMs: L18/L19 (16 tiles) split up to one block per offset,
-    L12/L13 (168 tiles) and L09/L10 (486) fill about two waves; a layer of one wave or more is not split;
-    the partials stay within the floor of the scratch cap."""
+def test_forward_splits_fill_the_gpu_only_where_a_layer_leaves_it_idle():
+    """The basic network's small layers on 132 SMs: SIMT fills about two waves of block slots (L09/L10: 486
+    tiles, L12/L13: 168), tensor cores up to one block per multiprocessor (L15/L16: 68 tiles; none for 168);
+    at most ceil(27 / 3) = 9 splits (L18/L19: 16 tiles); a layer that fills the GPU is not split; the
+    partials stay within the floor of the scratch cap."""
     sms = tile_shapes.DEFAULT_SM_COUNT
-    assert tile_shapes.forward_splits(16, 27, 4, 4, sms) == 27
-    assert tile_shapes.forward_splits(168, 27, 4, 4, sms) == 2 * 4 * sms // 168 == 6
-    assert tile_shapes.forward_splits(486, 27, 4, 4, sms) == 2
-    assert tile_shapes.forward_splits(168, 27, 6, 4, sms) == 9  # float16: 6 blocks per SM
-    for tiles, blocks_per_sm in ((16, 4), (68, 6), (168, 5), (486, 4), (527, 4)):
-        splits = tile_shapes.forward_splits(tiles, 27, blocks_per_sm, 4, sms)
+    assert tile_shapes.forward_splits(486, 27, 4, 4, sms, "simt") == 2 * 4 * sms // 486 == 2
+    assert tile_shapes.forward_splits(168, 27, 4, 4, sms, "simt") == 2 * 4 * sms // 168 == 6
+    assert tile_shapes.forward_splits(16, 27, 4, 4, sms, "simt") == 9  # ceil(27 / OFFSETS_PER_SPLIT)
+    assert tile_shapes.forward_splits(68, 27, 6, 4, sms, "tensor") == -(-sms // 68) == 2
+    assert tile_shapes.forward_splits(51, 27, 6, 4, sms, "tensor") == 3
+    assert tile_shapes.forward_splits(168, 27, 6, 4, sms, "tensor") == 1  # more tiles than SMs
+    assert tile_shapes.forward_splits(16, 27, 6, 4, sms, "tensor") == 9
+    for tiles, blocks_per_sm in ((60, 4), (100, 2), (168, 4), (300, 4), (527, 4)):
+        splits = tile_shapes.forward_splits(tiles, 27, blocks_per_sm, 4, sms, "simt")
         slots = sms * blocks_per_sm
-        assert splits == 27 or tiles * splits > 1.5 * slots, (tiles, splits)
-        assert tiles * splits <= 2 * slots
-    assert tile_shapes.forward_splits(528, 27, 4, 4, sms) == 1  # a full wave: one block per tile
-    assert tile_shapes.forward_splits(1962, 27, 4, 4, sms) == 1
-    assert tile_shapes.forward_splits(16, 1, 4, 4, sms) == 1  # one offset: nothing to split
-    assert tile_shapes.forward_splits(0, 27, 4, 4, sms) == 1
+        assert splits == 9 or 1.4 * slots < tiles * splits <= 2 * slots, (tiles, splits)
+    assert tile_shapes.forward_splits(528, 27, 4, 4, sms, "simt") == 1  # a full wave: one block per tile
+    assert tile_shapes.forward_splits(1962, 27, 4, 4, sms, "simt") == 1
+    assert tile_shapes.forward_splits(16, 1, 4, 4, sms, "simt") == 1  # one offset: nothing to split
+    assert tile_shapes.forward_splits(0, 27, 4, 4, sms, "simt") == 1
     # a GPU of 1,000 SMs: float64 partials of 100 tiles capped at 64 MiB
-    assert tile_shapes.forward_splits(100, 27, 8, 8, 1000) == (64 << 20) // (100 * 64 * 64 * 8) == 20
+    assert tile_shapes.forward_splits(100, 125, 8, 8, 1000, "simt") == (64 << 20) // (100 * 64 * 64 * 8) == 20
     assert _kernel_fused.split_scratch_words(1, 8) == 34 and _kernel_fused.split_scratch_words(33, 0) == 64

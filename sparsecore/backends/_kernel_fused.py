@@ -57,6 +57,7 @@ MAX_KERNEL_VOLUME = 64 * 32  # sc::kMaxMaskWords mask words of 32 offsets
 MIN_COMPUTE_CAPABILITY = 75
 
 _REVERSED, _TRANSPOSED, _BIAS = 1, 2, 4  # sc_implicit_gemm's flags
+_MAX_WORK_ITEMS = 2**31 - 1  # sc_implicit_gemm counts its work items (tiles x splits) in 32 bits
 
 
 @dataclass(frozen=True)
@@ -289,7 +290,8 @@ class FusedPasses:
         partial = 8 if dtype_name == "float64" else 4
         if splits is None:
             shape = tile_shapes.choose_tile(reduce, width, dtype_name, self.tf32, traits.compute_capability)
-            splits = tile_shapes.forward_splits(tiles, volume, shape.blocks_per_sm, partial, traits.sm_count)
+            splits = tile_shapes.forward_splits(tiles, volume, shape.blocks_per_sm, partial, traits.sm_count,
+                                                shape.engine)
         splits = max(1, int(splits))
         return _Split(tiles, splits, tiles * splits * TILE_ELEMENTS * partial if splits > 1 else 0)
 
@@ -299,6 +301,9 @@ class FusedPasses:
         """One ``sc_implicit_gemm`` launch; a split one uses the map's split scratch, sized for ``also`` too."""
         transposed = bool(flags & _TRANSPOSED)
         math, threads = engine_of(dtype_name, self.tf32, out_per_group if transposed else in_per_group)
+        if split.tiles * split.splits > _MAX_WORK_ITEMS:
+            raise ValueError(f"conv: {split.tiles} output tiles x {split.splits} offset splits exceed the fused "
+                             f"kernel's {_MAX_WORK_ITEMS} work items; use fewer rows or channels per call")
         scratch, counter_words = side.masks, 0  # splits == 1: the kernel never touches it
         if split.splits > 1:
             counters, partial_bytes = split.tiles, split.partial_bytes
