@@ -649,7 +649,7 @@ __device__ __forceinline__ void sum_split_partials(const Acc* __restrict__ tile_
 // sc_implicit_gemm's launch bounds: its engine's threads, and the blocks per SM that its
 // registers must allow (ptxas keeps them within 65,536 / (threads * blocks)): the residency
 // of tile_shapes._FORWARD, which sizes the offset splits. Without the bound, ptxas' choice
-// moved by 30 registers with unrelated edits. sm_75 keeps 4 blocks of 128 threads for the
+// moved by tens of registers with small edits. sm_75 keeps 4 blocks of 128 threads for the
 // tensor-core types (its SIMT fallback and float16 wmma need ~115 registers there); the NVRTC
 // tests check that no instantiation spills on sm_75 .. sm_90.
 template <typename T, typename Math>
