@@ -734,8 +734,8 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
   const int col_tiles = (width + sc::kTileCols - 1) / sc::kTileCols;
   const long long tiles = (num_rows + sc::kTileRows - 1) / sc::kTileRows * groups * col_tiles;
   // work items are counted in 32 bits (their divisions stay short); the launch wrapper checks the count
-  if (splits < 1 || splits > sc::kMaxMaskWords * 32 || tiles * splits > 0x7fffffffLL || (splits > 1 && (counter_words < tiles || counter_words % 2 != 0)))
-    __trap();
+  const bool bad_splits = splits < 1 || splits > sc::kMaxMaskWords * 32 || tiles * splits > 0x7fffffffLL;
+  if (bad_splits || (splits > 1 && (counter_words < tiles || counter_words % 2 != 0))) __trap();
   const int items = static_cast<int>(tiles * splits);
   const bool vector_a = sc::aligned16(source) && source_pitch % kVector == 0 && reduce % kVector == 0;
   const bool vector_b = sc::aligned16(weight) && in_per_group % kVector == 0;

@@ -292,7 +292,7 @@ class FusedPasses:
             shape = tile_shapes.choose_tile(reduce, width, dtype_name, self.tf32, traits.compute_capability)
             splits = tile_shapes.forward_splits(tiles, volume, shape.blocks_per_sm, partial, traits.sm_count,
                                                 shape.engine)
-        splits = max(1, int(splits))
+        splits = max(1, min(int(splits), MAX_KERNEL_VOLUME))  # the kernel's bound (empty splits beyond K)
         return _Split(tiles, splits, tiles * splits * TILE_ELEMENTS * partial if splits > 1 else 0)
 
     def _implicit_gemm(self, source: Any, weight: Any, bias: Any, side: _Side, neighbour_map: Any,
