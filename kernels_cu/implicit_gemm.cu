@@ -23,6 +23,9 @@
 // the bias. No gathered buffer in global memory, no scatter, no atomics in a sum:
 // every output element is written by one thread, its sum taken in a fixed order
 // (offsets ascending, channels ascending), so results are bitwise reproducible.
+// A layer with fewer tiles than the GPU has block slots splits each tile's offsets
+// over `splits` blocks: each writes its partial tile to scratch, and the last to
+// finish (an atomic counter) adds them in split order before the epilogue.
 //   forward:        dst = out [N_out, g * b],  src = features,    M_k = W_k      [a, b]
 //   input gradient: dst = dx  [N_in,  g * a],  src = grad_out,    M_k = W_k^T    [b, a]
 //                   over the input side of the map; a symmetric (submanifold)
@@ -579,6 +582,114 @@ struct TileSets {
 
 }  // namespace sc
 
+// ------------------------------------------------- sc_implicit_gemm's offset splits
+namespace sc {
+
+// The offset of rank `rank` (0-based, ascending) among those set in the tile's OR words, or -1.
+__device__ __forceinline__ int nth_offset(const unsigned int* words, int mask_words, int rank) {
+  for (int w = 0; w < mask_words; ++w) {
+    unsigned int word = words[w];
+    const int count = __popc(word);
+    if (rank < count) {
+      for (int r = 0; r < rank; ++r) word &= word - 1u;  // clear the lowest set bits
+      return w * 32 + __ffs(word) - 1;
+    }
+    rank -= count;
+  }
+  return -1;
+}
+
+// The offsets set in the tile's OR words.
+__device__ __forceinline__ int count_offsets(const unsigned int* words, int mask_words) {
+  int count = 0;
+  for (int w = 0; w < mask_words; ++w) count += __popc(words[w]);
+  return count;
+}
+
+// Split `split` of `splits` takes the offsets of ranks [split * present / splits,
+// (split + 1) * present / splits) among the tile's `present` ones: equal shares (within
+// one), the same in every block of the tile, empty where split * present / splits does
+// not grow. (split * present < 2^22: at most kMaxMaskWords * 32 offsets and splits.)
+__device__ __forceinline__ int split_rank(int split, int splits, int present) {
+  return split * present / splits;
+}
+
+// The last block of a tile: for every element it writes (tile row m with rows[m] >= 0,
+// column n < columns), the sum of the non-empty splits' partials (tile_partials + s *
+// kTileElements, row-major [m][n]) taken in split order 0, 1, ..., then the bias
+// (has_bias), rounded once and written to out[rows[m] * out_pitch + n]. A thread sums
+// kChunk consecutive elements at a time and loads them from kGroup splits before adding
+// (kChunk * kGroup loads in flight; an empty split's stale partial is never read).
+template <typename T, typename Acc, int kThreads>
+__device__ __forceinline__ void sum_split_partials(const Acc* __restrict__ tile_partials, int splits, int present,
+                                                   const int* rows, int columns, const T* __restrict__ bias,
+                                                   bool has_bias, T* __restrict__ out, long long out_pitch) {
+  constexpr int kChunk = 16 / static_cast<int>(sizeof(Acc));  // 4 floats or 2 doubles
+  constexpr int kGroup = 4;
+  static_assert(kTileElements % (kThreads * kChunk) == 0, "the tile's elements spread evenly over the block");
+  for (int first = threadIdx.x * kChunk; first < kTileElements; first += kThreads * kChunk) {
+    const int m = first / kTileCols;
+    const int n = first % kTileCols;
+    const int row = rows[m];
+    if (row < 0 || n >= columns) continue;
+    Acc sum[kChunk];
+    for (int i = 0; i < kChunk; ++i) sum[i] = Acc(0);
+    for (int s0 = 0; s0 < splits; s0 += kGroup) {
+      Acc value[kGroup][kChunk];
+      for (int j = 0; j < kGroup; ++j) {
+        const int s = s0 + j;
+        const bool written = s < splits && split_rank(s, splits, present) < split_rank(s + 1, splits, present);
+        const Acc* partial = tile_partials + static_cast<long long>(s) * kTileElements + first;
+        for (int i = 0; i < kChunk; ++i) value[j][i] = written ? __ldcg(partial + i) : Acc(0);
+      }
+      // in split order; adding the 0 of a missing split leaves a sum (never -0: it starts at +0) unchanged
+      for (int j = 0; j < kGroup; ++j) {
+        for (int i = 0; i < kChunk; ++i) sum[i] += value[j][i];
+      }
+    }
+    for (int i = 0; i < kChunk && n + i < columns; ++i) {
+      Acc value = sum[i];
+      if (has_bias) value += static_cast<Acc>(widen(bias[n + i]));
+      out[static_cast<long long>(row) * out_pitch + n + i] = narrow<T>(value);
+    }
+  }
+}
+
+// sc_implicit_gemm's launch bounds: its engine's threads, and the blocks per SM that its
+// registers must allow (ptxas keeps them within 65,536 / (threads * blocks)): the residency
+// of tile_shapes._FORWARD, which sizes the offset splits. Without the bound, ptxas' choice
+// moved by tens of registers with small edits. sm_75 keeps 4 blocks of 128 threads for the
+// tensor-core types (its SIMT fallback and float16 wmma need ~115 registers there); the NVRTC
+// tests check that no instantiation spills on sm_75 .. sm_90.
+template <typename T, typename Math>
+struct ForwardBlocks {
+  static constexpr int value = 4;  // float SIMT, the 16-bit types' SIMT (narrow reductions)
+};
+template <>
+struct ForwardBlocks<double, Simt> {
+  static constexpr int value = 2;
+};
+template <>
+struct ForwardBlocks<__half, Wmma> {  // sm_86 and sm_89 spill a few bytes at 6 (80 registers)
+  static constexpr int value = SC_ARCH == 800 || SC_ARCH >= 900 ? 6 : SC_ARCH >= 800 ? 5 : 4;
+};
+template <>
+struct ForwardBlocks<__nv_bfloat16, Wmma> {
+  static constexpr int value = ForwardBlocks<__half, Wmma>::value;
+};
+template <>
+struct ForwardBlocks<float, Wmma> {  // TF32
+  static constexpr int value = SC_ARCH >= 800 ? 5 : 4;
+};
+
+}  // namespace sc
+
+#ifdef SPARSECORE_CPU_EMULATION
+#define SC_LAUNCH_BOUNDS(threads, blocks)
+#else
+#define SC_LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
+#endif
+
 // Forward (flags & 2 == 0) or input gradient (flags & 2) of a convolution over a map.
 //   source     T      [num_source, groups * S]   features (forward) or grad_out (input gradient)
 //   weight     T      [groups * b, K, a]         spconv's layout, contiguous
@@ -588,16 +699,28 @@ struct TileSets {
 //   order      int32  [num_rows * order_step]    a permutation of the rows at order[p * order_step]
 //   flags      1: reversed offsets (table column k is weight offset K - 1 - k),
 //              2: transposed weights (the input gradient: M_k = W_k^T), 4: add the bias
+//   splits     offset splits per output tile (>= 1): tiles * splits work items
+//   scratch    uint32, used when splits > 1: counters [counter_words] (one per output tile,
+//              zero on entry, left zero on exit), then the partials, Acc [tiles * splits * 4096]
+//              from word counter_words (an even number); never zeroed, only written before read
 //   out        T      [num_rows, groups * D]     every row written once (D = b forward, a transposed)
 // S = a, D = b forward; S = b, D = a for the input gradient.
 // Staging: the gathered rows a(m, s) row-major [64][kStep + pad]; the weight block b(s, n)
 // as [n][s] forward (a weight row's channels are contiguous) and [s][n] transposed.
+// Offset splits (a layer with fewer output tiles than the GPU has block slots): work item
+// (tile, split) multiplies only its share of the tile's offsets (sc::split_rank) and writes
+// its partial tile to scratch; the last of the tile's blocks to finish (an atomic counter
+// after a __threadfence: it decides who sums, not what) adds the partials in split order,
+// then the bias, and writes the rows, and sets the counter back to 0. Results depend on
+// `splits` (the host chooses it from sizes only), never on the blocks' timing.
 template <typename T, typename Math>
+SC_LAUNCH_BOUNDS((sc::EngineOf<T, Math, true>::type::threads), (sc::ForwardBlocks<T, Math>::value))
 __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restrict__ weight,
                                  const T* __restrict__ bias, const int* __restrict__ neighbours,
                                  const unsigned int* __restrict__ masks, const int* __restrict__ order,
                                  int order_step, long long num_rows, int volume, int mask_words, int groups,
-                                 int in_per_group, int out_per_group, int flags, T* __restrict__ out) {
+                                 int in_per_group, int out_per_group, int flags, int splits,
+                                 unsigned int* __restrict__ scratch, long long counter_words, T* __restrict__ out) {
   using Engine = typename sc::EngineOf<T, Math, true>::type;
   using Geometry = typename Engine::Geometry;
   using Acc = typename Engine::Acc;
@@ -610,13 +733,19 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
   const bool has_bias = (flags & 4) != 0;
   const int reduce = transposed ? out_per_group : in_per_group;
   const int width = transposed ? in_per_group : out_per_group;
-  const long long source_pitch = static_cast<long long>(groups) * reduce;
-  const long long out_pitch = static_cast<long long>(groups) * width;
-  const long long weight_row = static_cast<long long>(volume) * in_per_group;  // between output channels
-  const long long reduce_stride = transposed ? weight_row : 1;
-  const long long width_stride = transposed ? 1 : weight_row;
-  const long long col_tiles = (width + sc::kTileCols - 1) / sc::kTileCols;
-  const long long items = (num_rows + sc::kTileRows - 1) / sc::kTileRows * groups * col_tiles;
+  // channel pitches and weight strides in 32 bits (fewer registers: every product with a row or
+  // channel index below is taken in 64 bits); the launch wrapper checks that they fit
+  const int source_pitch = groups * reduce;
+  const int out_pitch = groups * width;
+  const int weight_row = volume * in_per_group;  // between output channels
+  const int reduce_stride = transposed ? weight_row : 1;
+  const int width_stride = transposed ? 1 : weight_row;
+  const int col_tiles = (width + sc::kTileCols - 1) / sc::kTileCols;
+  const long long tiles = (num_rows + sc::kTileRows - 1) / sc::kTileRows * groups * col_tiles;
+  // work items are counted in 32 bits (their divisions stay short); the launch wrapper checks the count
+  const bool bad_splits = splits < 1 || splits > sc::kMaxMaskWords * 32 || tiles * splits > 0x7fffffffLL;
+  if (bad_splits || (splits > 1 && (counter_words < tiles || counter_words % 2 != 0))) __trap();
+  const int items = static_cast<int>(tiles * splits);
   const bool vector_a = sc::aligned16(source) && source_pitch % kVector == 0 && reduce % kVector == 0;
   const bool vector_b = sc::aligned16(weight) && in_per_group % kVector == 0;
   const int tid = threadIdx.x;
@@ -632,13 +761,16 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
   };
 
   const long long row_tiles = (num_rows + sc::kTileRows - 1) / sc::kTileRows;
-  for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-    // the last row tiles first: in mask order (ascending) they hold the most offsets, the heaviest work
-    const long long tile_item = item / (groups * col_tiles);
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    // a tile's splits are consecutive work items, so its blocks run side by side; the last row tiles
+    // first: in mask order (ascending) they hold the most offsets, the heaviest work
+    const int tile = item / splits;
+    const int split = item - tile * splits;
+    const int tile_item = tile / (groups * col_tiles);
     const long long row_tile = row_tiles - 1 - tile_item;
-    const long long rest = item - tile_item * groups * col_tiles;
-    const int g = static_cast<int>(rest / col_tiles);
-    const int col0 = static_cast<int>(rest - static_cast<long long>(g) * col_tiles) * sc::kTileCols;
+    const int rest = tile - tile_item * groups * col_tiles;
+    const int g = rest / col_tiles;
+    const int col0 = (rest - g * col_tiles) * sc::kTileCols;
     if (tid < mask_words) shared.words[tid] = 0u;
     if (tid < sc::kTileRows) {
       const long long position = row_tile * sc::kTileRows + tid;
@@ -659,13 +791,20 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
     const T* rows_of_group = source + static_cast<long long>(g) * reduce;
     const T* group_weight = weight + static_cast<long long>(g) * out_per_group * weight_row;
     const int width_count = width - col0 < sc::kTileCols ? width - col0 : sc::kTileCols;
-    const int first_offset = sc::next_offset(shared.words, mask_words, -1);
+    int first_offset, stop_offset;  // this split's offsets: [first_offset, stop_offset) of the tile's
+    {
+      const int present = sc::count_offsets(shared.words, mask_words);
+      const int first_rank = sc::split_rank(split, splits, present);
+      const int stop_rank = sc::split_rank(split + 1, splits, present);
+      first_offset = first_rank < stop_rank ? sc::nth_offset(shared.words, mask_words, first_rank) : -1;
+      stop_offset = stop_rank < present ? sc::nth_offset(shared.words, mask_words, stop_rank) : volume;
+    }
     sc::run_rounds(
         Round{first_offset >= 0, first_offset, 0},
         [&](const Round& round) {
           if (round.s0 + kStep < reduce) return Round{true, round.k, round.s0 + kStep};
           const int k = sc::next_offset(shared.words, mask_words, round.k);
-          return Round{k >= 0, k, 0};
+          return Round{k >= 0 && k < stop_offset, k, 0};
         },
         [](const Round& a, const Round& b) { return a.k == b.k; },
         [&](const Round& round, int buffer) {
@@ -683,20 +822,23 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
           sc::stage_rows<T, kStep>(a, Geometry::kNarrowPitch, sc::kTileRows, count, vector_a, source,
                                    [&](int m) -> const T* {
                                      const int row = found[m];
-                                     return row >= 0 ? rows_of_group + row * source_pitch + round.s0 : nullptr;
+                                     if (row < 0) return nullptr;
+                                     return rows_of_group + static_cast<long long>(row) * source_pitch + round.s0;
                                    });
           const int weight_offset = reversed ? volume - 1 - round.k : round.k;
-          const T* block = group_weight + static_cast<long long>(weight_offset) * in_per_group + col0 * width_stride;
+          const T* block = group_weight + static_cast<long long>(weight_offset) * in_per_group +
+                           static_cast<long long>(col0) * width_stride;
           if (!transposed) {  // b(s, n) = block[n * weight_row + s]: [n][s]
             sc::stage_rows<T, kStep>(b, Geometry::kNarrowPitch, sc::kTileCols, count, vector_b, weight,
                                      [&](int n) -> const T* {
-                                       return n < width_count ? block + n * width_stride + round.s0 : nullptr;
+                                       if (n >= width_count) return nullptr;
+                                       return block + static_cast<long long>(n) * width_stride + round.s0;
                                      });
           } else {  // b(s, n) = block[s * weight_row + n]: [s][n]
             sc::stage_rows<T, sc::kTileCols>(b, Geometry::kWidePitch, kStep, width_count, vector_b, weight,
                                              [&](int s) -> const T* {
-                                               return round.s0 + s < reduce ? block + (round.s0 + s) * reduce_stride
-                                                                            : nullptr;
+                                               if (round.s0 + s >= reduce) return nullptr;
+                                               return block + static_cast<long long>(round.s0 + s) * reduce_stride;
                                              });
           }
         },
@@ -709,14 +851,42 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
         });
     const T* group_bias = bias + static_cast<long long>(g) * width + col0;
     T* group_out = out + static_cast<long long>(g) * width + col0;
-    engine.store(shared.bytes, [&](int m, int n, Acc value) {
+    auto finish = [&](int m, int n, Acc value) {  // the epilogue: bias, one rounding, the row's one write
       const int row = shared.rows[m];
       if (row >= 0 && n < width_count) {
         if (has_bias) value += static_cast<Acc>(sc::widen(group_bias[n]));
         group_out[static_cast<long long>(row) * out_pitch + n] = sc::narrow<T>(value);
       }
-    });
-    __syncthreads();  // rows and words are rewritten by the next work item
+    };
+    if (splits == 1) {
+      engine.store(shared.bytes, finish);
+    } else {
+      // recomputed from item and the words rather than kept in registers through the rounds
+      const int first_item = item - item % splits;  // the tile's split 0
+      const int own_split = item - first_item;
+      const int present = sc::count_offsets(shared.words, mask_words);
+      Acc* tile_partials = reinterpret_cast<Acc*>(scratch + counter_words) +
+                           static_cast<long long>(first_item) * sc::kTileElements;
+      unsigned int* counter = scratch + first_item / splits;
+      // block-uniform; an empty split writes nothing, and nothing reads it
+      if (sc::split_rank(own_split, splits, present) < sc::split_rank(own_split + 1, splits, present)) {
+        Acc* own = tile_partials + static_cast<long long>(own_split) * sc::kTileElements;
+        engine.store(shared.bytes, [&](int m, int n, Acc value) {
+          if (shared.rows[m] >= 0 && n < width_count) own[m * sc::kTileCols + n] = value;
+        });
+      }
+      __threadfence();  // this split's partial before its count
+      __syncthreads();
+      if (tid == 0) shared.flag = atomicAdd(counter, 1u) == static_cast<unsigned int>(splits - 1);
+      __syncthreads();
+      if (shared.flag) {  // every split of the tile is written: sum them in split order
+        __threadfence();
+        sc::sum_split_partials<T, Acc, kThreads>(tile_partials, splits, present, shared.rows, width_count,
+                                                 group_bias, has_bias, group_out, out_pitch);
+        if (tid == 0) *counter = 0u;  // ready for the next launch on this scratch
+      }
+    }
+    __syncthreads();  // rows, words and flag are rewritten by the next work item
   }
 }
 

@@ -345,7 +345,7 @@ def test_a_missing_copy_wait_reads_stale_shared_memory():
                       "float32")
     arguments = (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
                  neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1), np.int32(1),
-                 np.int32(8), np.int32(8), np.int32(_UNUSED_FLAG))
+                 np.int32(8), np.int32(8), np.int32(_UNUSED_FLAG), *_NO_SPLITS)
     out = np.zeros((70, 8), np.float32)
     module.get_function("sc_implicit_gemm<float, sc::Simt>")((2,), (256,), (*arguments, out))
     assert not np.array_equal(out, expected)
@@ -370,6 +370,8 @@ _WEIGHT_BARRIER = "    __threadfence();  // this split's partials before its cou
 
 _COPY_WAIT = "      wait_copies<1>();  // this round's copies have landed\n"
 _UNUSED_FLAG = 8  # a flag bit sc_implicit_gemm does not read: launches with it skip the first bug below
+# sc_implicit_gemm's splits, scratch and counter words for one block per tile (the scratch is never touched)
+_NO_SPLITS = (np.int32(1), np.zeros(1, np.uint32), np.int64(0))
 
 
 def _broken_source() -> str:
@@ -402,7 +404,7 @@ def test_a_barrier_some_threads_skip_fails_as_a_deadlock():
     with pytest.raises(harness.BarrierDeadlock, match=r"__syncthreads\(\) in block 0: .* a barrier in a branch"):
         kernel((2,), (256,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
                               neighbour_map.output_order, np.int32(1), np.int64(70), np.int32(3), np.int32(1),
-                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), out))
+                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), *_NO_SPLITS, out))
 
 
 def test_a_barrier_never_reached_times_out():
@@ -431,7 +433,8 @@ def test_a_launch_with_the_wrong_block_size_traps():
     with pytest.raises(harness.KernelTrap, match=r"__trap\(\)"):
         kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
                               neighbour_map.output_order, np.int32(1), np.int64(40), np.int32(3), np.int32(1),
-                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), np.zeros((40, 4), np.float32)))
+                              np.int32(1), np.int32(4), np.int32(4), np.int32(0), *_NO_SPLITS,
+                              np.zeros((40, 4), np.float32)))
 
 
 # ------------------------------------------------------------------------- the TF32 rule

@@ -66,8 +66,11 @@ def test_forward_cost_of_a_full_table(dtype_name, tf32):
     stats = tile_shapes.map_stats(table, np.arange(128, dtype=np.int32))
     cost = tile_shapes.forward_cost(stats, 32, 96, dtype_name, tf32)
     assert cost.useful_flops == 2 * 128 * 5 * 32 * 96 == cost.issued_flops
-    assert cost.blocks == 2 * 2  # two row tiles, two column tiles (64 + 32)
     tile = cost.tile
+    # two row tiles, two column tiles (64 + 32): 4 tiles leave the GPU idle, so their 5 offsets are split in
+    # ceil(5 / 3) = 2 (at most OFFSETS_PER_SPLIT offsets a split)
+    assert cost.splits == 2 and cost.blocks == 2 * 2 * 2
+    assert tile_shapes.forward_cost(stats, 32, 96, dtype_name, tf32, split=False).blocks == 2 * 2
     assert cost.waves == pytest.approx(cost.blocks / (tile_shapes.DEFAULT_SM_COUNT * tile.blocks_per_sm))
     # 3 input channels: SIMT in every dtype (no padding of the reduction), 3 outputs padded to 16
     narrow = tile_shapes.forward_cost(stats, 3, 3, dtype_name, tf32)

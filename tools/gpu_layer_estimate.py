@@ -1,6 +1,7 @@
 """Per-layer estimate of the fused GPU kernels on spconv's basic network, old and new tile shapes (no GPU).
 
     python tools/gpu_layer_estimate.py [--scene basic|synthetic] [--dtypes float32,float16,tf32] [--json PATH]
+                                       [--no-forward-splits]
 
 The neighbour maps of the network's 14 SubMConv3d layers (`sparsecore.benchmark.network`)
 are built on the CPU from the scene's sites (the pools only give the next block
@@ -8,8 +9,11 @@ its sites); each map side's row masks in mask order give its statistics. For
 each conv layer, dtype and pass (forward, input gradient, weight gradient):
 
 - **new**: the tile `sparsecore.backends.tile_shapes` chooses, its blocks,
-  useful and issued FLOPs and weight-gradient splits (`forward_cost`,
-  `weight_gradient_cost`: the kernels' own tile table);
+  useful and issued FLOPs, the forward's and input gradient's offset splits
+  (layers with fewer output tiles than block slots) and the weight
+  gradient's row splits (`forward_cost`, `weight_gradient_cost`: the
+  kernels' own tile table; ``--no-forward-splits``: one block per output
+  tile, as before the offset splits);
 - **old**: the kernels of issue 28 (commit 3ed261f): every tile 64 rows x 64
   columns, the reduction step of the engine (16 SIMT and TF32, 32 float16 and
   bfloat16), resident blocks per SM from that code's SASS on sm_90
@@ -181,8 +185,10 @@ def _new_pass(pass_name: str, stats: Any, reduce: int, width: int, dtype_name: s
     return replace(estimate, waves=float(cost.waves), useful_flops=int(cost.useful_flops))
 
 
-def estimate_layer(maps: LayerMaps, dtype_name: str, model: GpuModel = H100_MODEL) -> LayerEstimate:
-    """Old and new estimates of the three passes of one layer in one dtype."""
+def estimate_layer(maps: LayerMaps, dtype_name: str, model: GpuModel = H100_MODEL,
+                   forward_splits: bool = True) -> LayerEstimate:
+    """Old and new estimates of the three passes of one layer in one dtype (``forward_splits``: the new
+    forward and input gradient split their offsets where the kernels do)."""
     from sparsecore.backends import tile_shapes
 
     a, b = maps.in_channels, maps.out_channels
@@ -197,19 +203,21 @@ def estimate_layer(maps: LayerMaps, dtype_name: str, model: GpuModel = H100_MODE
            pass_estimate("weight gradient", maps.output_side, a, b, dtype_name, old_tile(dtype_name, True), OLD_LOADS,
                          model, old_splits))
     name, tf32 = ("float32", True) if dtype_name == "tf32" else (dtype_name, False)
-    forward = tile_shapes.forward_cost(maps.new_output, a, b, name, tf32, sm_count=model.multiprocessors)
-    backward = tile_shapes.forward_cost(maps.new_input, b, a, name, tf32, sm_count=model.multiprocessors)
+    forward = tile_shapes.forward_cost(maps.new_output, a, b, name, tf32, sm_count=model.multiprocessors,
+                                       split=forward_splits)
+    backward = tile_shapes.forward_cost(maps.new_input, b, a, name, tf32, sm_count=model.multiprocessors,
+                                        split=forward_splits)
     weight = tile_shapes.weight_gradient_cost(maps.new_output, a, b, name, tf32, sm_count=model.multiprocessors)
-    new = (_new_pass("forward", maps.new_output, a, b, dtype_name, forward, model),
-           _new_pass("input gradient", maps.new_input, b, a, dtype_name, backward, model),
+    new = (_new_pass("forward", maps.new_output, a, b, dtype_name, forward, model, int(forward.splits)),
+           _new_pass("input gradient", maps.new_input, b, a, dtype_name, backward, model, int(backward.splits)),
            _new_pass("weight gradient", maps.new_output, a, b, dtype_name, weight, model, int(weight.splits)))
     return LayerEstimate(maps.name, dtype_name, maps.output_side.num_rows, maps.output_side.pairs, old, new)
 
 
-def estimate_network(maps: tuple[LayerMaps, ...], dtypes: tuple[str, ...],
-                     model: GpuModel = H100_MODEL) -> tuple[LayerEstimate, ...]:
+def estimate_network(maps: tuple[LayerMaps, ...], dtypes: tuple[str, ...], model: GpuModel = H100_MODEL,
+                     forward_splits: bool = True) -> tuple[LayerEstimate, ...]:
     """`estimate_layer` of every layer in every dtype (dtype-major)."""
-    return tuple(estimate_layer(layer, dtype, model) for dtype in dtypes for layer in maps)
+    return tuple(estimate_layer(layer, dtype, model, forward_splits) for dtype in dtypes for layer in maps)
 
 
 def _ratio(issued: float, useful: float) -> str:
@@ -275,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,float16,tf32",
                         help="comma-separated: float32, float16, tf32, bfloat16, float64")
     parser.add_argument("--json", metavar="PATH", help="write every estimate as JSON")
+    parser.add_argument("--no-forward-splits", action="store_true",
+                        help="the new forward and input gradient with one block per output tile (no offset splits)")
     args = parser.parse_args(argv)
     dtypes = tuple(name for name in args.dtypes.split(",") if name)
     unknown = [name for name in dtypes if name not in ("float32", "float16", "tf32", "bfloat16", "float64")]
@@ -289,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_layer_estimate: {error}", file=sys.stderr)
         return 2
     maps = network_maps(np.asarray(scene.indices), tuple(scene.spatial_shape))
-    estimates = estimate_network(maps, dtypes)
+    estimates = estimate_network(maps, dtypes, forward_splits=not args.no_forward_splits)
     print(f"scene {args.scene}: {len(scene.indices)} sites ({scene.source}); maps and estimate in "
           f"{time.perf_counter() - started:.1f} s")
     print(format_estimates(estimates))

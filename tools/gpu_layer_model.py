@@ -19,14 +19,20 @@ gives:
 - **modelled time**: a wave model. A block runs ``rounds`` (one visited offset
   times one reduction step), each costing the larger of its loads' latency
   and its share of the SM's arithmetic; a visit costs one more round trip
-  (indices before the gather). The old kernels issue scalar loads one at a
+  (indices before the gather), and a forward block two at its start (its
+  rows, then their masks). The old kernels issue scalar loads one at a
   time (`OLD_LOADS`: each thread's loads of a round are a serial chain of
   L2 round trips); the new ones put a round's 16-byte copies in flight
   together in a pipeline of ``stages`` rounds (`NEW_LOADS`). The blocks
   resident on an SM share its arithmetic and its instruction issue (each load
   costs ``instructions_per_load`` issue slots of each thread, a round
   ``round_instructions`` more; four schedulers). A pass with fewer blocks
-  than slots runs one partial wave. The time is the larger of that and the
+  than slots runs one partial wave. A forward split over ``splits`` blocks
+  per tile (`tile_shapes.forward_splits`) spreads a tile's offsets over
+  ``min(splits, offsets per tile)`` working blocks, each paying the block
+  start, the partial tile's store and its counter (two round trips), and per
+  tile the last block's sum (a round trip per 4 splits per 4-element chunk
+  of its share), with the partials written and read once through L2. The time is the larger of that and the
   L2 traffic over its bandwidth, plus a launch.
 
 `GpuModel` holds the H100 SXM's numbers; the time is an estimate to be
@@ -234,7 +240,7 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
         tile: a `tile_shapes.TileShape` (rows, columns, step, threads, engine, blocks_per_sm).
         loads: the loading scheme (its ``stages`` replaced by the tile's ``stages`` where the tile has one).
         model: the GPU.
-        splits: the weight gradient's row splits.
+        splits: the weight gradient's row splits, the forward's (and input gradient's) offset splits.
         blocks: the blocks the kernel launches when its tile table counts them otherwise (offsets split
             across blocks, say): the same work spread over them.
         issued: the issued FLOPs when the tile table counts them otherwise (warps skipping row slices
@@ -265,23 +271,34 @@ def pass_estimate(pass_name: str, side: SideStats, reduce: int, width: int, dtyp
         l2 = (walked * side.tile_rows * 8 + side.pairs * itemsize * (reduce * -(-width // tile.columns)
               + width * -(-reduce // tile.rows)) + scratch + len(side.pairs_per_offset) * reduce * width * itemsize)
         own_block = splits >= side.row_tiles
+        working = natural_blocks if blocks is None else int(blocks)
     else:
         column_tiles = -(-width // tile.columns)
-        natural_blocks = side.row_tiles * column_tiles
+        tiles = side.row_tiles * column_tiles
+        natural_blocks = tiles * splits
         issued_here = 2 * side.visits * side.tile_rows * _padded(reduce, tile.step) * column_tiles * tile.columns
         visits = side.visits * column_tiles
         rounds = visits * -(-reduce // tile.step)
         round_cycles, round_issue = _round_cost(tile.step * (side.tile_rows + tile.columns), tile.threads,
                                                 itemsize, loads, model)
-        total_latency = visits * latency + rounds * round_cycles
+        launched = natural_blocks if blocks is None else int(blocks)
+        total_latency = visits * latency + rounds * round_cycles + launched * 2 * latency  # + each block's start
         total_issue = rounds * round_issue
         l2 = (side.pairs * reduce * itemsize * column_tiles + side.visits * reduce * width * itemsize
-              + visits * side.tile_rows * 4 + natural_blocks * side.tile_rows * 8 + side.num_rows * width * itemsize)
+              + visits * side.tile_rows * 4 + launched * side.tile_rows * 8 + side.num_rows * width * itemsize)
+        working = launched
+        if splits > 1:  # offsets split over blocks: only min(splits, offsets per tile) of a tile's blocks work
+            per_tile = side.visits / max(side.row_tiles, 1)
+            working = max(1, round(tiles * min(splits, max(per_tile, 1.0))))
+            partial_bytes = 8 if dtype_name == "float64" else 4
+            chunks = -(-side.tile_rows * tile.columns // (tile.threads * 16 // partial_bytes))  # per thread
+            total_latency += working * 2 * latency + tiles * chunks * -(-splits // 4) * latency
+            l2 += 2 * working * side.tile_rows * tile.columns * partial_bytes + tiles * 4 * 2
         own_block = False
     blocks = natural_blocks if blocks is None else int(blocks)
     issued = issued_here if issued is None else int(issued)
-    seconds, bound = _wave_seconds(blocks, total_latency / max(blocks, 1), issued / max(blocks, 1),
-                                   total_issue / max(blocks, 1), tile.blocks_per_sm, rate, model)
+    seconds, bound = _wave_seconds(working, total_latency / max(working, 1), issued / max(working, 1),
+                                   total_issue / max(working, 1), tile.blocks_per_sm, rate, model)
     l2_seconds = l2 / model.l2_bytes_per_second
     if l2_seconds > seconds:
         seconds, bound = l2_seconds, "L2"

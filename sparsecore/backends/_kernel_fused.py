@@ -29,6 +29,15 @@ row-tile bit sets the weight gradient walks, in one int64 array (the kernels
 read the order every second int32 word: ``order_step`` 2). A map whose order
 was given (a JAX layout's) or already read is used as it is (``order_step``
 1), and its weight gradient walks every row tile.
+
+The forward and the input gradient of a layer with fewer output tiles than
+the GPU has block slots split each tile's offsets over several blocks
+(`tile_shapes.forward_splits`); their partial tiles and per-tile counters
+live in one scratch buffer per map (`NeighbourMap.derived`), zeroed once when
+it is allocated (the kernel leaves the counters zero), sized at the map's
+first split pass for that layer's forward and input gradient, grown only when
+a later pass needs more. Passes over one map run in stream order, so they
+share it; two streams must not run the same map's passes at the same time.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from ._launch import KernelDevice, check_float, check_row_count, expression_of
 
 __all__ = ["FusedPasses", "SIMT_THREADS", "WMMA_THREADS", "TILE_ROWS", "TILE_COLUMNS", "MAX_KERNEL_VOLUME",
            "MIN_COMPUTE_CAPABILITY", "DeviceTraits", "device_traits", "check_device", "engine_of",
-           "weight_gradient_tiles", "weight_gradient_scratch_words"]
+           "weight_gradient_tiles", "weight_gradient_scratch_words", "SplitScratch", "split_scratch_words"]
 
 SIMT_THREADS = 256  # sc::kSimtThreads
 WMMA_THREADS = 128  # sc::kWmmaThreads
@@ -58,6 +67,7 @@ MAX_KERNEL_VOLUME = 64 * 32  # sc::kMaxMaskWords mask words of 32 offsets
 MIN_COMPUTE_CAPABILITY = 75
 
 _REVERSED, _TRANSPOSED, _BIAS = 1, 2, 4  # sc_implicit_gemm's flags
+_MAX_WORK_ITEMS = 2**31 - 1  # sc_implicit_gemm counts its work items (tiles x splits) in 32 bits
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,53 @@ def weight_gradient_scratch_words(tiles: int, splits: int, partial_itemsize: int
     the partials (``splits > 1``), then a 32-bit counter per tile."""
     partials = tiles * splits * TILE_ELEMENTS if splits > 1 else 0
     return partials + -(-tiles * 4 // partial_itemsize)
+
+
+def split_scratch_words(counters: int, partial_bytes: int) -> int:
+    """32-bit words of ``sc_implicit_gemm``'s split scratch: ``counters`` counter words (rounded up to 32, so
+    the partials start 128-byte aligned), then ``partial_bytes`` of partial tiles."""
+    return -(-counters // 32) * 32 + -(-partial_bytes // 4)
+
+
+@dataclass(frozen=True)
+class SplitScratch:
+    """A map's scratch for ``sc_implicit_gemm``'s offset splits (kept in ``NeighbourMap.derived``).
+
+    Attributes:
+        buffer: uint32 device array of `split_scratch_words` words: the counters (zero between launches),
+            then the partial tiles.
+        counter_words: words reserved for counters (a multiple of 32).
+        partial_bytes: bytes for partial tiles after them.
+    """
+
+    buffer: Any
+    counter_words: int
+    partial_bytes: int
+
+
+_SPLIT_SCRATCH = "fused split scratch"
+
+
+def _split_scratch(xp: Any, neighbour_map: Any, counters: int, partial_bytes: int) -> SplitScratch:
+    """The map's split scratch, allocated (zeroed) at first use or when a pass needs more than it holds."""
+    scratch = neighbour_map.derived.get(_SPLIT_SCRATCH)
+    if scratch is None or scratch.counter_words < counters or scratch.partial_bytes < partial_bytes:
+        if scratch is not None:
+            counters, partial_bytes = max(counters, scratch.counter_words), max(partial_bytes, scratch.partial_bytes)
+        counter_words = -(-counters // 32) * 32
+        scratch = SplitScratch(xp.zeros(split_scratch_words(counter_words, partial_bytes), dtype=xp.uint32),
+                               counter_words, -(-partial_bytes // 4) * 4)
+        neighbour_map.derived[_SPLIT_SCRATCH] = scratch
+    return scratch
+
+
+@dataclass(frozen=True)
+class _Split:
+    """How one ``sc_implicit_gemm`` launch is cut: ``tiles`` output tiles, ``splits`` blocks each."""
+
+    tiles: int
+    splits: int
+    partial_bytes: int
 
 
 @dataclass(frozen=True)
@@ -208,7 +265,8 @@ class FusedPasses:
         grid = max(1, min(int(items), self.device.max_blocks))
         self.device.launcher.launch(expression_of(name, *type_names), grid, threads, args)
 
-    def conv_forward(self, features: Any, weight: Any, neighbour_map: Any, bias: Any | None, groups: int) -> Any:
+    def conv_forward(self, features: Any, weight: Any, neighbour_map: Any, bias: Any | None, groups: int,
+                     splits: int | None = None) -> Any:
         """``out [N_out, C_out]`` of a convolution over a map, in one ``sc_implicit_gemm`` launch.
 
         Args:
@@ -217,6 +275,8 @@ class FusedPasses:
             neighbour_map: the layer's `NeighbourMap`.
             bias: ``[C_out]`` or None.
             groups: channel groups.
+            splits: offset splits per output tile; by default `tile_shapes.forward_splits` for the device
+                (tests force others: the result depends on it only through rounding).
 
         Returns:
             ``[N_out, C_out]`` in the features' dtype; a row without neighbours holds the bias (or 0).
@@ -236,18 +296,55 @@ class FusedPasses:
         out = xp.empty((rows, out_channels), dtype=features.dtype)
         flags = _BIAS if bias is not None else 0
         bias = self._ready(bias, features.dtype) if bias is not None else weight
-        check_device(dtype_name, device_traits(xp), neighbour_map.kernel_volume, "conv_forward")
-        math, threads = engine_of(dtype_name, self.tf32, in_per_group)
+        traits = device_traits(xp)
+        check_device(dtype_name, traits, neighbour_map.kernel_volume, "conv_forward")
         out_per_group = out_channels // groups
-        items = -(-rows // TILE_ROWS) * groups * -(-out_per_group // TILE_COLUMNS)
-        self._launch("sc_implicit_gemm", (dtype_name, math), items, threads,
-                     (features, weight, bias, side.neighbours, side.masks, side.order, side.order_step,
-                      side.num_rows, side.volume, side.mask_words, np.int32(groups), np.int32(in_per_group),
-                      np.int32(out_per_group), np.int32(flags | (_REVERSED if side.reversed else 0)), out))
+        split = self._split(rows, in_per_group, out_per_group, groups, neighbour_map.kernel_volume, dtype_name,
+                            traits, splits)
+        # sized for this layer's input gradient too (over the input side), so the backward reuses it
+        backward = self._split(neighbour_map.num_input, out_per_group, in_per_group, groups,
+                               neighbour_map.kernel_volume, dtype_name, traits, splits)
+        self._implicit_gemm(features, weight, bias, side, neighbour_map, dtype_name, groups, in_per_group,
+                            out_per_group, flags, split, backward, out)
         return out
 
+    def _split(self, rows: int, reduce: int, width: int, groups: int, volume: int, dtype_name: str,
+               traits: DeviceTraits, splits: int | None) -> _Split:
+        """The offset splits of an ``sc_implicit_gemm`` pass writing ``rows`` rows of ``groups * width``
+        channels, reducing over ``reduce`` per group (``splits`` given: forced, for tests)."""
+        tiles = -(-int(rows) // TILE_ROWS) * groups * -(-width // TILE_COLUMNS)
+        partial = 8 if dtype_name == "float64" else 4
+        if splits is None:
+            shape = tile_shapes.choose_tile(reduce, width, dtype_name, self.tf32, traits.compute_capability)
+            splits = tile_shapes.forward_splits(tiles, volume, shape.blocks_per_sm, partial, traits.sm_count,
+                                                shape.engine)
+        splits = max(1, min(int(splits), MAX_KERNEL_VOLUME))  # the kernel's bound (empty splits beyond K)
+        return _Split(tiles, splits, tiles * splits * TILE_ELEMENTS * partial if splits > 1 else 0)
+
+    def _implicit_gemm(self, source: Any, weight: Any, bias: Any, side: _Side, neighbour_map: Any,
+                       dtype_name: str, groups: int, in_per_group: int, out_per_group: int, flags: int,
+                       split: _Split, also: _Split | None, out: Any) -> None:
+        """One ``sc_implicit_gemm`` launch; a split one uses the map's split scratch, sized for ``also`` too."""
+        transposed = bool(flags & _TRANSPOSED)
+        math, threads = engine_of(dtype_name, self.tf32, out_per_group if transposed else in_per_group)
+        if split.tiles * split.splits > _MAX_WORK_ITEMS:
+            raise ValueError(f"conv: {split.tiles} output tiles x {split.splits} offset splits exceed the fused "
+                             f"kernel's {_MAX_WORK_ITEMS} work items; use fewer rows or channels per call")
+        scratch, counter_words = side.masks, 0  # splits == 1: the kernel never touches it
+        if split.splits > 1:
+            counters, partial_bytes = split.tiles, split.partial_bytes
+            if also is not None and also.splits > 1:
+                counters, partial_bytes = max(counters, also.tiles), max(partial_bytes, also.partial_bytes)
+            held = _split_scratch(self.device.xp, neighbour_map, counters, partial_bytes)
+            scratch, counter_words = held.buffer, held.counter_words
+        self._launch("sc_implicit_gemm", (dtype_name, math), split.tiles * split.splits, threads,
+                     (source, weight, bias, side.neighbours, side.masks, side.order, side.order_step, side.num_rows,
+                      side.volume, side.mask_words, np.int32(groups), np.int32(in_per_group), np.int32(out_per_group),
+                      np.int32(flags | (_REVERSED if side.reversed else 0)), np.int32(split.splits), scratch,
+                      np.int64(counter_words), out))
+
     def conv_backward(self, grad_output: Any, features: Any, weight: Any, neighbour_map: Any, groups: int,
-                      splits: int | None = None) -> tuple[Any, Any]:
+                      splits: int | None = None, input_splits: int | None = None) -> tuple[Any, Any]:
         """``(grad_features [N_in, C_in], grad_weight)`` in two launches (input gradient, weight gradient).
 
         Args:
@@ -258,6 +355,7 @@ class FusedPasses:
             groups: channel groups.
             splits: row splits of the weight gradient; by default `tile_shapes.weight_gradient_splits`
                 for the device (tests pass others: the result depends on it only through rounding).
+            input_splits: offset splits of the input gradient (as ``splits`` of `conv_forward`).
 
         Returns:
             The gradients in the features' dtype (``grad_weight`` in the weight's layout; the
@@ -280,13 +378,10 @@ class FusedPasses:
         input_side = _side(self.device, neighbour_map, "input")
         if channels_known and int(input_side.num_rows):
             grad_features = xp.empty(features.shape, dtype=dtype)
-            items = -(-int(input_side.num_rows) // TILE_ROWS) * groups * -(-in_per_group // TILE_COLUMNS)
-            gemm_math, gemm_threads = engine_of(dtype_name, self.tf32, out_per_group)
-            self._launch("sc_implicit_gemm", (dtype_name, gemm_math), items, gemm_threads,
-                         (grad_output, weight, weight, input_side.neighbours, input_side.masks, input_side.order,
-                          input_side.order_step, input_side.num_rows, input_side.volume, input_side.mask_words,
-                          np.int32(groups), np.int32(in_per_group), np.int32(out_per_group),
-                          np.int32(_TRANSPOSED | (_REVERSED if input_side.reversed else 0)), grad_features))
+            split = self._split(int(input_side.num_rows), out_per_group, in_per_group, groups, volume, dtype_name,
+                                traits, input_splits)
+            self._implicit_gemm(grad_output, weight, weight, input_side, neighbour_map, dtype_name, groups,
+                                in_per_group, out_per_group, _TRANSPOSED, split, None, grad_features)
         else:
             grad_features = xp.zeros(features.shape, dtype=dtype)
         output_side = _side(self.device, neighbour_map, "output")
@@ -307,8 +402,8 @@ class FusedPasses:
         grad_weight = xp.empty(weight.shape, dtype=dtype)
         self._launch("sc_weight_gradient", (dtype_name, math), tiles * splits, threads,
                      (features, grad_output, output_side.neighbours, output_side.order, output_side.order_step,
-                      output_side.num_rows, output_side.volume, output_side.mask_words, np.int32(groups), np.int32(in_per_group), np.int32(out_per_group), np.int32(splits), scratch,
-                      grad_weight))
+                      output_side.num_rows, output_side.volume, output_side.mask_words, np.int32(groups),
+                      np.int32(in_per_group), np.int32(out_per_group), np.int32(splits), scratch, grad_weight))
         return grad_features, grad_weight
 
     def _pool_launch(self, name: str, dtype_name: str, rows: int, channels: int, args: tuple) -> None:

@@ -9,7 +9,9 @@ how the weight gradient splits its rows (`weight_gradient_splits`), and, for
 a layer described by its neighbour map's statistics (`MapStats`), the blocks
 a pass launches and its useful and issued floating-point operations
 (`forward_cost`, `weight_gradient_cost`): the per-layer estimate a device
-run is compared with. Nothing here imports CuPy; `map_stats` takes NumPy arrays.
+run is compared with. A forward or input gradient with fewer output tiles
+than the GPU has block slots splits each tile's offsets over several blocks
+(`forward_splits`). Nothing here imports CuPy; `map_stats` takes NumPy arrays.
 
 Counting rules (2 FLOP per multiply-add):
 
@@ -33,8 +35,10 @@ from typing import Any
 import numpy as np
 
 __all__ = ["TileShape", "MapStats", "SLICE_ROWS", "PassCost", "WeightGradientCost", "DEFAULT_SM_COUNT",
-           "SCRATCH_FLOOR_BYTES", "TILE_ROWS", "NARROW_REDUCTION", "engine_of", "choose_tile", "weight_gradient_tile",
-           "map_stats", "forward_cost", "weight_gradient_splits", "weight_gradient_cost", "scratch_cap"]
+           "SCRATCH_FLOOR_BYTES", "TILE_ROWS", "NARROW_REDUCTION", "FORWARD_WAVES", "OFFSETS_PER_SPLIT", "engine_of",
+           "choose_tile",
+           "weight_gradient_tile", "map_stats", "forward_splits", "forward_cost", "weight_gradient_splits",
+           "weight_gradient_cost", "scratch_cap"]
 
 # Multiprocessors assumed where no device says (the emulation, the CPU estimate): an H100 SXM.
 DEFAULT_SM_COUNT = 132
@@ -47,6 +51,12 @@ SCRATCH_FLOOR_BYTES = 64 * 1024 * 1024
 NARROW_REDUCTION = 8
 # Resident blocks wanted per multiprocessor slot: the weight gradient launches at least this many waves.
 WEIGHT_GRADIENT_WAVES = 2
+# A SIMT forward or input gradient with fewer output tiles than block slots splits their offsets for about
+# this many waves; a tensor-core one only up to one block per multiprocessor (`forward_splits`).
+FORWARD_WAVES = 2
+# A split takes at least about this many of the kernel's offsets (more splits would be mostly empty blocks:
+# a deep layer's tile holds a third to four fifths of its 27 offsets on the real scan).
+OFFSETS_PER_SPLIT = 3
 
 
 @dataclass(frozen=True)
@@ -82,15 +92,16 @@ class TileShape:
 # reduction step (the tensor cores' k: 16 for TF32, 32 for 16-bit types) and the residency that ptxas'
 # registers and shared memory allow on sm_90 (65,536 registers, 2,048 threads per multiprocessor).
 _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 registers in the comments)
-    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # 64 registers
-    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 96
+    # the residency is the kernel's __launch_bounds__ (sc::ForwardBlocks): ptxas keeps the registers within it
+    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # 56 registers
+    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 102
     ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 78, 8 x 32 fragments
     ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 80, 8 x 32 fragments
-    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 16, 8),  # TF32: 94
-    ("float16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # a narrow reduction: 72
-    ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # a narrow reduction: 72
-    ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75: 128-thread SIMT
-    ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 5, 16, 1),  # sm_75
+    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 16, 8),  # TF32: 96
+    ("float16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
+    ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
+    ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 128-thread SIMT, 105
+    ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 102
 }
 _WEIGHT_GRADIENT = {  # sc_weight_gradient
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 79 registers
@@ -227,6 +238,8 @@ class PassCost:
         waves: ``blocks / (sm_count * tile.blocks_per_sm)``.
         useful_flops: 2 * multiply-adds of the convolution itself.
         issued_flops: 2 * multiply-adds the tensor or CUDA cores execute, padding included.
+        splits: blocks per output tile (the forward's offset splits, the weight gradient's row splits).
+        scratch_bytes: the split partials and counters.
     """
 
     tile: TileShape
@@ -234,14 +247,60 @@ class PassCost:
     waves: float
     useful_flops: int
     issued_flops: int
+    splits: int = 1
+    scratch_bytes: int = 0
 
 
 def _padded(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
+def forward_splits(tiles: int, volume: int, blocks_per_sm: int, partial_itemsize: int = 4,
+                   sm_count: int = DEFAULT_SM_COUNT, engine: str = "simt") -> int:
+    """Offset splits per output tile of a forward or input gradient, from host-known sizes only.
+
+    A pass with few output tiles (row tiles x column tiles x groups) leaves most of the GPU idle; its
+    tiles' offsets are then split over several blocks, each writing a partial tile that the tile's last
+    block adds (a float32 or float64 tile per split, written and read once more through L2):
+
+    - SIMT (``engine="simt"``; latency- and issue-bound per block): with fewer tiles than block slots
+      (``sm_count * blocks_per_sm``), ``floor(FORWARD_WAVES * slots / tiles)`` splits, about
+      `FORWARD_WAVES` waves;
+    - tensor cores (``"tensor"``): a tile's arithmetic is fast and its time is its L2 traffic, which the
+      partials only add to, so they split only a pass of fewer tiles than multiprocessors, up to one block
+      per multiprocessor: ``ceil(sm_count / tiles)`` splits.
+
+    Either way at most ``ceil(volume / OFFSETS_PER_SPLIT)`` splits, and the partials (``tiles * splits``
+    tiles of ``TILE_ROWS x 64`` sums of ``partial_itemsize`` bytes) within `SCRATCH_FLOOR_BYTES`.
+    (`tools/gpu_layer_estimate.py`'s model on the real scan: these choices are within a few percent of
+    the best split count of every layer of the basic network, and never slower than no split.)
+
+    Args:
+        tiles: output tiles of the pass.
+        volume: kernel offsets ``K``.
+        blocks_per_sm: resident blocks per multiprocessor of the pass's tile (`choose_tile`).
+        partial_itemsize: bytes of one partial sum (4, or 8 for float64).
+        sm_count: multiprocessors of the GPU.
+        engine: the tile's engine (`TileShape.engine`).
+    """
+    slots = sm_count * blocks_per_sm
+    if tiles <= 0 or volume <= 1:
+        return 1
+    if engine == "simt":
+        if tiles >= slots:
+            return 1
+        wanted = FORWARD_WAVES * slots // tiles
+    else:
+        if tiles >= sm_count:
+            return 1
+        wanted = -(-sm_count // tiles)
+    by_memory = SCRATCH_FLOOR_BYTES // (tiles * TILE_ROWS * 64 * partial_itemsize)
+    return int(max(1, min(wanted, -(-volume // OFFSETS_PER_SPLIT), by_memory)))
+
+
 def forward_cost(stats: MapStats, in_channels: int, out_channels: int, dtype_name: str, tf32: bool = False,
-                 arch: int = 90, groups: int = 1, sm_count: int = DEFAULT_SM_COUNT) -> PassCost:
+                 arch: int = 90, groups: int = 1, sm_count: int = DEFAULT_SM_COUNT,
+                 split: bool = True) -> PassCost:
     """The forward (or, with the channels swapped and the input side's stats, the input gradient) of a layer.
 
     Args:
@@ -251,15 +310,21 @@ def forward_cost(stats: MapStats, in_channels: int, out_channels: int, dtype_nam
         dtype_name, tf32, arch: as for `choose_tile`.
         groups: channel groups.
         sm_count: multiprocessors of the GPU.
+        split: split offsets as the kernels do (`forward_splits`); False: one block per tile.
     """
     a, b = in_channels // groups, out_channels // groups
     tile = choose_tile(a, b, dtype_name, tf32, arch)
     column_tiles = -(-b // tile.columns)
-    blocks = stats.row_tiles * groups * column_tiles
+    tiles = stats.row_tiles * groups * column_tiles
+    itemsize = 8 if dtype_name == "float64" else 4
+    splits = (forward_splits(tiles, len(stats.tiles_per_offset), tile.blocks_per_sm, itemsize, sm_count, tile.engine)
+              if split else 1)
+    blocks = tiles * splits
     slices = sum(stats.slices(tile.slice_rows))
     issued = 2 * groups * slices * tile.slice_rows * _padded(a, tile.reduce_unit) * _padded(b, tile.column_unit)
     useful = 2 * groups * stats.pairs * a * b
-    return PassCost(tile, blocks, blocks / (sm_count * tile.blocks_per_sm), useful, issued)
+    scratch = (tiles * splits * TILE_ROWS * 64 * itemsize + tiles * 4) if splits > 1 else 0
+    return PassCost(tile, blocks, blocks / (sm_count * tile.blocks_per_sm), useful, issued, splits, scratch)
 
 
 def scratch_cap(grad_output_bytes: int) -> int:
