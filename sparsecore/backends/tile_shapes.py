@@ -100,8 +100,8 @@ _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 reg
     ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 16, 8),  # TF32: 96
     ("float16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
     ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
-    ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 128-thread SIMT, 105
-    ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 102
+    ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 128-thread SIMT, 100
+    ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 96
 }
 _WEIGHT_GRADIENT = {  # sc_weight_gradient
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 79 registers
