@@ -31,6 +31,9 @@ The GPU's fused passes build a side's order as a row plan instead
 (``sparsecore.backends._kernel_maps.row_plan``: the same order, and per-offset
 row-tile bit sets for the weight gradient, kept in ``derived`` under
 `ROW_PLAN`); the attribute reads the order out of a plan when there is one.
+The input masks, likewise, are made from the input table when first read unless
+the builder gave them (the GPU's strided builds do not: a pooling layer's
+kernels never read them).
 
 This module holds the value and its two conversions, written once against
 ``xp`` (NumPy or CuPy): `neighbour_map_from_pairs` (a map for any pair map,
@@ -61,6 +64,7 @@ __all__ = [
     "mask_order",
     "row_order",
     "stored_order",
+    "stored_input_masks",
     "ROW_PLAN",
 ]
 
@@ -88,7 +92,10 @@ class NeighbourMap:
             was made with None.
         input_neighbours: int32 ``[N_in, K]``: the output row fed by input row
             ``i`` through offset ``k``, or -1; None when ``symmetric``.
-        input_masks: uint32 ``[N_in, W]`` of ``input_neighbours``; None when ``symmetric``.
+        input_masks: uint32 ``[N_in, W]`` of ``input_neighbours``; None when ``symmetric``. Made from
+            ``input_neighbours`` (`row_masks`) when first read if the map was made with None: the GPU's
+            strided builds leave them to the first kernel that tiles the input side by mask (a conv's
+            input gradient, an inverse conv), so a pooling layer never builds them.
         input_order: int32 ``[N_in]``, likewise (sorted when first read if made with None); None when
             ``symmetric``.
         num_input: input rows ``N_in``.
@@ -107,7 +114,7 @@ class NeighbourMap:
     output_masks: Any
     output_order: Any = dataclasses.field(repr=False)  # a descriptor: see _SortedOnRead below
     input_neighbours: Any
-    input_masks: Any
+    input_masks: Any = dataclasses.field(repr=False)  # a descriptor: see _MasksOnRead below
     input_order: Any = dataclasses.field(repr=False)
     num_input: int
     num_output: int
@@ -168,7 +175,7 @@ class NeighbourMap:
         if self.symmetric:
             return self
         stored = self.__dict__
-        swapped = NeighbourMap(self.input_neighbours, self.input_masks, stored["_input_order"],
+        swapped = NeighbourMap(self.input_neighbours, self.input_masks, stored["_input_order"],  # masks made now
                                self.output_neighbours, self.output_masks, stored["_output_order"], self.num_output,
                                self.num_input, tuple(self.kernel_size), self.identity_offset)
         for side, other in (("output", "input"), ("input", "output")):  # row plans built so far
@@ -206,9 +213,34 @@ class _SortedOnRead:
         instance.__dict__[self.slot] = value
 
 
-# After the dataclass is made, so the generated __init__ stores the orders through the descriptors.
+class _MasksOnRead:
+    """The data descriptor of `NeighbourMap.input_masks`: the masks given, else ``input_neighbours``' `row_masks`
+    when first read (kept in the instance, so made once); None for a symmetric map."""
+
+    slot = "_input_masks"
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        masks = instance.__dict__.get(self.slot)
+        if masks is None and instance.input_neighbours is not None:
+            masks = row_masks(array_module(instance.input_neighbours), instance.input_neighbours)
+            instance.__dict__[self.slot] = masks
+        return masks
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        instance.__dict__[self.slot] = value
+
+
+# After the dataclass is made, so the generated __init__ stores these fields through the descriptors.
 NeighbourMap.output_order = _SortedOnRead("output")  # type: ignore[assignment]
 NeighbourMap.input_order = _SortedOnRead("input")  # type: ignore[assignment]
+NeighbourMap.input_masks = _MasksOnRead()  # type: ignore[assignment]
+
+
+def stored_input_masks(neighbour_map: NeighbourMap) -> Any:
+    """A map's input masks if they were given or already made, else None (never makes them)."""
+    return neighbour_map.__dict__.get(_MasksOnRead.slot)
 
 
 def row_masks(xp: Any, neighbours: Any) -> Any:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ..neighbour_map import ROW_PLAN, stored_order
+from ..neighbour_map import ROW_PLAN, mask_words, stored_order
 from . import tile_shapes
 from ._kernel_maps import row_plan
 from ._launch import KernelDevice, check_float, check_row_count, expression_of
@@ -194,7 +194,8 @@ class _Split:
 class _Side:
     """One side of a map as a kernel reads it: table, masks, order (None for the pools, which need
     none: reading it would sort it; a row plan or an int32 order, read every ``order_step`` int32
-    words), reversed, and their scalars."""
+    words), reversed, and their scalars. The pools' input side has no masks either (None: a strided
+    map makes its input masks when first read, and no pooling kernel reads them)."""
 
     neighbours: Any
     masks: Any
@@ -231,14 +232,16 @@ def _side(device: KernelDevice, neighbour_map: Any, which: str, ordered: bool = 
             neighbours, masks, reversed_offsets = neighbour_map.output_neighbours, neighbour_map.output_masks, False
         elif neighbour_map.symmetric:
             neighbours, masks, reversed_offsets = neighbour_map.output_neighbours, neighbour_map.output_masks, True
-        else:
+        elif ordered:
             neighbours, masks, reversed_offsets = neighbour_map.input_neighbours, neighbour_map.input_masks, False
+        else:  # the pools: never make the input masks (NeighbourMap.input_masks)
+            neighbours, masks, reversed_offsets = neighbour_map.input_neighbours, None, False
         order, step = None, 1
         if ordered:
             order, step = _order(device, neighbour_map, which, masks)
         check_row_count(int(neighbours.shape[0]), f"the map's {which} side", "fused passes")
         side = _Side(neighbours, masks, order, np.int32(step), reversed_offsets, np.int64(neighbours.shape[0]),
-                     np.int32(neighbours.shape[1]), np.int32(masks.shape[1]))
+                     np.int32(neighbours.shape[1]), np.int32(mask_words(neighbour_map.kernel_volume)))
         neighbour_map.derived[key] = side
     return side
 
