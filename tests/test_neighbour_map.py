@@ -21,7 +21,8 @@ import pytest
 
 import sparsecore as sc
 from sparsecore.neighbour_map import (ROW_PLAN, NeighbourMap, mask_order, mask_words, neighbour_map_from_pairs,
-                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_order)
+                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_input_masks,
+                                      stored_order)
 
 
 try:
@@ -233,3 +234,34 @@ def test_an_order_is_read_out_of_a_row_plan_and_plans_follow_a_swap():
     assert order.dtype == np.int32 and stored_order(neighbour_map, "output") is order
     np.testing.assert_array_equal(order, expected)
     assert neighbour_map.swapped().derived[(ROW_PLAN, "input")] is plan
+
+
+@pytest.mark.parametrize("kernel_size", [(3, 3), (4, 3, 3)])  # one and two mask words
+def test_input_masks_left_out_are_made_when_first_read_bitwise_and_kept(monkeypatch, kernel_size):
+    """A map made without input masks (the GPU's strided builds) makes them from its input table on first read,
+    on the device without a read back, bitwise equal to the masks built with the table; once, not by a repr,
+    a copy or a pickle; `swapped` reads them as its output masks."""
+    rng = _rng(8, len(kernel_size))
+    volume = int(np.prod(kernel_size))
+    pair_input, pair_output, starts = _random_pairs(rng, 40, 25, volume)
+    eager = neighbour_map_from_pairs(np, pair_input, pair_output, starts, 40, 25, kernel_size)
+    device_arrays.use_device_arrays(monkeypatch)  # array_module answers the device library, as for CuPy
+    put = device_arrays.to_device
+    lazy = NeighbourMap(put(eager.output_neighbours), put(eager.output_masks), None, put(eager.input_neighbours),
+                        None, None, 40, 25, kernel_size)
+    assert "input_masks" not in repr(lazy) and stored_input_masks(lazy) is None
+    for clone in (copy.copy(lazy), pickle.loads(pickle.dumps(lazy))):
+        assert stored_input_masks(clone) is None
+    assert stored_input_masks(lazy) is None
+    with device_arrays.forbid_host_reads():
+        made = lazy.input_masks
+    assert isinstance(made, device_arrays.DeviceArray) and lazy.input_masks is made and stored_input_masks(lazy) is made
+    assert made.dtype == np.uint32 and made.shape == (40, mask_words(volume))
+    np.testing.assert_array_equal(np.asarray(made), eager.input_masks)  # the device's xp path = NumPy's packbits
+    lazy_again = NeighbourMap(eager.output_neighbours, eager.output_masks, None, eager.input_neighbours, None, None,
+                              40, 25, kernel_size)
+    np.testing.assert_array_equal(lazy_again.swapped().output_masks, eager.input_masks)
+    np.testing.assert_array_equal(lazy_again.input_side()[1], eager.input_masks)
+    symmetric = NeighbourMap(eager.output_neighbours[:25], eager.output_masks[:25], None, None, None, None, 25, 25,
+                             kernel_size, symmetric=True)
+    assert symmetric.input_masks is None and stored_input_masks(symmetric) is None
