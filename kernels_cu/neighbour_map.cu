@@ -53,8 +53,8 @@
 //         n + t, for a first position t, writes output row o = ranks[t] - 1:
 //         its site (the key unpacked), its row of the table (the candidates
 //         of its key's run) and its mask. The input side gets no masks: the
-//         pooling kernels never read them, and the host makes them from the
-//         input table when a conv first tiles that side (NeighbourMap.input_masks).
+//         pooling kernels never read them; the first conv that tiles that side
+//         by mask makes them from the input table (sc_map_row_masks, below).
 //    Output rows are the distinct valid keys in increasing key order (the
 //    CPU builders' order).
 //
@@ -413,6 +413,20 @@ __global__ void sc_map_strided_capacity(const int* __restrict__ indices, long lo
     }
     sc::strided_item(indices, n, ndim, batch_size, geometry, transposed, volume, words, order, ranks, total,
                      capacity, output_indices, output_neighbours, output_masks, input_neighbours, e);
+  });
+}
+
+// Section 3f: a table's row masks (a strided map's input side, made when a conv first tiles it by mask):
+// one thread per row writes masks[r, :] from neighbours[r, :] (bit k set where the entry is >= 0), as
+// sc_map_submanifold and sc_map_strided write theirs. Launch over rows threads.
+__global__ void sc_map_row_masks(const int* __restrict__ neighbours, long long rows, int volume, int words,
+                                 unsigned int* __restrict__ masks) {
+  sc::for_each_element(rows, 1, [&](long long r, long long, long long) {
+    const int* row = neighbours + r * volume;
+    unsigned int word = 0u;
+    for (int k = 0; k < volume; ++k) {
+      sc::add_mask_bit(masks + r * words, k, volume, row[k] >= 0, &word);
+    }
   });
 }
 

@@ -22,7 +22,7 @@ import pytest
 import sparsecore as sc
 from sparsecore import conv, pool
 from sparsecore.backends import NUMPY_BACKEND
-from sparsecore.neighbour_map import row_masks, stored_input_masks
+from sparsecore.neighbour_map import row_masks, stored_masks
 
 try:
     from . import conv_cases
@@ -199,11 +199,11 @@ def test_feature_passes_read_nothing_back_and_derive_no_pairs(monkeypatch):
         pooled, argmax = pool.max_pool_forward(out, down, backend=backend)
         pool.max_pool_backward(pooled, argmax, subm.num_output, rulebook=down, backend=backend)
         pool.avg_pool_backward(pool.avg_pool_forward(out, down, backend=backend), down, backend=backend)
-        assert stored_input_masks(down.neighbour_map) is None
+        assert stored_masks(down.neighbour_map, "input") is None
         strided = device(rng.uniform(-1, 1, (8, 2, 2, 2, 8)).astype(np.float32))
         coarse = conv.conv_forward(out, strided, down, None, backend=backend)
         conv.conv_backward(coarse, out, strided, down, backend=backend)
-    made = stored_input_masks(down.neighbour_map)
+    made = stored_masks(down.neighbour_map, "input")
     assert isinstance(made, device_arrays.DeviceArray)
     np.testing.assert_array_equal(np.asarray(made), row_masks(np, np.asarray(down.neighbour_map.input_neighbours)))
     for rulebook in (subm, down):

@@ -21,7 +21,7 @@ import pytest
 
 import sparsecore as sc
 from sparsecore.neighbour_map import (ROW_PLAN, NeighbourMap, mask_order, mask_words, neighbour_map_from_pairs,
-                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_input_masks,
+                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_masks,
                                       stored_order)
 
 
@@ -237,10 +237,10 @@ def test_an_order_is_read_out_of_a_row_plan_and_plans_follow_a_swap():
 
 
 @pytest.mark.parametrize("kernel_size", [(3, 3), (4, 3, 3)])  # one and two mask words
-def test_input_masks_left_out_are_made_when_first_read_bitwise_and_kept(monkeypatch, kernel_size):
+def test_masks_left_out_are_made_when_first_read_bitwise_and_kept(monkeypatch, kernel_size):
     """A map made without input masks (the GPU's strided builds) makes them from its input table on first read,
     on the device without a read back, bitwise equal to the masks built with the table; once, not by a repr,
-    a copy or a pickle; `swapped` reads them as its output masks."""
+    a copy, a pickle or `swapped` (whose output masks they become, made on its first read)."""
     rng = _rng(8, len(kernel_size))
     volume = int(np.prod(kernel_size))
     pair_input, pair_output, starts = _random_pairs(rng, 40, 25, volume)
@@ -249,19 +249,23 @@ def test_input_masks_left_out_are_made_when_first_read_bitwise_and_kept(monkeypa
     put = device_arrays.to_device
     lazy = NeighbourMap(put(eager.output_neighbours), put(eager.output_masks), None, put(eager.input_neighbours),
                         None, None, 40, 25, kernel_size)
-    assert "input_masks" not in repr(lazy) and stored_input_masks(lazy) is None
-    for clone in (copy.copy(lazy), pickle.loads(pickle.dumps(lazy))):
-        assert stored_input_masks(clone) is None
-    assert stored_input_masks(lazy) is None
+    assert "input_masks" not in repr(lazy)
+    swapped = lazy.swapped()
+    for unmade in (lazy, copy.copy(lazy), pickle.loads(pickle.dumps(lazy))):
+        assert stored_masks(unmade, "input") is None
+    assert stored_masks(swapped, "output") is None and stored_masks(swapped, "input") is lazy.output_masks
     with device_arrays.forbid_host_reads():
         made = lazy.input_masks
-    assert isinstance(made, device_arrays.DeviceArray) and lazy.input_masks is made and stored_input_masks(lazy) is made
+        made_swapped = swapped.output_masks
+    assert isinstance(made, device_arrays.DeviceArray) and lazy.input_masks is made
+    assert stored_masks(lazy, "input") is made and stored_masks(swapped, "output") is made_swapped
     assert made.dtype == np.uint32 and made.shape == (40, mask_words(volume))
     np.testing.assert_array_equal(np.asarray(made), eager.input_masks)  # the device's xp path = NumPy's packbits
-    lazy_again = NeighbourMap(eager.output_neighbours, eager.output_masks, None, eager.input_neighbours, None, None,
-                              40, 25, kernel_size)
-    np.testing.assert_array_equal(lazy_again.swapped().output_masks, eager.input_masks)
-    np.testing.assert_array_equal(lazy_again.input_side()[1], eager.input_masks)
+    np.testing.assert_array_equal(np.asarray(made_swapped), eager.input_masks)
+    np.testing.assert_array_equal(np.asarray(lazy.input_side()[1]), eager.input_masks)
     symmetric = NeighbourMap(eager.output_neighbours[:25], eager.output_masks[:25], None, None, None, None, 25, 25,
                              kernel_size, symmetric=True)
-    assert symmetric.input_masks is None and stored_input_masks(symmetric) is None
+    assert symmetric.input_masks is None and stored_masks(symmetric, "input") is None
+    with pytest.raises(ValueError, match="output_masks must have shape"):
+        NeighbourMap(eager.output_neighbours, eager.input_masks, None, eager.input_neighbours, None, None, 40, 25,
+                     kernel_size)

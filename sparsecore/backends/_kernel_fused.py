@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from ..neighbour_map import ROW_PLAN, mask_words, stored_order
+from ..neighbour_map import ROW_PLAN, keep_masks, mask_words, stored_masks, stored_order
 from . import tile_shapes
-from ._kernel_maps import row_plan
+from ._kernel_maps import row_masks, row_plan
 from ._launch import KernelDevice, check_float, check_row_count, expression_of
 
 __all__ = ["FusedPasses", "SIMT_THREADS", "WMMA_THREADS", "TILE_ROWS", "TILE_COLUMNS", "MAX_KERNEL_VOLUME",
@@ -228,14 +228,14 @@ def _side(device: KernelDevice, neighbour_map: Any, which: str, ordered: bool = 
     key = ("fused side", which, ordered)
     side = neighbour_map.derived.get(key)
     if side is None:
-        if which == "output":
-            neighbours, masks, reversed_offsets = neighbour_map.output_neighbours, neighbour_map.output_masks, False
-        elif neighbour_map.symmetric:
-            neighbours, masks, reversed_offsets = neighbour_map.output_neighbours, neighbour_map.output_masks, True
-        elif ordered:
-            neighbours, masks, reversed_offsets = neighbour_map.input_neighbours, neighbour_map.input_masks, False
-        else:  # the pools: never make the input masks (NeighbourMap.input_masks)
-            neighbours, masks, reversed_offsets = neighbour_map.input_neighbours, None, False
+        stored = "output" if which == "output" or neighbour_map.symmetric else "input"
+        neighbours = neighbour_map.output_neighbours if stored == "output" else neighbour_map.input_neighbours
+        reversed_offsets = which == "input" and neighbour_map.symmetric
+        masks = None  # the pools read the output side's masks only: a strided map's input masks are never made
+        if ordered or stored == "output":  # masks a builder left out: made here (two operations) when first needed
+            masks = stored_masks(neighbour_map, stored)
+            if masks is None:
+                masks = keep_masks(neighbour_map, stored, row_masks(device, neighbours))
         order, step = None, 1
         if ordered:
             order, step = _order(device, neighbour_map, which, masks)

@@ -40,12 +40,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..neighbour_map import sorted_rows
+from ..neighbour_map import mask_words, sorted_rows
 from ..tile_order import MAX_REGROUP_WORDS, TILE_ROWS
 from ._launch import INT32_MAX, KernelDevice, check_row_count, hash_capacity, launch
 
 __all__ = ["MAX_AXES", "PROBLEM_OUTSIDE", "PROBLEM_DUPLICATE", "PLAN_THREADS", "StridedMap", "submanifold_map",
-           "strided_map", "row_plan", "plan_bit_sets"]
+           "strided_map", "row_masks", "row_plan", "plan_bit_sets"]
 
 MAX_AXES = 4  # sc::kMapAxes
 PROBLEM_OUTSIDE = 1  # a site outside [0, batch_size) x the grid
@@ -231,6 +231,22 @@ def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int]
                (indices, np.int64(count), *shape, *strided, np.int32(words), order, ranks, np.int64(total),
                 output_indices, output_neighbours, output_masks, input_neighbours))
     return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours)
+
+
+def row_masks(device: KernelDevice, neighbours: Any) -> Any:
+    """uint32 ``[N, W]`` row masks of an int32 ``[N, K]`` table in two operations (an allocation and one
+    ``sc_map_row_masks``), bitwise `sparsecore.neighbour_map.row_masks`; nothing is read back.
+
+    A strided map's input side gets its masks here when a conv first tiles it by mask (`strided_map`
+    leaves them out: the pooling kernels never read them).
+    """
+    rows, volume = int(neighbours.shape[0]), int(neighbours.shape[1])
+    words = mask_words(volume)
+    if not neighbours.flags.c_contiguous or neighbours.dtype != np.int32:
+        neighbours = device.xp.ascontiguousarray(neighbours, dtype=device.xp.int32)
+    masks = device.xp.empty((rows, words), dtype=device.xp.uint32)
+    device.run("sc_map_row_masks", (), rows, (neighbours, np.int64(rows), np.int32(volume), np.int32(words), masks))
+    return masks
 
 
 def plan_bit_sets(num_rows: int, volume: int, mask_words: int) -> bool:
