@@ -402,7 +402,8 @@ __global__ void sc_map_strided_capacity(const int* __restrict__ indices, long lo
                                         const long long* __restrict__ ranks, long long total,
                                         int* __restrict__ output_indices, int* __restrict__ output_neighbours,
                                         unsigned int* __restrict__ output_masks,
-                                        int* __restrict__ input_neighbours, long long capacity, int* __restrict__ status, int problem_shift) {
+                                        int* __restrict__ input_neighbours, long long capacity,
+                                        int* __restrict__ status, int problem_shift) {
   const sc::StridedGeometry geometry = SC_STRIDED_GEOMETRY_VALUE;
   sc::for_each_element(n + total, 1, [&](long long e, long long, long long) {
     if (e == 0) {
