@@ -51,8 +51,10 @@
 //         (a binary search of each candidate's key among the sorted candidates
 //         gives its first position t, and output row ranks[t] - 1); item
 //         n + t, for a first position t, writes output row o = ranks[t] - 1:
-//         its site (the key unpacked) and its row of the table (the candidates
-//         of its key's run), both masks from the rows written.
+//         its site (the key unpacked), its row of the table (the candidates
+//         of its key's run) and its mask. The input side gets no masks: the
+//         pooling kernels never read them; the first conv that tiles that side
+//         by mask makes them from the input table (sc_map_row_masks, below).
 //    Output rows are the distinct valid keys in increasing key order (the
 //    CPU builders' order).
 //
@@ -313,14 +315,12 @@ __device__ __forceinline__ void strided_item(const int* __restrict__ indices, lo
                                              long long capacity, int* __restrict__ output_indices,
                                              int* __restrict__ output_neighbours,
                                              unsigned int* __restrict__ output_masks,
-                                             int* __restrict__ input_neighbours,
-                                             unsigned int* __restrict__ input_masks, long long e) {
+                                             int* __restrict__ input_neighbours, long long e) {
   auto sorted_key = [&](long long t) {
     return candidate_key(indices, ndim, batch_size, geometry, transposed, volume, order[t]);
   };
   if (e < n) {  // input row e
     int* row = input_neighbours + e * volume;
-    unsigned int word = 0u;
     for (int k = 0; k < volume; ++k) {
       const long long key = candidate_key(indices, ndim, batch_size, geometry, transposed, volume, e * volume + k);
       int output = -1;
@@ -339,7 +339,6 @@ __device__ __forceinline__ void strided_item(const int* __restrict__ indices, lo
         output = found < capacity ? static_cast<int>(found) : -1;
       }
       row[k] = output;
-      add_mask_bit(input_masks + e * words, k, volume, output >= 0, &word);
     }
     return;
   }
@@ -384,11 +383,11 @@ __global__ void sc_map_strided(const int* __restrict__ indices, long long n, int
                                const long long* __restrict__ order, const long long* __restrict__ ranks,
                                long long total, int* __restrict__ output_indices,
                                int* __restrict__ output_neighbours, unsigned int* __restrict__ output_masks,
-                               int* __restrict__ input_neighbours, unsigned int* __restrict__ input_masks) {
+                               int* __restrict__ input_neighbours) {
   const sc::StridedGeometry geometry = SC_STRIDED_GEOMETRY_VALUE;
   sc::for_each_element(n + total, 1, [&](long long e, long long, long long) {
     sc::strided_item(indices, n, ndim, batch_size, geometry, transposed, volume, words, order, ranks, total,
-                     total + 1, output_indices, output_neighbours, output_masks, input_neighbours, input_masks, e);
+                     total + 1, output_indices, output_neighbours, output_masks, input_neighbours, e);
   });
 }
 
@@ -403,8 +402,8 @@ __global__ void sc_map_strided_capacity(const int* __restrict__ indices, long lo
                                         const long long* __restrict__ ranks, long long total,
                                         int* __restrict__ output_indices, int* __restrict__ output_neighbours,
                                         unsigned int* __restrict__ output_masks,
-                                        int* __restrict__ input_neighbours, unsigned int* __restrict__ input_masks,
-                                        long long capacity, int* __restrict__ status, int problem_shift) {
+                                        int* __restrict__ input_neighbours, long long capacity,
+                                        int* __restrict__ status, int problem_shift) {
   const sc::StridedGeometry geometry = SC_STRIDED_GEOMETRY_VALUE;
   sc::for_each_element(n + total, 1, [&](long long e, long long, long long) {
     if (e == 0) {
@@ -414,7 +413,21 @@ __global__ void sc_map_strided_capacity(const int* __restrict__ indices, long lo
       status[1] = static_cast<int>(last >> problem_shift);
     }
     sc::strided_item(indices, n, ndim, batch_size, geometry, transposed, volume, words, order, ranks, total,
-                     capacity, output_indices, output_neighbours, output_masks, input_neighbours, input_masks, e);
+                     capacity, output_indices, output_neighbours, output_masks, input_neighbours, e);
+  });
+}
+
+// Section 3f: a table's row masks (a strided map's input side, made when a conv first tiles it by mask):
+// one thread per row writes masks[r, :] from neighbours[r, :] (bit k set where the entry is >= 0), as
+// sc_map_submanifold and sc_map_strided write theirs. Launch over rows threads.
+__global__ void sc_map_row_masks(const int* __restrict__ neighbours, long long rows, int volume, int words,
+                                 unsigned int* __restrict__ masks) {
+  sc::for_each_element(rows, 1, [&](long long r, long long, long long) {
+    const int* row = neighbours + r * volume;
+    unsigned int word = 0u;
+    for (int k = 0; k < volume; ++k) {
+      sc::add_mask_bit(masks + r * words, k, volume, row[k] >= 0, &word);
+    }
   });
 }
 

@@ -47,7 +47,7 @@ def _kernel_rulebook(Rulebook: type, indices: Any, shape: tuple[int, ...], out_s
         check_packable(shape, batch)
     built = backend.strided_map(indices, shape, batch, geometry, out_shape, check, capacity=capacity)
     neighbour_map = NeighbourMap(built.output_neighbours, built.output_masks, None, built.input_neighbours,
-                                 built.input_masks, None, count, int(capacity), tuple(geometry.kernel_size))
+                                 None, None, count, int(capacity), tuple(geometry.kernel_size))
     status = CapacityStatus(layer, int(capacity), built.status, None, indices, shape, batch)
     return Rulebook(geometry, shape, out_shape, batch, indices, built.output_indices, stored_map=neighbour_map,
                     capacity=status)

@@ -104,7 +104,7 @@ def strided_neighbour_map(indices: Any, shape: tuple[int, ...], out_shape: tuple
     if built.problems:
         raise_site_problems(built.problems, indices, shape, batch, backend, (0,) * len(shape))
     neighbour_map = NeighbourMap(built.output_neighbours, built.output_masks, None, built.input_neighbours,
-                                 built.input_masks, None, int(indices.shape[0]), int(built.output_indices.shape[0]),
+                                 None, None, int(indices.shape[0]), int(built.output_indices.shape[0]),
                                  tuple(geometry.kernel_size))
     return built.output_indices, neighbour_map
 

@@ -31,6 +31,10 @@ The GPU's fused passes build a side's order as a row plan instead
 (``sparsecore.backends._kernel_maps.row_plan``: the same order, and per-offset
 row-tile bit sets for the weight gradient, kept in ``derived`` under
 `ROW_PLAN`); the attribute reads the order out of a plan when there is one.
+The masks, likewise, are made from their table when first read unless the
+builder gave them: the GPU's strided builds leave the input side's out (a
+pooling layer's kernels never read them) and the GPU's fused passes make them
+with a kernel when a conv first tiles that side (`stored_masks`, `keep_masks`).
 
 This module holds the value and its two conversions, written once against
 ``xp`` (NumPy or CuPy): `neighbour_map_from_pairs` (a map for any pair map,
@@ -61,6 +65,8 @@ __all__ = [
     "mask_order",
     "row_order",
     "stored_order",
+    "stored_masks",
+    "keep_masks",
     "ROW_PLAN",
 ]
 
@@ -80,7 +86,9 @@ class NeighbourMap:
         output_neighbours: int32 ``[N_out, K]``: the input row paired with output
             row ``o`` through offset ``k``, or -1.
         output_masks: uint32 ``[N_out, W]`` (``W = mask_words(K)``): bit ``k % 32``
-            of word ``k // 32`` is set exactly when ``output_neighbours[o, k] >= 0``.
+            of word ``k // 32`` is set exactly when ``output_neighbours[o, k] >= 0``. Made from the
+            table (`row_masks`) when first read if the map was made with None (the `swapped` view of
+            a map whose input masks were never made).
         output_order: int32 ``[N_out]``: a permutation of ``range(N_out)`` that
             puts rows of similar masks together (`row_order`: stably sorted by
             mask, word 0 first, then regrouped inside each 64-row tile); any
@@ -88,7 +96,10 @@ class NeighbourMap:
             was made with None.
         input_neighbours: int32 ``[N_in, K]``: the output row fed by input row
             ``i`` through offset ``k``, or -1; None when ``symmetric``.
-        input_masks: uint32 ``[N_in, W]`` of ``input_neighbours``; None when ``symmetric``.
+        input_masks: uint32 ``[N_in, W]`` of ``input_neighbours``; None when ``symmetric``. Made from
+            ``input_neighbours`` (`row_masks`) when first read if the map was made with None: the GPU's
+            strided builds leave them to the first pass that tiles the input side by mask (a conv's
+            input gradient, an inverse conv's forward), so a pooling layer never makes them.
         input_order: int32 ``[N_in]``, likewise (sorted when first read if made with None); None when
             ``symmetric``.
         num_input: input rows ``N_in``.
@@ -104,10 +115,10 @@ class NeighbourMap:
     """
 
     output_neighbours: Any
-    output_masks: Any
+    output_masks: Any = dataclasses.field(repr=False)  # a descriptor: see _MasksOnRead below
     output_order: Any = dataclasses.field(repr=False)  # a descriptor: see _SortedOnRead below
     input_neighbours: Any
-    input_masks: Any
+    input_masks: Any = dataclasses.field(repr=False)  # a descriptor: see _MasksOnRead below
     input_order: Any = dataclasses.field(repr=False)
     num_input: int
     num_output: int
@@ -127,10 +138,11 @@ class NeighbourMap:
                 f"output_neighbours must have shape [num_output, K] = [{self.num_output}, {volume}], got "
                 f"{tuple(self.output_neighbours.shape)}"
             )
-        if tuple(self.output_masks.shape) != (self.num_output, mask_words(volume)):
+        given = stored_masks(self, "output")  # None: made when first read
+        if given is not None and tuple(given.shape) != (self.num_output, mask_words(volume)):
             raise ValueError(
                 f"output_masks must have shape [{self.num_output}, {mask_words(volume)}], got "
-                f"{tuple(self.output_masks.shape)}"
+                f"{tuple(given.shape)}"
             )
         if self.symmetric:
             if self.num_input != self.num_output or self.input_neighbours is not None:
@@ -162,15 +174,15 @@ class NeighbourMap:
     def swapped(self) -> "NeighbourMap":
         """The map with inputs and outputs exchanged (an inverse conv of a regular one): same offsets.
 
-        Orders not sorted yet stay unsorted (each map sorts its own on first read); row plans built so far
-        are carried over.
+        Orders not sorted and masks not made yet stay so (each map makes its own on first read); row plans
+        built so far are carried over.
         """
         if self.symmetric:
             return self
         stored = self.__dict__
-        swapped = NeighbourMap(self.input_neighbours, self.input_masks, stored["_input_order"],
-                               self.output_neighbours, self.output_masks, stored["_output_order"], self.num_output,
-                               self.num_input, tuple(self.kernel_size), self.identity_offset)
+        swapped = NeighbourMap(self.input_neighbours, stored["_input_masks"], stored["_input_order"],
+                               self.output_neighbours, stored["_output_masks"], stored["_output_order"],
+                               self.num_output, self.num_input, tuple(self.kernel_size), self.identity_offset)
         for side, other in (("output", "input"), ("input", "output")):  # row plans built so far
             plan = self.derived.get((ROW_PLAN, other))
             if plan is not None:
@@ -206,9 +218,49 @@ class _SortedOnRead:
         instance.__dict__[self.slot] = value
 
 
-# After the dataclass is made, so the generated __init__ stores the orders through the descriptors.
+class _MasksOnRead:
+    """The data descriptor of `NeighbourMap.output_masks` / ``input_masks``: the masks given, else the side's
+    table's `row_masks` when first read (kept in the instance, so made once); None for the input side of a
+    symmetric map."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+        self.slot = f"_{side}_masks"
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        masks = instance.__dict__.get(self.slot)
+        table = getattr(instance, f"{self.side}_neighbours")
+        if masks is None and table is not None:
+            masks = row_masks(array_module(table), table)
+            instance.__dict__[self.slot] = masks
+        return masks
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        instance.__dict__[self.slot] = value
+
+
+# After the dataclass is made, so the generated __init__ stores these fields through the descriptors.
 NeighbourMap.output_order = _SortedOnRead("output")  # type: ignore[assignment]
 NeighbourMap.input_order = _SortedOnRead("input")  # type: ignore[assignment]
+NeighbourMap.output_masks = _MasksOnRead("output")  # type: ignore[assignment]
+NeighbourMap.input_masks = _MasksOnRead("input")  # type: ignore[assignment]
+
+
+def stored_masks(neighbour_map: NeighbourMap, side: str) -> Any:
+    """The ``"output"`` or ``"input"`` masks of a map if they were given or already made, else None (never
+    makes them)."""
+    return neighbour_map.__dict__.get(f"_{side}_masks")
+
+
+def keep_masks(neighbour_map: NeighbourMap, side: str, masks: Any) -> Any:
+    """Keeps ``masks`` (`row_masks` of the side's table, made by a backend's kernel) as the map's ``"output"``
+    or ``"input"`` masks unless it holds some already; returns the side's masks."""
+    kept = stored_masks(neighbour_map, side)
+    if kept is None:
+        neighbour_map.__dict__[f"_{side}_masks"] = kept = masks
+    return kept
 
 
 def row_masks(xp: Any, neighbours: Any) -> Any:

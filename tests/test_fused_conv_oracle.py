@@ -22,6 +22,7 @@ import pytest
 import sparsecore as sc
 from sparsecore import conv, pool
 from sparsecore.backends import NUMPY_BACKEND
+from sparsecore.neighbour_map import row_masks, stored_masks
 
 try:
     from . import conv_cases
@@ -177,8 +178,11 @@ def test_empty_inputs_on_the_kernel_backend(kind):
     assert grad_features.shape == (0, 2) and grad_weight.shape == weight.shape and not grad_weight.any()
 
 
-def test_feature_passes_read_nothing_back_and_derive_no_pairs():
-    """Once a layer's rulebook exists, its conv and pool passes never wait for the device."""
+def test_feature_passes_read_nothing_back_and_derive_no_pairs(monkeypatch):
+    """Once a layer's rulebook exists, its conv and pool passes never wait for the device. A strided map's
+    input masks are made by the first conv over its input side (a strided conv's input gradient), not by
+    the pools, on the device and bitwise those of its input table."""
+    device_arrays.use_device_arrays(monkeypatch)  # array_module answers the device library, as for CuPy
     backend = device_arrays.device_backend(emulated_backend())
     rng = do.make_rng(6500)
     shape = (6, 6, 5)  # ~100 sites: two row tiles
@@ -195,6 +199,13 @@ def test_feature_passes_read_nothing_back_and_derive_no_pairs():
         pooled, argmax = pool.max_pool_forward(out, down, backend=backend)
         pool.max_pool_backward(pooled, argmax, subm.num_output, rulebook=down, backend=backend)
         pool.avg_pool_backward(pool.avg_pool_forward(out, down, backend=backend), down, backend=backend)
+        assert stored_masks(down.neighbour_map, "input") is None
+        strided = device(rng.uniform(-1, 1, (8, 2, 2, 2, 8)).astype(np.float32))
+        coarse = conv.conv_forward(out, strided, down, None, backend=backend)
+        conv.conv_backward(coarse, out, strided, down, backend=backend)
+    made = stored_masks(down.neighbour_map, "input")
+    assert isinstance(made, device_arrays.DeviceArray)
+    np.testing.assert_array_equal(np.asarray(made), row_masks(np, np.asarray(down.neighbour_map.input_neighbours)))
     for rulebook in (subm, down):
         assert rulebook.stored_pairs is None and "pair_map" not in rulebook.neighbour_map.derived
 

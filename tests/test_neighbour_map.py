@@ -21,7 +21,8 @@ import pytest
 
 import sparsecore as sc
 from sparsecore.neighbour_map import (ROW_PLAN, NeighbourMap, mask_order, mask_words, neighbour_map_from_pairs,
-                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_order)
+                                      neighbour_map_of, pairs_from_neighbour_map, row_masks, stored_masks,
+                                      stored_order)
 
 
 try:
@@ -233,3 +234,38 @@ def test_an_order_is_read_out_of_a_row_plan_and_plans_follow_a_swap():
     assert order.dtype == np.int32 and stored_order(neighbour_map, "output") is order
     np.testing.assert_array_equal(order, expected)
     assert neighbour_map.swapped().derived[(ROW_PLAN, "input")] is plan
+
+
+@pytest.mark.parametrize("kernel_size", [(3, 3), (4, 3, 3)])  # one and two mask words
+def test_masks_left_out_are_made_when_first_read_bitwise_and_kept(monkeypatch, kernel_size):
+    """A map made without input masks (the GPU's strided builds) makes them from its input table on first read,
+    on the device without a read back, bitwise equal to the masks built with the table; once, not by a repr,
+    a copy, a pickle or `swapped` (whose output masks they become, made on its first read)."""
+    rng = _rng(8, len(kernel_size))
+    volume = int(np.prod(kernel_size))
+    pair_input, pair_output, starts = _random_pairs(rng, 40, 25, volume)
+    eager = neighbour_map_from_pairs(np, pair_input, pair_output, starts, 40, 25, kernel_size)
+    device_arrays.use_device_arrays(monkeypatch)  # array_module answers the device library, as for CuPy
+    put = device_arrays.to_device
+    lazy = NeighbourMap(put(eager.output_neighbours), put(eager.output_masks), None, put(eager.input_neighbours),
+                        None, None, 40, 25, kernel_size)
+    assert "input_masks" not in repr(lazy)
+    swapped = lazy.swapped()
+    for unmade in (lazy, copy.copy(lazy), pickle.loads(pickle.dumps(lazy))):
+        assert stored_masks(unmade, "input") is None
+    assert stored_masks(swapped, "output") is None and stored_masks(swapped, "input") is lazy.output_masks
+    with device_arrays.forbid_host_reads():
+        made = lazy.input_masks
+        made_swapped = swapped.output_masks
+    assert isinstance(made, device_arrays.DeviceArray) and lazy.input_masks is made
+    assert stored_masks(lazy, "input") is made and stored_masks(swapped, "output") is made_swapped
+    assert made.dtype == np.uint32 and made.shape == (40, mask_words(volume))
+    np.testing.assert_array_equal(np.asarray(made), eager.input_masks)  # the device's xp path = NumPy's packbits
+    np.testing.assert_array_equal(np.asarray(made_swapped), eager.input_masks)
+    np.testing.assert_array_equal(np.asarray(lazy.input_side()[1]), eager.input_masks)
+    symmetric = NeighbourMap(eager.output_neighbours[:25], eager.output_masks[:25], None, None, None, None, 25, 25,
+                             kernel_size, symmetric=True)
+    assert symmetric.input_masks is None and stored_masks(symmetric, "input") is None
+    with pytest.raises(ValueError, match="output_masks must have shape"):
+        NeighbourMap(eager.output_neighbours, eager.input_masks, None, eager.input_neighbours, None, None, 40, 25,
+                     kernel_size)

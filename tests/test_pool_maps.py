@@ -19,7 +19,7 @@ import pytest
 import sparsecore as sc
 from sparsecore import pool
 from sparsecore.backends._kernel_fused import FusedPasses
-from sparsecore.neighbour_map import neighbour_map_from_pairs
+from sparsecore.neighbour_map import neighbour_map_from_pairs, stored_masks
 
 try:
     from . import dense_oracle as do
@@ -168,3 +168,4 @@ def test_a_pool_pass_is_one_launch_and_reads_no_pairs():
     names = [record.expression.split("<")[0] for record in launcher.records[built:]]
     assert names == ["sc_max_pool_map", "sc_max_pool_map_backward", "sc_avg_pool_map_backward"]
     assert "pair_map" not in rulebook.stored_map.derived  # no pair list was derived
+    assert stored_masks(rulebook.stored_map, "input") is None  # nor the input masks, which no pool kernel reads

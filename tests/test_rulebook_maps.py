@@ -30,7 +30,8 @@ import pytest
 
 import sparsecore as sc
 from sparsecore.backends import NUMPY_BACKEND
-from sparsecore.neighbour_map import neighbour_map_from_pairs, pairs_from_neighbour_map
+from sparsecore.backends._kernel_maps import row_masks as kernel_row_masks
+from sparsecore.neighbour_map import neighbour_map_from_pairs, pairs_from_neighbour_map, row_masks, stored_masks
 
 try:
     from . import dense_oracle as do
@@ -298,3 +299,40 @@ def test_a_network_forward_derives_no_pairs(device):
     np.testing.assert_allclose(np.asarray(y.core_features), expected.core_features, rtol=1e-4, atol=1e-4)
     for rulebook in y.rulebooks.value.aliases.values():
         assert rulebook.stored_pairs is None and "pair_map" not in rulebook.neighbour_map.derived
+
+
+@pytest.mark.parametrize("rows, volume", [(0, 27), (1, 1), (37, 27), (50, 32), (45, 33), (20, 125)])
+def test_row_masks_kernel_equals_its_numpy_twin(target, rows, volume):
+    """``sc_map_row_masks`` (a strided map's input masks, made when a conv first tiles that side) bitwise
+    `sparsecore.neighbour_map.row_masks` of random tables (word boundaries at 32 and 33 offsets, four words)."""
+    rng = rng_for(64, rows, volume)
+    table = np.where(rng.random((rows, volume)) < 0.4, rng.integers(0, 1000, (rows, volume)), -1).astype(np.int32)
+    masks = target.get(kernel_row_masks(target.backend.device, target.put(table)))
+    expected = row_masks(np, table)
+    assert masks.dtype == expected.dtype == np.uint32 and masks.shape == expected.shape
+    np.testing.assert_array_equal(masks, expected)
+
+
+def test_a_strided_build_leaves_the_input_masks_to_the_first_conv_over_them():
+    """The kernel backend's strided map holds no input masks; an input gradient makes them once (one
+    ``sc_map_row_masks``), bitwise the CPU builders'; a pool's passes never do."""
+    backend = emulated_backend()
+    launcher = RecordingLauncher(backend.launcher)
+    recording = dataclasses.replace(backend, launcher=launcher)
+    rng = rng_for(65)
+    indices = random_sites(rng, 40, (7, 6, 5), 2)
+    geometry = sc.ConvGeometry.create(3, 3, stride=2, padding=1, kind="regular")
+    rulebook = sc.build_rulebook(indices, (7, 6, 5), 2, geometry, backend=recording)
+    assert stored_masks(rulebook.neighbour_map, "input") is None
+    features = rng.uniform(-1, 1, (indices.shape[0], 2)).astype(np.float32)
+    weight = rng.uniform(-1, 1, (2, 3, 3, 3, 2)).astype(np.float32)
+    out = sc.conv_forward(features, weight, rulebook, backend=recording)
+    assert stored_masks(rulebook.neighbour_map, "input") is None  # the forward reads the output side only
+    for _ in range(2):
+        sc.conv_backward(out, features, weight, rulebook, backend=recording)
+    assert launcher.kernel_names() >= {"sc_map_row_masks"}
+    assert sum(record.expression == "sc_map_row_masks" for record in launcher.records) == 1
+    expected = sc.build_rulebook(indices, (7, 6, 5), 2, geometry, backend=NUMPY_BACKEND)
+    reference = neighbour_map_from_pairs(np, expected.pair_input, expected.pair_output, expected.offset_starts,
+                                         expected.num_input, expected.num_output, expected.kernel_size)
+    np.testing.assert_array_equal(stored_masks(rulebook.neighbour_map, "input"), reference.input_masks)

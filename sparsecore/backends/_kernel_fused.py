@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from ..neighbour_map import ROW_PLAN, stored_order
+from ..neighbour_map import ROW_PLAN, keep_masks, mask_words, stored_masks, stored_order
 from . import tile_shapes
-from ._kernel_maps import row_plan
+from ._kernel_maps import row_masks, row_plan
 from ._launch import KernelDevice, check_float, check_row_count, expression_of
 
 __all__ = ["FusedPasses", "SIMT_THREADS", "WMMA_THREADS", "TILE_ROWS", "TILE_COLUMNS", "MAX_KERNEL_VOLUME",
@@ -194,7 +194,8 @@ class _Split:
 class _Side:
     """One side of a map as a kernel reads it: table, masks, order (None for the pools, which need
     none: reading it would sort it; a row plan or an int32 order, read every ``order_step`` int32
-    words), reversed, and their scalars."""
+    words), reversed, and their scalars. The pools' input side has no masks either (None: a strided
+    map makes its input masks when first read, and no pooling kernel reads them)."""
 
     neighbours: Any
     masks: Any
@@ -227,18 +228,20 @@ def _side(device: KernelDevice, neighbour_map: Any, which: str, ordered: bool = 
     key = ("fused side", which, ordered)
     side = neighbour_map.derived.get(key)
     if side is None:
-        if which == "output":
-            neighbours, masks, reversed_offsets = neighbour_map.output_neighbours, neighbour_map.output_masks, False
-        elif neighbour_map.symmetric:
-            neighbours, masks, reversed_offsets = neighbour_map.output_neighbours, neighbour_map.output_masks, True
-        else:
-            neighbours, masks, reversed_offsets = neighbour_map.input_neighbours, neighbour_map.input_masks, False
+        stored = "output" if which == "output" or neighbour_map.symmetric else "input"
+        neighbours = neighbour_map.output_neighbours if stored == "output" else neighbour_map.input_neighbours
+        reversed_offsets = which == "input" and neighbour_map.symmetric
+        masks = None  # the pools read the output side's masks only: a strided map's input masks are never made
+        if ordered or stored == "output":  # masks a builder left out: made here (two operations) when first needed
+            masks = stored_masks(neighbour_map, stored)
+            if masks is None:
+                masks = keep_masks(neighbour_map, stored, row_masks(device, neighbours))
         order, step = None, 1
         if ordered:
             order, step = _order(device, neighbour_map, which, masks)
         check_row_count(int(neighbours.shape[0]), f"the map's {which} side", "fused passes")
         side = _Side(neighbours, masks, order, np.int32(step), reversed_offsets, np.int64(neighbours.shape[0]),
-                     np.int32(neighbours.shape[1]), np.int32(masks.shape[1]))
+                     np.int32(neighbours.shape[1]), np.int32(mask_words(neighbour_map.kernel_volume)))
         neighbour_map.derived[key] = side
     return side
 

@@ -40,12 +40,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..neighbour_map import sorted_rows
+from ..neighbour_map import mask_words, sorted_rows
 from ..tile_order import MAX_REGROUP_WORDS, TILE_ROWS
 from ._launch import INT32_MAX, KernelDevice, check_row_count, hash_capacity, launch
 
 __all__ = ["MAX_AXES", "PROBLEM_OUTSIDE", "PROBLEM_DUPLICATE", "PLAN_THREADS", "StridedMap", "submanifold_map",
-           "strided_map", "row_plan", "plan_bit_sets"]
+           "strided_map", "row_masks", "row_plan", "plan_bit_sets"]
 
 MAX_AXES = 4  # sc::kMapAxes
 PROBLEM_OUTSIDE = 1  # a site outside [0, batch_size) x the grid
@@ -131,12 +131,15 @@ def submanifold_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[
 class StridedMap:
     """Both sides of a strided, transposed or pooling map, and its output sites.
 
+    The input side has no masks: `sparsecore.neighbour_map.NeighbourMap` makes them from ``input_neighbours``
+    when a kernel first tiles that side by mask (a conv's input gradient, an inverse conv); the pooling
+    kernels never read them, so a pooling layer's build skips an allocation and the writes.
+
     Attributes:
         output_indices: int32 ``[N_out, 1 + D]``, sorted by (batch, coordinates).
         output_neighbours: int32 ``[N_out, K]``.
         output_masks: uint32 ``[N_out, W]``.
         input_neighbours: int32 ``[N_in, K]``.
-        input_masks: uint32 ``[N_in, W]``.
         problems: host int, `PROBLEM_OUTSIDE` / `PROBLEM_DUPLICATE` bits of a checked build (0 when
             unchecked or clean); when nonzero, every array is None. Always 0 for a capacity build.
         status: a capacity build's int32 ``[2]`` device array (the output count it needed, then the
@@ -147,7 +150,6 @@ class StridedMap:
     output_neighbours: Any
     output_masks: Any
     input_neighbours: Any
-    input_masks: Any
     problems: int = 0
     status: Any = None
 
@@ -187,19 +189,18 @@ def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int]
     strided = (*_axes(geometry.kernel_size), *_axes(geometry.stride), *_axes(geometry.padding),
                *_axes(geometry.dilation), *_axes(output_spatial_shape),
                np.int32(geometry.kind == "transposed"), np.int32(volume))
-    input_neighbours = xp.empty((count, volume), dtype=xp.int32)
-    input_masks = xp.empty((count, words), dtype=xp.uint32)
+    input_neighbours = xp.empty((count, volume), dtype=xp.int32)  # no input masks: made on first read
     if capacity is not None:
         check_row_count(int(capacity), "the capacity", "strided_map")
         output_indices = xp.full((int(capacity), ndim + 1), -1, dtype=xp.int32)
         output_neighbours = xp.full((int(capacity), volume), -1, dtype=xp.int32)
         output_masks = xp.zeros((int(capacity), words), dtype=xp.uint32)
         if count == 0:
-            return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours, input_masks,
+            return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours,
                               status=xp.zeros(2, dtype=xp.int32))
     if count == 0:
         return StridedMap(xp.empty((0, ndim + 1), dtype=xp.int32), xp.empty((0, volume), dtype=xp.int32),
-                          xp.empty((0, words), dtype=xp.uint32), input_neighbours, input_masks)
+                          xp.empty((0, words), dtype=xp.uint32), input_neighbours)
     if check:
         grid, no_margin = _axes(spatial_shape), _axes([0] * ndim)
         table, slots = _site_table(device, indices, count, ndim, batch_size, grid, no_margin)
@@ -216,21 +217,36 @@ def strided_map(device: KernelDevice, indices: Any, spatial_shape: Sequence[int]
         status = xp.empty(2, dtype=xp.int32)
         device.run("sc_map_strided_capacity", (), count + total,
                    (indices, np.int64(count), *shape, *strided, np.int32(words), order, ranks, np.int64(total),
-                    output_indices, output_neighbours, output_masks, input_neighbours, input_masks,
+                    output_indices, output_neighbours, output_masks, input_neighbours,
                     np.int64(capacity), status, np.int32(_PROBLEM_SHIFT)))
-        return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours, input_masks,
-                          status=status)
+        return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours, status=status)
     last = int(ranks[total - 1])  # the build's one read back
     problems, num_output = last >> _PROBLEM_SHIFT, last & ((1 << _PROBLEM_SHIFT) - 1)
     if problems:
-        return StridedMap(None, None, None, None, None, problems)
+        return StridedMap(None, None, None, None, problems=problems)
     output_indices = xp.empty((num_output, ndim + 1), dtype=xp.int32)
     output_neighbours = xp.empty((num_output, volume), dtype=xp.int32)
     output_masks = xp.empty((num_output, words), dtype=xp.uint32)
     device.run("sc_map_strided", (), count + total,
                (indices, np.int64(count), *shape, *strided, np.int32(words), order, ranks, np.int64(total),
-                output_indices, output_neighbours, output_masks, input_neighbours, input_masks))
-    return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours, input_masks)
+                output_indices, output_neighbours, output_masks, input_neighbours))
+    return StridedMap(output_indices, output_neighbours, output_masks, input_neighbours)
+
+
+def row_masks(device: KernelDevice, neighbours: Any) -> Any:
+    """uint32 ``[N, W]`` row masks of an int32 ``[N, K]`` table in two operations (an allocation and one
+    ``sc_map_row_masks``), bitwise `sparsecore.neighbour_map.row_masks`; nothing is read back.
+
+    A strided map's input side gets its masks here when a conv first tiles it by mask (`strided_map`
+    leaves them out: the pooling kernels never read them).
+    """
+    rows, volume = int(neighbours.shape[0]), int(neighbours.shape[1])
+    words = mask_words(volume)
+    if not neighbours.flags.c_contiguous or neighbours.dtype != np.int32:
+        neighbours = device.xp.ascontiguousarray(neighbours, dtype=device.xp.int32)
+    masks = device.xp.empty((rows, words), dtype=device.xp.uint32)
+    device.run("sc_map_row_masks", (), rows, (neighbours, np.int64(rows), np.int32(volume), np.int32(words), masks))
+    return masks
 
 
 def plan_bit_sets(num_rows: int, volume: int, mask_words: int) -> bool:

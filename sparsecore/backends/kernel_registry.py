@@ -173,6 +173,7 @@ KERNEL_FILES: tuple[KernelFile, ...] = (
             KernelSpec("sc_map_mark_outputs"),
             KernelSpec("sc_map_strided"),
             KernelSpec("sc_map_strided_capacity"),
+            KernelSpec("sc_map_row_masks"),
             KernelSpec("sc_map_row_plan"),
         ),
     ),
