@@ -98,5 +98,8 @@ def test_every_pass_of_a_layer_is_timed_on_the_emulation() -> None:
     result = times.measure(scene, ("float32",), 1, device, layer_count=1, log=sys.stdout)
     assert set(result) == {("L00 SubMConv3d 3->64 [c0]", "float32", name) for name in times.PASSES}
     assert all(value["new"] > 0 and "old" not in value for value in result.values())
-    # a warm-up and one timed run, each a forward launch and the backward's two
-    assert len(launches) == 2 * 3 and sum("weight_gradient" in name for name in launches) == 2
+    # a warm-up and one timed run, each a forward launch and the backward's two; the map's row plan is built
+    # once, by the warm-up's first pass, and kept
+    features = [name for name in launches if name.startswith(("sc_implicit_gemm", "sc_weight_gradient"))]
+    assert len(features) == 2 * 3 and sum("weight_gradient" in name for name in features) == 2
+    assert [name for name in launches if name not in features] == ["sc_map_row_plan"]
