@@ -53,7 +53,7 @@ from typing import Any
 import numpy
 
 from .interop import array_module
-from .tile_order import regroup_tiles
+from .tile_order import mask_order, row_order
 
 __all__ = [
     "NeighbourMap",
@@ -280,35 +280,6 @@ def row_masks(xp: Any, neighbours: Any) -> Any:
 def stored_order(neighbour_map: NeighbourMap, side: str) -> Any:
     """The ``"output"`` or ``"input"`` order of a map if it was given or already made, else None (never sorts)."""
     return neighbour_map.__dict__.get(f"_{side}_order")
-
-
-def row_order(xp: Any, masks: Any) -> Any:
-    """int32 ``[N]``: a side's row order, its masks' `mask_order` regrouped inside each row tile
-    (`sparsecore.tile_order.regroup_tiles`)."""
-    return regroup_tiles(xp, masks, sorted_rows(xp, masks))
-
-
-def sorted_rows(xp: Any, masks: Any) -> Any:
-    """int64 ``[N]``: `mask_order` before its cast to int32 (what ``xp.argsort`` returns)."""
-    rows, words = int(masks.shape[0]), int(masks.shape[1])
-    if words == 1:
-        return xp.argsort(masks.reshape(rows), kind="stable")
-    order = xp.argsort(masks[:, words - 1], kind="stable")
-    for word in range(words - 2, -1, -1):
-        order = order[xp.argsort(masks[order, word], kind="stable")]
-    return order
-
-
-def mask_order(xp: Any, masks: Any) -> Any:
-    """int32 ``[N]`` rows stably sorted by their uint32 ``[N, W]`` masks (word 0 first).
-
-    One stable argsort and a cast for ``W == 1`` (kernels of up to 32 offsets);
-    wider masks are sorted word by word from the last (least significant) to
-    word 0, each a stable argsort of the rows in the order so far: a
-    lexicographic sort that needs no multi-key sort (CuPy's ``lexsort`` takes
-    two-dimensional keys only).
-    """
-    return sorted_rows(xp, masks).astype(xp.int32)
 
 
 def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_starts: tuple[int, ...],

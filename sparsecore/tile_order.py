@@ -4,7 +4,7 @@ The fused GPU kernels (``kernels_cu/implicit_gemm.cu``) take a map's rows in
 tiles of `TILE_ROWS` consecutive positions of its row order, and inside a tile
 a warp skips an offset for a slice of rows only when no row of the slice holds
 it: 8-row slices for float32, float64, float16 and bfloat16, 16-row fragments
-for TF32. The stable sort by mask (`sparsecore.neighbour_map.mask_order`) puts
+for TF32. The stable sort by mask (`mask_order`) puts
 rows with similar masks into the same tile, but inside a tile it leaves rows
 of different masks side by side. `regroup_tiles` reorders the rows of each tile
 (never moving a row to another tile) in two greedy passes:
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TILE_ROWS", "GROUP_PASSES", "MAX_REGROUP_WORDS", "regroup_tiles"]
+__all__ = ["TILE_ROWS", "GROUP_PASSES", "MAX_REGROUP_WORDS", "regroup_tiles", "sorted_rows", "mask_order", "row_order"]
 
 TILE_ROWS = 64  # rows of a fused kernel's tile (sc::kTileRows)
 GROUP_PASSES = ((TILE_ROWS, 16), (16, 8))  # (segment rows, group rows) of each pass, in order
@@ -128,3 +128,32 @@ def _slice_counts(xp: Any, positions: Any, masks: Any) -> tuple[Any, Any]:
         eight = eight + _popcount(xp, held).sum(axis=1)
         sixteen = sixteen + _popcount(xp, pairs[:, :, 0] | pairs[:, :, 1]).sum(axis=1)
     return eight, sixteen
+
+
+def row_order(xp: Any, masks: Any) -> Any:
+    """int32 ``[N]``: a side's row order, its masks' `mask_order` regrouped inside each row tile
+    (`regroup_tiles`)."""
+    return regroup_tiles(xp, masks, sorted_rows(xp, masks))
+
+
+def sorted_rows(xp: Any, masks: Any) -> Any:
+    """int64 ``[N]``: `mask_order` before its cast to int32 (what ``xp.argsort`` returns)."""
+    rows, words = int(masks.shape[0]), int(masks.shape[1])
+    if words == 1:
+        return xp.argsort(masks.reshape(rows), kind="stable")
+    order = xp.argsort(masks[:, words - 1], kind="stable")
+    for word in range(words - 2, -1, -1):
+        order = order[xp.argsort(masks[order, word], kind="stable")]
+    return order
+
+
+def mask_order(xp: Any, masks: Any) -> Any:
+    """int32 ``[N]`` rows stably sorted by their uint32 ``[N, W]`` masks (word 0 first).
+
+    One stable argsort and a cast for ``W == 1`` (kernels of up to 32 offsets);
+    wider masks are sorted word by word from the last (least significant) to
+    word 0, each a stable argsort of the rows in the order so far: a
+    lexicographic sort that needs no multi-key sort (CuPy's ``lexsort`` takes
+    two-dimensional keys only).
+    """
+    return sorted_rows(xp, masks).astype(xp.int32)

@@ -40,7 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..neighbour_map import mask_words, sorted_rows
+from ..neighbour_map import mask_words
+from ..tile_order import sorted_rows
 from ..tile_order import MAX_REGROUP_WORDS, TILE_ROWS
 from ._launch import INT32_MAX, KernelDevice, check_row_count, hash_capacity, launch
 
@@ -261,7 +262,7 @@ def row_plan(device: KernelDevice, masks: Any, volume: int) -> Any:
     """A map side's row plan: int64 ``[N]``, in two operations (an argsort and one ``sc_map_row_plan``).
 
     Slot ``p``'s low 32-bit word is the row at position ``p`` of the side's order
-    (`sparsecore.neighbour_map.row_order`, bitwise); where `plan_bit_sets`, the high word of slot
+    (`sparsecore.tile_order.row_order`, bitwise); where `plan_bit_sets`, the high word of slot
     ``k * C + c`` (``C = ceil(tiles / 32)``) has bit ``j`` set when row tile ``32 c + j`` holds offset ``k``;
     every other high word is 0. Nothing is read back.
 

@@ -121,7 +121,7 @@ _STORAGE_ONLY = tuple(storage for storage, _ in FLOAT_TYPES)
 _FEATURE_ENGINES = (("float", "sc::Simt"), ("double", "sc::Simt"), ("float", "sc::Wmma"), ("__half", "sc::Wmma"),
                     ("__nv_bfloat16", "sc::Wmma"))
 # ...and for sc_implicit_gemm, SIMT for the 16-bit types too: a pass reducing over a few channels (a first
-# layer's 3 inputs) runs there instead of padding them to the tensor cores' k (`_kernel_fused.engine_of`).
+# layer's 3 inputs) runs there instead of padding them to the tensor cores' k (`_fused_launch_plan.engine_of`).
 _CONV_ENGINES = _FEATURE_ENGINES + (("__half", "sc::Simt"), ("__nv_bfloat16", "sc::Simt"))
 
 KERNEL_FILES: tuple[KernelFile, ...] = (
