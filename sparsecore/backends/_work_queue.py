@@ -54,8 +54,15 @@ def claim(typing_context: Any, counter: Any) -> Any:
 
 @njit(inline="always")
 def new_counter() -> Any:
-    """A fresh counter at 0 (int64 ``[1]``), shared by the lanes of the loop that follows."""
-    return np.zeros(1, dtype=np.int64)
+    """A fresh counter at 0 (int64 ``[1]``), shared by the lanes of the loop that follows.
+
+    Written as an empty array and one store, not ``np.zeros``: inside a ``parallel=True`` kernel numba
+    turns ``np.zeros`` into a loop of its own, launched as a parallel region of its own (every kernel
+    woke the thread pool twice; see the module's notes).
+    """
+    counter = np.empty(1, dtype=np.int64)
+    counter[0] = 0
+    return counter
 
 
 @intrinsic
