@@ -423,7 +423,7 @@ def workers_cpu_ns():
 before = workers_cpu_ns()
 for _ in range(20):
     add_one(values)
-    time.sleep(0.01)
+    time.sleep(0.02)
 print(threads.openmp_wait_policy())
 print(workers_cpu_ns() - before)
 """
@@ -432,11 +432,13 @@ print(workers_cpu_ns() - before)
 @pytest.mark.parametrize("order", ["sparsecore-first", "torch-first", "torch-first, OMP_WAIT_POLICY=PASSIVE"])
 def test_idle_openmp_workers_sleep_or_spin_as_the_import_order_decides(order: str) -> None:
     """What the OpenMP runtime (torch's and numba's, one in every order) does after a parallel region,
-    measured: the CPU its worker threads take while the main thread sleeps 10 ms after each of 20
+    measured: the CPU its worker threads take while the main thread sleeps 20 ms after each of 20
     regions. Sleeping workers take microseconds; libgomp's default spins 300,000 times per region
-    (about 1-3 ms on x86, so 20-60 ms). Imported first, sparsecore makes the workers sleep; torch
-    imported first has started the runtime with its default (the decision says so), which only the
-    environment can change."""
+    (about 1-4 ms on x86, so 20-80 ms; the bound leaves room for a loaded machine). Imported first,
+    sparsecore makes the workers sleep; torch imported first has started the runtime with its default
+    (the decision says so), which only the environment can change."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("libgomp spins only briefly when its threads outnumber the cores")
     environment = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                                                                                  "KMP_BLOCKTIME")}
     environment["NUMBA_NUM_THREADS"] = "2"
@@ -451,7 +453,7 @@ def test_idle_openmp_workers_sleep_or_spin_as_the_import_order_decides(order: st
     workers_ms = int(workers_ns) / 1e6
     if order == "torch-first":
         assert "active spinning" in decision and "OMP_WAIT_POLICY=PASSIVE" in decision, decision
-        assert workers_ms > 5, (decision, workers_ms)
+        assert workers_ms > 3, (decision, workers_ms)
     else:
         assert decision.startswith("PASSIVE" if order == "sparsecore-first" else "as set in the environment"), decision
-        assert workers_ms < 2, (decision, workers_ms)
+        assert workers_ms < 1, (decision, workers_ms)
