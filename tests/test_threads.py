@@ -386,3 +386,74 @@ def test_openmp_waits_are_passive_unless_chosen_or_too_late(case: str) -> None:
         assert policy == "ACTIVE" and "as set in the environment (OMP_WAIT_POLICY=ACTIVE)" in decision
     else:  # a runtime already read its settings: nothing is changed, and the decision says why
         assert policy == "unset" and "loaded before sparsecore" in decision and "OMP_WAIT_POLICY=PASSIVE" in decision
+
+
+_IDLE_WORKERS_SCRIPT = """
+import glob, os, sys, threading, time
+if sys.argv[1] == "torch-first":
+    import torch
+import numpy as np
+import sparsecore.threads as threads
+if sys.argv[1] == "sparsecore-first":
+    import torch
+numba = threads.numba_module()
+if threads.threading_layer() != "omp" or not glob.glob("/proc/self/task/*/schedstat"):
+    print("SKIP no OpenMP layer or no per-thread CPU times")
+    sys.exit(0)
+from numba import njit, prange
+
+@njit(parallel=True)
+def add_one(values):
+    for index in prange(values.shape[0]):
+        values[index] += 1
+
+values = np.zeros(4096)
+numba.set_num_threads(2)
+add_one(values)
+main = threading.get_native_id()
+
+def workers_cpu_ns():
+    total = 0
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        if int(path.split("/")[-2]) != main:
+            with open(path) as stats:
+                total += int(stats.read().split()[0])
+    return total
+
+before = workers_cpu_ns()
+for _ in range(20):
+    add_one(values)
+    time.sleep(0.02)
+print(threads.openmp_wait_policy())
+print(workers_cpu_ns() - before)
+"""
+
+
+@pytest.mark.parametrize("order", ["sparsecore-first", "torch-first", "torch-first, OMP_WAIT_POLICY=PASSIVE"])
+def test_idle_openmp_workers_sleep_or_spin_as_the_import_order_decides(order: str) -> None:
+    """What the OpenMP runtime (torch's and numba's, one in every order) does after a parallel region,
+    measured: the CPU its worker threads take while the main thread sleeps 20 ms after each of 20
+    regions. Sleeping workers take microseconds; libgomp's default spins 300,000 times per region
+    (about 1-4 ms on x86, so 20-80 ms; the bound leaves room for a loaded machine). Imported first,
+    sparsecore makes the workers sleep; torch imported first has started the runtime with its default
+    (the decision says so), which only the environment can change."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("libgomp spins only briefly when its threads outnumber the cores")
+    environment = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                                                 "KMP_BLOCKTIME")}
+    environment["NUMBA_NUM_THREADS"] = "2"
+    if "PASSIVE" in order:
+        environment["OMP_WAIT_POLICY"] = "PASSIVE"
+    completed = subprocess.run([sys.executable, "-c", _IDLE_WORKERS_SCRIPT, order.split(",")[0]], capture_output=True,
+                               text=True, env=environment, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    if completed.stdout.startswith("SKIP"):
+        pytest.skip(completed.stdout.strip())
+    decision, workers_ns = completed.stdout.splitlines()
+    workers_ms = int(workers_ns) / 1e6
+    if order == "torch-first":
+        assert "active spinning" in decision and "OMP_WAIT_POLICY=PASSIVE" in decision, decision
+        assert workers_ms > 3, (decision, workers_ms)
+    else:
+        assert decision.startswith("PASSIVE" if order == "sparsecore-first" else "as set in the environment"), decision
+        assert workers_ms < 1, (decision, workers_ms)

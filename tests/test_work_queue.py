@@ -70,6 +70,39 @@ def test_a_new_counter_starts_at_zero() -> None:
     assert three_claims() == (0, 1, 2, 3)
 
 
+def test_a_counter_adds_no_parallel_region_of_its_own() -> None:
+    """Inside a ``parallel=True`` kernel, `new_counter` adds no parallel loop to numba's record of the
+    kernel's loops (each one a parallel region: a wake-up of the thread pool and a barrier, which a loaded
+    machine makes wait for a descheduled thread); the same kernel with an ``np.zeros`` counter, the control,
+    records two."""
+    numba_module()
+    from numba import njit, prange
+
+    from sparsecore.backends._work_queue import claim, new_counter
+
+    def marking(make_counter):
+        @njit(parallel=True)
+        def mark(marks, lanes):
+            counter = make_counter()
+            for lane in prange(lanes):  # noqa: B007 (one iteration per thread)
+                item = claim(counter)
+                while item < marks.shape[0]:
+                    marks[item] += 1
+                    item = claim(counter)
+
+        return mark
+
+    zeros_counter = njit(inline="always")(lambda: np.zeros(1, dtype=np.int64))
+    regions = {}
+    for name, make_counter in (("new_counter", new_counter), ("np.zeros", zeros_counter)):
+        mark = marking(make_counter)
+        marks = np.zeros(9, dtype=np.int64)
+        mark(marks, 2)
+        np.testing.assert_array_equal(marks, np.ones(9, dtype=np.int64))
+        regions[name] = len(mark.overloads[mark.signatures[0]].metadata["parfor_diagnostics"].get_parfors())
+    assert regions == {"new_counter": 1, "np.zeros": 2}
+
+
 
 @functools.lru_cache(maxsize=1)
 def _filling_kernel():

@@ -29,7 +29,7 @@ from numba import njit, prange
 from ._bf16_amx_sources import _add_vector, _tile_end, _tile_products, _tile_start, _transpose_words
 from ._bf16_kernel_sources import _pack_pair, _round_row
 from ._tile_kernel_sources import _copy_rows
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["amx_backward_kernel"]
 

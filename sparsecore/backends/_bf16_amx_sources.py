@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 
 from ._bf16_kernel_sources import _round_row
 from ._tile_kernel_sources import _copy_rows
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["TILE_CONFIG", "amx_rows_kernel"]
 

@@ -24,7 +24,7 @@ from numba import njit, prange
 
 from ._bf16_kernel_sources import _blocks_at_once, _dot_columns, _dot_rows, _pack_pair, _round_row
 from ._tile_kernel_sources import PREFETCH_AHEAD, _prefetch
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["dot_backward_kernel"]
 

@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from ._tile_kernel_sources import PREFETCH_AHEAD, _prefetch
 from ._x86_intrinsics import dpbf16ps_ir
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 _CACHE_LINE = 64
 

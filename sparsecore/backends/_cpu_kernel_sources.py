@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, prange
 
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["fill_table", "layer_sizes", "make_rows_kernel", "make_int8_rows_kernel",
            "int8_epilogue_row"]

@@ -377,5 +377,6 @@ def tiled_backward(source: np.ndarray, grad: np.ndarray, plan: TilePlan, matrice
         kernels.tiled_backward_kernel(source, grad, plan.starts, plan.sources, plan.local_rows, transposed, grad_source,
                                       partial, plan.capacity, plan.most, gemm_chunk_rows(in_channels, out_channels),
                                       lanes)
+    with kernel_threads(partial.size) as lanes:  # a sum of a few MB: the calling thread alone (no wake-up)
         kernels.sum_partials(partial, grad_matrices, lanes)
     return grad_source, grad_matrices

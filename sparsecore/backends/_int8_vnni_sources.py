@@ -45,7 +45,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._work_queue import acquired, claim, new_counter, release
+from ._work_queue import acquired, claim, new_counter, release  # new_counter: no parallel region of its own
 from ._x86_intrinsics import LANES, prefetch, vpdpbusd_ir
 
 __all__ = ["ROWS", "NARROW_ROWS", "FLIP_WORDS", "MOST_VECTORS", "PREFETCH_BLOCKS", "PREFETCH_MIN_ROW_BYTES",

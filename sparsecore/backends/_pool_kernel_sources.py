@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["ROW_RANGES", "max_pool_forward_kernel", "max_pool_backward_kernel"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["radix_sort", "radix_sort_packed", "unique_inverse_sorted", "subm_found", "subm_fill", "axis_tables", "axis_outputs", "strided_count", "strided_fill"]
 

@@ -202,7 +202,7 @@ def strided_candidates(indices: np.ndarray, geometry: Any, output_spatial_shape:
         sources.axis_tables(kernel_size, *[np.asarray(value, dtype=np.int64) for value in (
             geometry.stride, geometry.padding, geometry.dilation)], in_shape,
             np.asarray(output_spatial_shape, dtype=np.int64), geometry.kind == "transposed", tables)
-        with kernel_threads(work):
+        with kernel_threads(outputs.size):  # one table lookup per entry: small layers on the calling thread
             sources.axis_outputs(sites, tables, kernel_size, outputs)
     elif sites.shape[0]:  # few sites on a vast grid: the divisions once per site
         _axis_outputs(sites, geometry, output_spatial_shape, outputs)

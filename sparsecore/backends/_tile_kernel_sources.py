@@ -52,7 +52,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._work_queue import claim, new_counter
+from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["count_plan", "fill_plan", "tiled_forward_kernel", "tiled_backward_kernel", "sum_partials", "PREFETCH_AHEAD"]
 

@@ -18,6 +18,13 @@ lane, numba's on-disk cache returned code that rounded differently from the
 code it had just compiled (grouped 6 x 6 layers, last bits; tests/test_threads.py
 runs its first process on an empty cache to catch that).
 
+Each kernel is one parallel region: one wake-up of the thread pool and one
+barrier at its end, which a loaded machine can make wait for a thread the
+scheduler has parked (about a millisecond each on the 2-core test machine
+beside 4 busy processes). `new_counter` is therefore an empty array and one
+store: written as ``np.zeros``, numba made it a parallel loop, and so a region,
+of its own (every kernel woke the pool twice until 2026-12-07).
+
 Beside one spinning process on the 2-core test machine (medians of three
 interleaved runs, two threads, real scan, 2026-12-03), static -> claimed items:
 SubMConv3d 16->16 rulebook 28.0 -> 16.8 ms, forward 26.3 -> 21.4, backward
@@ -54,8 +61,14 @@ def claim(typing_context: Any, counter: Any) -> Any:
 
 @njit(inline="always")
 def new_counter() -> Any:
-    """A fresh counter at 0 (int64 ``[1]``), shared by the lanes of the loop that follows."""
-    return np.zeros(1, dtype=np.int64)
+    """A fresh counter at 0 (int64 ``[1]``), shared by the lanes of the loop that follows.
+
+    An empty array and one store, not ``np.zeros``, which numba would make a parallel region of its own
+    inside a ``parallel=True`` kernel (see the module's notes).
+    """
+    counter = np.empty(1, dtype=np.int64)
+    counter[0] = 0
+    return counter
 
 
 @intrinsic
