@@ -133,12 +133,15 @@ def fused_on_cpu(backend: ArrayBackend, in_channels: int, out_channels: int, gro
 def cpu_blas_threads(backend: ArrayBackend) -> contextlib.AbstractContextManager[Any]:
     """On the NumPy backend, BLAS on one thread inside the pass; the pass itself runs offsets in parallel.
 
+    Also warns once where the OpenMP runtime spins on a busy machine (`threads.warn_if_spinning_under_load`).
+
     OpenBLAS's results for one product differ in the last bits between processes
     started with different thread counts; one BLAS thread per product, with the
     products of several offsets computed side by side (`map_in_order`), keeps
     every CPU pass bitwise identical at every thread count.
     """
     if isinstance(backend, NumpyBackend):
+        threads.warn_if_spinning_under_load()
         return threads.blas_threads(1)
     return contextlib.nullcontext()
 

@@ -52,6 +52,7 @@ import functools
 import os
 import sys
 import threading
+import warnings
 from typing import Any, Iterator, Optional
 
 __all__ = [
@@ -67,6 +68,8 @@ __all__ = [
     "serialised_kernels",
     "WAIT_VARIABLES",
     "openmp_wait_policy",
+    "SharedMachineWarning",
+    "warn_if_spinning_under_load",
 ]
 
 THREAD_SAFE_LAYERS = ("tbb", "omp")
@@ -113,6 +116,38 @@ _WAIT_POLICY = _prefer_passive_openmp_waits()  # decided once, at import, before
 def openmp_wait_policy() -> str:
     """How the OpenMP runtime's idle threads wait in this process, and who decided it (see the module's notes)."""
     return _WAIT_POLICY
+
+
+class SharedMachineWarning(RuntimeWarning):
+    """CPU passes on a busy machine while the OpenMP runtime's idle threads spin (see `warn_if_spinning_under_load`)."""
+
+
+def warn_if_spinning_under_load() -> None:
+    """Warns once (`SharedMachineWarning`) when the OpenMP runtime spins on a machine busier than its cores.
+
+    Called by the CPU feature passes. Where the runtime was loaded before sparsecore with its default
+    waits (``import torch`` first, no `WAIT_VARIABLES` set: `openmp_wait_policy` says so), its idle
+    threads spin after every parallel region; beside other busy processes that takes the cores the
+    working threads need (a sparsecore.torch training step on 2 cores beside 4 busy processes: 6.6x its
+    quiet time with torch imported first, 3.1-3.9x with sparsecore first, 2026-12-07). The warning
+    fires when the 1-minute load average reaches the usable cores plus this process's threads, and
+    says what to set. Nothing is checked when the waits are passive or chosen in the environment.
+    """
+    if not _WAIT_POLICY.startswith("the runtime's default"):
+        return
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - no load average on this platform
+        return
+    cores = _usable_cores()
+    if load < cores + get_num_threads():
+        return
+    warnings.warn(
+        f"sparsecore: this machine is busy (load average {load:.1f} on {cores} usable cores) and the OpenMP "
+        f"runtime's idle threads spin after every parallel region ({_WAIT_POLICY.split(': ', 1)[1].split(';')[0]})"
+        ", which takes the cores the working threads need: set OMP_WAIT_POLICY=PASSIVE in the environment before "
+        "starting Python, or import sparsecore before torch (docs/performance.md, 'On a shared machine')",
+        SharedMachineWarning, stacklevel=3)
 
 
 def _usable_cores() -> int:

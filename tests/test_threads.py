@@ -453,7 +453,57 @@ def test_idle_openmp_workers_sleep_or_spin_as_the_import_order_decides(order: st
     workers_ms = int(workers_ns) / 1e6
     if order == "torch-first":
         assert "active spinning" in decision and "OMP_WAIT_POLICY=PASSIVE" in decision, decision
-        assert workers_ms > 3, (decision, workers_ms)
+        assert workers_ms > 15, (decision, workers_ms)  # measured 75 here
     else:
         assert decision.startswith("PASSIVE" if order == "sparsecore-first" else "as set in the environment"), decision
-        assert workers_ms < 1, (decision, workers_ms)
+        assert workers_ms < 3, (decision, workers_ms)  # measured 0.3 here
+
+
+_SHARED_MACHINE_SCRIPT = """
+import ctypes, os, sys, warnings
+if sys.argv[1] == "runtime-first":
+    ctypes.CDLL("libgomp.so.1")  # as `import torch` would, before sparsecore
+import numpy as np
+import sparsecore as sc
+from sparsecore import threads
+loads = iter(float(value) for value in sys.argv[2].split(","))
+os.getloadavg = lambda: (next(loads), 0.0, 0.0)  # the 1-minute load average each pass reads
+rng = np.random.default_rng(int(sys.argv[3]))
+cells = rng.choice(6 * 12 * 12, 150, replace=False)
+indices = np.stack(np.unravel_index(cells, (1, 6, 12, 12)), 1).astype(np.int32)
+rulebook = sc.build_rulebook(indices, (6, 12, 12), 1, sc.ConvGeometry.create(3, 3, kind="subm"))
+features = rng.standard_normal((150, 4)).astype(np.float32)
+weight = rng.standard_normal((4, 3, 3, 3, 4)).astype(np.float32)
+print(threads.get_num_threads(), len(os.sched_getaffinity(0)))
+for _ in sys.argv[2].split(","):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sc.conv_forward(features, weight, rulebook)
+    found = [w for w in caught if issubclass(w.category, threads.SharedMachineWarning)]
+    print(len(found), found[0].message if found else "")
+"""
+
+
+@pytest.mark.parametrize("case", ["runtime-first", "sparsecore-first"])
+def test_a_spinning_runtime_on_a_busy_machine_is_named_with_its_fix(case: str) -> None:
+    """Where an OpenMP runtime was loaded before sparsecore with its default (spinning) waits, a CPU pass
+    warns once the load average reaches the usable cores plus the process's threads, naming the setting
+    that fixes it; below that load, or with sparsecore's passive waits, it stays silent."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                                                 "KMP_BLOCKTIME")}
+    environment["NUMBA_NUM_THREADS"] = "2"
+    completed = subprocess.run([sys.executable, "-c", _SHARED_MACHINE_SCRIPT, case, "0.5,50", "11"],
+                               capture_output=True, text=True, env=environment, timeout=300)
+    if completed.returncode != 0 and "libgomp" in completed.stderr:
+        pytest.skip("no libgomp.so.1 to load here")
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    threads_in_use, cores = (int(value) for value in lines[0].split())
+    assert 0.5 < cores + threads_in_use <= 50
+    quiet, busy = lines[1:]
+    assert quiet.startswith("0 "), quiet  # load 0.5: nothing to say
+    if case == "sparsecore-first":  # passive waits: nothing to warn about at any load
+        assert busy.startswith("0 "), busy
+    else:
+        assert busy.startswith("1 ") and "load average 50.0" in busy and "OMP_WAIT_POLICY=PASSIVE" in busy, busy
+        assert "libgomp" in busy and "import sparsecore before torch" in busy, busy
