@@ -682,6 +682,30 @@ struct ForwardBlocks<float, Wmma> {  // TF32
   static constexpr int value = SC_ARCH >= 800 ? 5 : 4;
 };
 
+// sc_weight_gradient's, likewise: tile_shapes._WEIGHT_GRADIENT's residency. Without any bound
+// sm_75 gave float32 SIMT 93 registers (2 blocks); with the threads alone ptxas took more
+// registers for the tensor-core types (float16 93 -> 128 on sm_90), so every type is pinned.
+template <typename T, typename Math>
+struct WeightGradientBlocks {
+  static constexpr int value = 3;  // float SIMT
+};
+template <>
+struct WeightGradientBlocks<double, Simt> {
+  static constexpr int value = 2;
+};
+template <>
+struct WeightGradientBlocks<__half, Wmma> {
+  static constexpr int value = SC_ARCH >= 800 ? 5 : 4;
+};
+template <>
+struct WeightGradientBlocks<__nv_bfloat16, Wmma> {
+  static constexpr int value = SC_ARCH >= 800 ? 4 : 3;
+};
+template <>
+struct WeightGradientBlocks<float, Wmma> {  // TF32: sm_80 spills 4 bytes at 4
+  static constexpr int value = SC_ARCH == 800 ? 3 : 4;
+};
+
 }  // namespace sc
 
 #ifdef SPARSECORE_CPU_EMULATION
@@ -907,6 +931,7 @@ __global__ void sc_implicit_gemm(const T* __restrict__ source, const T* __restri
 // fastest (so the first blocks cover every offset).
 // Staging: features a(c, r) as [r][c] (column-major), grad_out b(r, j) as [r][j].
 template <typename T, typename Math>
+SC_LAUNCH_BOUNDS((sc::EngineOf<T, Math, false>::type::threads), (sc::WeightGradientBlocks<T, Math>::value))
 __global__ void sc_weight_gradient(const T* __restrict__ features, const T* __restrict__ grad_out,
                                    const int* __restrict__ neighbours, const int* __restrict__ order,
                                    int order_step, long long num_rows, int volume,

@@ -103,12 +103,12 @@ _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 reg
     ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 128-thread SIMT, 100
     ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 96
 }
-_WEIGHT_GRADIENT = {  # sc_weight_gradient
-    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 79 registers
-    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 124
-    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 93
-    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 120
-    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4, 16, 8),  # TF32: 128
+_WEIGHT_GRADIENT = {  # sc_weight_gradient, its residency pinned by __launch_bounds__ (sc::WeightGradientBlocks)
+    ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 78 registers
+    ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 115
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 92
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 117
+    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4, 16, 8),  # TF32: 119
     ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
     ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
 }
