@@ -28,7 +28,7 @@ from numba import njit, prange
 
 from ._bf16_amx_sources import _add_vector, _tile_end, _tile_products, _tile_start, _transpose_words
 from ._bf16_kernel_sources import _pack_pair, _round_row
-from ._tile_kernel_sources import _copy_rows
+from ._tile_kernel_sources import _copy_rows, _work_rows
 from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["amx_backward_kernel"]
@@ -84,8 +84,7 @@ def amx_backward_kernel(source: Any, grad: Any, starts: Any, destinations: Any, 
             source_words = np.zeros((half, channels_padded), dtype=np.uint32)  # [pair pair, channel]
             transposed = np.empty((channels_padded, stride), dtype=np.uint32)  # [channel, pair pair]
             grad_words = np.zeros((half, columns), dtype=np.uint32)  # [pair pair, column]
-            first_row = work * capacity
-            count_rows = min(rows, first_row + capacity) - first_row
+            first_row, count_rows = _work_rows(work, capacity, rows)
             local_source = source[first_row:first_row + count_rows]
             acc = np.zeros((count_rows, channels_padded), dtype=np.float32)
             for offset in range(volume):

@@ -31,7 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._bf16_kernel_sources import _round_row
-from ._tile_kernel_sources import _copy_rows
+from ._tile_kernel_sources import _copy_rows, _work_rows
 from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["TILE_CONFIG", "amx_rows_kernel"]
@@ -252,8 +252,7 @@ def amx_rows_kernel(source: Any, starts: Any, sources: Any, locals_: Any, matric
         while work < works:
             gathered = np.zeros((tile_rows, depth), dtype=np.uint16)  # padding channels and rows stay 0
             block = np.empty((16, 64), dtype=np.float32)
-            first_row = work * capacity
-            count_rows = min(rows, first_row + capacity) - first_row
+            first_row, count_rows = _work_rows(work, capacity, rows)
             acc = np.empty((count_rows, columns), dtype=np.float32)
             for row in range(count_rows):
                 for column in range(columns):

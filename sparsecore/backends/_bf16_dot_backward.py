@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._bf16_kernel_sources import _blocks_at_once, _dot_columns, _dot_rows, _pack_pair, _round_row
-from ._tile_kernel_sources import PREFETCH_AHEAD, _prefetch
+from ._tile_kernel_sources import PREFETCH_AHEAD, _prefetch, _work_rows
 from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
 __all__ = ["dot_backward_kernel"]
@@ -58,8 +58,7 @@ def dot_backward_kernel(source: Any, grad: Any, grad_words: Any, starts: Any, de
             source_pairs = np.zeros((half, channels_padded), dtype=np.uint32)  # [pair pair, channel]
             grad_pairs = np.zeros((half, columns), dtype=np.uint32)  # [pair pair, column]
             channels = np.arange(in_channels).astype(np.int32)
-            first_row = work * capacity
-            count_rows = min(rows, first_row + capacity) - first_row
+            first_row, count_rows = _work_rows(work, capacity, rows)
             local_source = source[first_row:first_row + count_rows]
             acc = np.zeros((count_rows, channels_padded), dtype=np.float32)
             for offset in range(volume):

@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._tile_kernel_sources import PREFETCH_AHEAD, _prefetch
+from ._tile_kernel_sources import PREFETCH_AHEAD, _prefetch, _work_rows
 from ._x86_intrinsics import dpbf16ps_ir
 from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
@@ -251,8 +251,7 @@ def dot_rows_kernel(words: Any, starts: Any, sources: Any, locals_: Any, matrice
     for lane in prange(min(lanes, works)):  # noqa: B007 (one iteration per thread)
         work = claim(counter)
         while work < works:
-            first_row = work * capacity
-            count_rows = min(rows, first_row + capacity) - first_row
+            first_row, count_rows = _work_rows(work, capacity, rows)
             acc = np.empty((count_rows, columns), dtype=np.float32)
             for row in range(count_rows):
                 for column in range(columns):

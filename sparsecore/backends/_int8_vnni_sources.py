@@ -45,6 +45,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._tile_kernel_sources import _work_rows
 from ._work_queue import acquired, claim, new_counter, release  # new_counter: no parallel region of its own
 from ._x86_intrinsics import LANES, prefetch, vpdpbusd_ir
 
@@ -304,8 +305,7 @@ def conv_kernel(features: Any, starts: Any, source_rows: Any, local_rows: Any, w
             accumulator = np.zeros((capacity + 1, width), dtype=np.int32)  # row `capacity`: the dummy pairs'
             tail_sources = np.zeros(NARROW_ROWS, dtype=np.int32)
             tail_locals = np.full(NARROW_ROWS, capacity, dtype=np.int32)
-            first_row = work * capacity
-            count_rows = min(rows, first_row + capacity) - first_row
+            first_row, count_rows = _work_rows(work, capacity, rows)
             for offset in range(volume):
                 start, stop = starts[work * volume + offset], starts[work * volume + offset + 1]
                 full = start + (stop - start) // rows_per_block * rows_per_block
