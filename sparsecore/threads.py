@@ -48,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -93,29 +94,44 @@ def _loaded_openmp_paths() -> tuple[str, ...]:
     return tuple(sorted(path for path in paths if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp"))))
 
 
-def _prefer_passive_openmp_waits() -> str:
+@dataclasses.dataclass(frozen=True)
+class _WaitDecision:
+    """How the OpenMP runtime's idle threads wait, decided at import.
+
+    Attributes:
+        text: what was decided and by whom (`openmp_wait_policy`).
+        spinning_runtime: the runtime loaded before sparsecore with its default (spinning) waits, e.g.
+            ``"libgomp.so.1"``; empty where the waits are passive or chosen in the environment.
+    """
+
+    text: str
+    spinning_runtime: str = ""
+
+
+def _prefer_passive_openmp_waits() -> _WaitDecision:
     """Sets ``OMP_WAIT_POLICY=PASSIVE`` when no OpenMP runtime is loaded yet and no `WAIT_VARIABLES` is set.
 
     Returns:
-        What was decided, for `openmp_wait_policy`.
+        What was decided, for `openmp_wait_policy` and `warn_if_spinning_under_load`.
     """
     chosen = [f"{variable}={os.environ[variable]}" for variable in WAIT_VARIABLES if os.environ.get(variable)]
     if chosen:
-        return f"as set in the environment ({', '.join(chosen)})"
+        return _WaitDecision(f"as set in the environment ({', '.join(chosen)})")
     loaded = _loaded_openmp_paths()
     if loaded:
-        return (f"the runtime's default (active spinning): {os.path.basename(loaded[0])} was loaded before "
-                "sparsecore (e.g. by torch); set OMP_WAIT_POLICY=PASSIVE before starting Python on a shared machine")
+        runtime = os.path.basename(loaded[0])
+        return _WaitDecision(f"the runtime's default (active spinning): {runtime} was loaded before sparsecore (e.g. "
+                             "by torch); set OMP_WAIT_POLICY=PASSIVE before starting Python on a shared machine", runtime)
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return "PASSIVE (set by sparsecore: no OpenMP runtime was loaded and no wait variable was set)"
+    return _WaitDecision("PASSIVE (set by sparsecore: no OpenMP runtime was loaded and no wait variable was set)")
 
 
-_WAIT_POLICY = _prefer_passive_openmp_waits()  # decided once, at import, before numba or torch loads a runtime
+_WAIT_DECISION = _prefer_passive_openmp_waits()  # decided once, at import, before numba or torch loads a runtime
 
 
 def openmp_wait_policy() -> str:
     """How the OpenMP runtime's idle threads wait in this process, and who decided it (see the module's notes)."""
-    return _WAIT_POLICY
+    return _WAIT_DECISION.text
 
 
 class SharedMachineWarning(RuntimeWarning):
@@ -133,7 +149,7 @@ def warn_if_spinning_under_load() -> None:
     fires when the 1-minute load average reaches the usable cores plus this process's threads, and
     says what to set. Nothing is checked when the waits are passive or chosen in the environment.
     """
-    if not _WAIT_POLICY.startswith("the runtime's default"):
+    if not _WAIT_DECISION.spinning_runtime:
         return
     try:
         load = os.getloadavg()[0]
@@ -144,7 +160,8 @@ def warn_if_spinning_under_load() -> None:
         return
     warnings.warn(
         f"sparsecore: this machine is busy (load average {load:.1f} on {cores} usable cores) and the OpenMP "
-        f"runtime's idle threads spin after every parallel region ({_WAIT_POLICY.split(': ', 1)[1].split(';')[0]})"
+        f"runtime's idle threads spin after every parallel region ({_WAIT_DECISION.spinning_runtime} was loaded "
+        "before sparsecore, e.g. by torch)"
         ", which takes the cores the working threads need: set OMP_WAIT_POLICY=PASSIVE in the environment before "
         "starting Python, or import sparsecore before torch (docs/performance.md, 'On a shared machine')",
         SharedMachineWarning, stacklevel=3)
