@@ -54,20 +54,22 @@
 //   sc::Simt  float / double: 256 threads, each a 4 x 4 register micro-tile, 16
 //             reduction elements per round, sums in the storage type's
 //             accumulator (float, double); NVRTC contracts a * b + c to FMA.
-//   sc::Wmma  __half / __nv_bfloat16 on tensor cores (m16n16k16), float on TF32
-//             tensor cores (m16n16k8, operands rounded to TF32 as they are
-//             loaded), all accumulating in float: 128 threads, 4 warps of 32 x
-//             32 (2 x 2 fragments of 16 x 16; the forward of 16-bit types: 4 x 1
-//             fragments of 8 x 32); the tile goes through shared memory for the
-//             epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
+//   sc::Wmma  __half / __nv_bfloat16 on tensor cores (wmma m16n16k16), float on TF32
+//             tensor cores (the weight gradient: wmma m16n16k8; the forward:
+//             mma.sync m16n8k8, MmaTf32Engine; operands rounded to TF32 as they
+//             are loaded), all accumulating in float: 128 threads, 4 warps of 32 x
+//             32 (2 x 2 fragments of 16 x 16; the forward: 4 x 1 fragments of 8 x
+//             32 for 16-bit types, 4 row slices of 8 x 2 fragments of 16 columns
+//             for TF32, so the forward skips rows 8 at a time in every type); the
+//             tile goes through shared memory for the epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
 //             from sm_80 on: on sm_75 those two Wmma instantiations compile to the
 //             SIMT engine (128 threads, float accumulation, full float32 products).
 // A launch must use the engine's thread count (kSimtThreads / kWmmaThreads);
 // any other block size traps. 1-D grids; a block walks the work items
 // blockIdx.x, blockIdx.x + gridDim.x, ...
 //
-// Under the CPU emulation (tests/cuda_emulation) wmma and cp.async are the shims of
-// cuda_shim.h, so the same text runs there (SC_EMULATED_ARCH picks the sm_75 path).
+// Under the CPU emulation (tests/cuda_emulation) wmma, mma.sync and cp.async are the shims
+// of cuda_shim.h, so the same text runs there (SC_EMULATED_ARCH picks the sm_75 path).
 
 #include "sc_common.cuh"
 
@@ -424,6 +426,136 @@ struct WmmaEngine {
   }
 };
 
+#if SC_ARCH >= 800
+// ---------------------------------------------------------------- TF32 mma engine (forward)
+// The forward's TF32 engine: mma.sync.m16n8k8 with the tile's rows on the instruction's n
+// side, so rows are skipped 8 at a time (wmma's only TF32 shape, m16n16k8, skips 16: 1.58x
+// of the basic network's forward FLOPs were issued against 1.43x for the 16-bit types).
+// 128 threads; warp w owns rows 32 * (w / 2) and columns 32 * (w % 2) of the 64 x 64 tile
+// as 4 row slices of 8 x 2 column fragments of 16; each mma computes the transposed product
+// D^T (16 columns x 8 rows) = M^T (16 x 8 reduction) A^T (8 reduction x 8 rows). Lane
+// (g, t) = (lane / 4, lane % 4) holds, for columns n0.., rows m0.., reduction k..:
+//   weight operand w(n, s) = b(s, n): w0 (n0+g, k+t), w1 (n0+g+8, k+t), w2 (n0+g, k+t+4), w3 (n0+g+8, k+t+4)
+//   row operand    r(s, m) = a(m, s): r0 (k+t, m0+g), r1 (k+t+4, m0+g)
+//   accumulator    c(n, m):           c0 (n0+g, m0+2t), c1 (n0+g, m0+2t+1), c2 (n0+g+8, m0+2t), c3 (n0+g+8, m0+2t+1)
+// Operands are rounded to TF32 (cvt.rna) as they are read, as wmma's TF32 path does. Reads
+// from the narrow-pitch staging (20 floats) hit 32 distinct banks; the input gradient's
+// weight block (wide pitch, 68 floats) 2-way. Under the emulation the mma is the warp
+// collective of cuda_shim.h (sc_emu::mma_m16n8k8_tf32), on the same fragments.
+__device__ __forceinline__ unsigned int to_tf32(float value) {
+#ifndef SPARSECORE_CPU_EMULATION
+  unsigned int bits;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(bits) : "f"(value));
+  return bits;
+#else
+  return sc_emu::float_bits(nvcuda::wmma::__float_to_tf32(value));
+#endif
+}
+
+// d += w r over one m16n8k8 TF32 tile: a warp collective (every lane of the warp calls it).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&w)[4], const unsigned int (&r)[2]) {
+#ifndef SPARSECORE_CPU_EMULATION
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(r[0]), "r"(r[1]));
+#else
+  sc_emu::mma_m16n8k8_tf32(d, w, r);
+#endif
+}
+
+struct MmaTf32Engine {
+  using Acc = float;
+  using Stage = float;
+  using Geometry = Staging<float, 16>;
+  static constexpr int kStep = Geometry::kStep;
+  static constexpr int kK = 8;
+  static constexpr int kOutPitch = kTileCols + 4;
+  static constexpr int threads = kWmmaThreads;
+  static constexpr int kOutBytes = kTileRows * kOutPitch * 4;
+  static constexpr int kSharedBytes = Geometry::kStageBytes > kOutBytes ? Geometry::kStageBytes : kOutBytes;
+  static constexpr int kSlices = 4;     // 8 rows each
+  static constexpr int kFragments = 2;  // 16 columns each
+
+  float acc[kSlices][kFragments][4];
+
+  __device__ __forceinline__ void clear() {
+    for (int i = 0; i < kSlices; ++i) {
+      for (int j = 0; j < kFragments; ++j) {
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+      }
+    }
+  }
+
+  template <bool kARowMajor>
+  __device__ __forceinline__ void multiply(const float* a, int lda, const float* b, int ldb, bool b_row_major,
+                                           const Extent& extent) {
+    const int warp = threadIdx.x / 32;
+    const int g = threadIdx.x % 32 / 4;
+    const int t = threadIdx.x % 4;
+    const int row0 = (warp / 2) * 32;
+    const int col0 = (warp % 2) * 32;
+    bool rows[kSlices];
+    bool columns[kFragments];
+    bool any_rows = false;
+    for (int i = 0; i < kSlices; ++i) {  // warp-uniform skips
+      rows[i] = any_present(extent, row0 + 8 * i, 8);
+      any_rows = any_rows || rows[i];
+    }
+    for (int j = 0; j < kFragments; ++j) columns[j] = col0 + 16 * j < extent.columns;
+    if (!any_rows || !columns[0]) return;
+    const int b_step = b_row_major ? ldb : 1;    // between reduction elements
+    const int b_column = b_row_major ? 1 : ldb;  // between columns
+    for (int k = 0; k < kStep && k < extent.reduce; k += kK) {
+      unsigned int w[kFragments][4] = {};
+      unsigned int r[kSlices][2] = {};
+      for (int j = 0; j < kFragments; ++j) {
+        if (!columns[j]) continue;
+        const float* column = b + (col0 + 16 * j + g) * b_column + (k + t) * b_step;
+        w[j][0] = to_tf32(column[0]);
+        w[j][1] = to_tf32(column[8 * b_column]);
+        w[j][2] = to_tf32(column[4 * b_step]);
+        w[j][3] = to_tf32(column[8 * b_column + 4 * b_step]);
+      }
+      for (int i = 0; i < kSlices; ++i) {
+        if (!rows[i]) continue;
+        const int m = row0 + 8 * i + g;
+        r[i][0] = to_tf32(kARowMajor ? a[m * lda + k + t] : a[(k + t) * lda + m]);
+        r[i][1] = to_tf32(kARowMajor ? a[m * lda + k + t + 4] : a[(k + t + 4) * lda + m]);
+      }
+      for (int i = 0; i < kSlices; ++i) {
+        for (int j = 0; j < kFragments; ++j) {
+          if (rows[i] && columns[j]) mma_tf32(acc[i][j], w[j], r[i]);
+        }
+      }
+    }
+  }
+
+  // As WmmaEngine::store: through shared memory, every thread of the block calls it.
+  template <typename Write>
+  __device__ __forceinline__ void store(unsigned char* shared, Write write) const {
+    float* tile = reinterpret_cast<float*>(shared);
+    const int warp = threadIdx.x / 32;
+    const int g = threadIdx.x % 32 / 4;
+    const int t = threadIdx.x % 4;
+    for (int i = 0; i < kSlices; ++i) {
+      for (int j = 0; j < kFragments; ++j) {
+        float* at = tile + ((warp / 2) * 32 + 8 * i + 2 * t) * kOutPitch + (warp % 2) * 32 + 16 * j + g;
+        at[0] = acc[i][j][0];
+        at[kOutPitch] = acc[i][j][1];
+        at[8] = acc[i][j][2];
+        at[kOutPitch + 8] = acc[i][j][3];
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < kTileElements; e += kWmmaThreads) {
+      write(e / kTileCols, e % kTileCols, tile[(e / kTileCols) * kOutPitch + e % kTileCols]);
+    }
+    __syncthreads();  // the tile is rewritten by the next work item
+  }
+};
+#endif
+
 template <typename T>
 struct HasTensorCores {
   static constexpr bool value = SC_ARCH >= 800;
@@ -437,29 +569,24 @@ struct HasTensorCores<double> {
   static constexpr bool value = false;
 };
 
-// The forward's tensor-core fragments: 8 x 32 for 16-bit types (8-row skips), 16 x 16 for
-// TF32 (its only shape). The weight gradient's are 16 x 16 (its rows are channels).
-template <typename T>
-struct ForwardRows {
-  static constexpr int value = 8;
-};
-template <>
-struct ForwardRows<float> {
-  static constexpr int value = 16;
-};
-
 template <typename T, bool kTensor, bool kForward>
 struct PickEngine {
   using type = SimtEngine<T, kWmmaThreads>;
 };
 template <typename T>
-struct PickEngine<T, true, false> {
+struct PickEngine<T, true, false> {  // the weight gradient: 16 x 16 fragments (its rows are channels)
   using type = WmmaEngine<T>;
 };
 template <typename T>
-struct PickEngine<T, true, true> {
-  using type = WmmaEngine<T, ForwardRows<T>::value, 256 / ForwardRows<T>::value>;
+struct PickEngine<T, true, true> {  // the forward of 16-bit types: 8 x 32 fragments (8-row skips)
+  using type = WmmaEngine<T, 8, 32>;
 };
+#if SC_ARCH >= 800
+template <>
+struct PickEngine<float, true, true> {  // the TF32 forward: mma.sync m16n8k8 (8-row skips)
+  using type = MmaTf32Engine;
+};
+#endif
 
 // kForward: sc_implicit_gemm (forward and input gradient), else sc_weight_gradient.
 template <typename T, typename Math, bool kForward>

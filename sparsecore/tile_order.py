@@ -3,8 +3,8 @@
 The fused GPU kernels (``kernels_cu/implicit_gemm.cu``) take a map's rows in
 tiles of `TILE_ROWS` consecutive positions of its row order, and inside a tile
 a warp skips an offset for a slice of rows only when no row of the slice holds
-it: 8-row slices for float32, float64, float16 and bfloat16, 16-row fragments
-for TF32. The stable sort by mask (`mask_order`) puts
+it: 8-row slices in every dtype's forward, 16-row slices in the 128-thread
+SIMT engine that bfloat16 and TF32 fall back to on sm_75. The stable sort by mask (`mask_order`) puts
 rows with similar masks into the same tile, but inside a tile it leaves rows
 of different masks side by side. `regroup_tiles` reorders the rows of each tile
 (never moving a row to another tile) in two greedy passes:
@@ -15,7 +15,7 @@ of different masks side by side. `regroup_tiles` reorders the rows of each tile
 where a pass fills each group in turn: its seed is the remaining row with the
 most offsets, and each next row is the one whose mask adds the fewest offsets
 the group does not hold yet (ties: the row with more offsets, then the earlier
-position). Pass 2 serves the 8-row slices, pass 1 the TF32 fragments. A greedy
+position). Pass 2 serves the 8-row slices, pass 1 the 16-row ones. A greedy
 rule can lose to the sorted order: a tile keeps its regrouped rows only when
 neither its 8-row nor its 16-row slices hold more offsets in all (the sum over
 slices of the offsets some row of the slice holds) than in the sorted order, so

@@ -3,8 +3,8 @@
 ``sc_implicit_gemm`` (forward and input gradient) and ``sc_weight_gradient``
 run on the CPU emulation (and on CuPy where a GPU is present) through
 `sparsecore.backends._kernel_fused.FusedPasses`, in every engine: SIMT float32
-and float64, wmma float16 and bfloat16, TF32 wmma for float32. Oracles are the
-float64 twins of ``cuda_emulation/fused_twins.py``:
+and float64, wmma float16 and bfloat16, TF32 for float32 (the forward on
+mma.sync m16n8k8, the weight gradient on wmma). Oracles are the float64 twins of ``cuda_emulation/fused_twins.py``:
 
 - small-integer data: every partial sum is exact, so each result rounded to
   its storage type equals the twin's bitwise, whatever order a kernel sums in
@@ -374,13 +374,19 @@ _UNUSED_FLAG = 8  # a flag bit sc_implicit_gemm does not read: launches with it 
 _NO_SPLITS = (np.int32(1), np.zeros(1, np.uint32), np.int64(0))
 
 
+_TF32_ROUNDING = "  return sc_emu::float_bits(nvcuda::wmma::__float_to_tf32(value));\n"
+
+
 def _broken_source() -> str:
-    """implicit_gemm.cu with three bugs (one build for the three tests): the forward skips a barrier in
+    """implicit_gemm.cu with four bugs (one build for the four tests): the forward skips a barrier in
     threads 32..255 (a barrier in a divergent branch) unless its flags hold `_UNUSED_FLAG`; in the weight
     gradient half of each warp waits at __syncwarp while the other half waits at __syncthreads (each barrier
-    waits for threads that never come); and the pipeline never waits for a round's copies but the last."""
+    waits for threads that never come); the pipeline never waits for a round's copies but the last; and the
+    TF32 forward hands its mma.sync operands over without rounding them to TF32."""
     source = kernel_registry.kernel_source("implicit_gemm.cu")
     assert source.count(_EARLY_BARRIER) == 1 and source.count(_WEIGHT_BARRIER) == 1 and source.count(_COPY_WAIT) == 1
+    assert source.count(_TF32_ROUNDING) == 1
+    source = source.replace(_TF32_ROUNDING, "  return sc_emu::float_bits(value);\n")
     source = source.replace(_EARLY_BARRIER, "    engine.clear();\n"
                             f"    if (tid < 32 || (flags & {_UNUSED_FLAG}) != 0) __syncthreads();\n")
     source = source.replace(_COPY_WAIT, "")
@@ -422,6 +428,22 @@ def test_a_barrier_never_reached_times_out():
                                   np.zeros(weight.shape, np.float32)))
     finally:
         module.set_timeout(harness.LAUNCH_TIMEOUT_SECONDS)
+
+
+def test_mma_operands_not_rounded_to_tf32_trap():
+    """The emulation's mma.sync m16n8k8 TF32 refuses operands with any of their 13 low bits set, so a TF32
+    forward that forgot cvt.rna (here: the broken build's) stops instead of multiplying float32 values."""
+    module = _emulated_module(_broken_source())
+    rng = rng_for(51)
+    neighbour_map = random_map(rng, 70, 60, (3,), density=0.8)
+    features = rng.uniform(-1, 1, (70, 16)).astype(np.float32)  # 23 fraction bits: not TF32 values
+    weight = rng.uniform(-1, 1, (16, 3, 16)).astype(np.float32)
+    kernel = module.get_function("sc_implicit_gemm<float, sc::Wmma>")
+    with pytest.raises(harness.KernelTrap, match=r"not rounded to TF32"):
+        kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
+                              neighbour_map.output_order, np.int32(1), np.int64(60), np.int32(3), np.int32(1),
+                              np.int32(1), np.int32(16), np.int32(16), np.int32(_UNUSED_FLAG), *_NO_SPLITS,
+                              np.zeros((60, 16), np.float32)))
 
 
 def test_a_launch_with_the_wrong_block_size_traps():

@@ -68,11 +68,11 @@ class TileShape:
         columns: output channels of the tile.
         step: reduction elements staged per round (the reduction is padded to it).
         threads: threads per block.
-        engine: ``"simt"`` (CUDA cores) or ``"tensor"`` (wmma tensor cores).
+        engine: ``"simt"`` (CUDA cores) or ``"tensor"`` (tensor cores: wmma, mma.sync for the TF32 forward).
         blocks_per_sm: resident blocks per multiprocessor at the kernel's registers and shared memory
             (ptxas on sm_90; H100: 65,536 registers, 228 KiB shared memory per multiprocessor).
         slice_rows: rows a warp skips together where none holds the round's offset (a warp's rows in
-            SIMT, a 16-row fragment on tensor cores).
+            SIMT, an 8-row slice of the forward's tensor-core fragments, 16 in the weight gradient).
         reduce_unit: the reduction is padded to a multiple of this (1 SIMT, the mma's k on tensor cores).
         column_unit: the columns are padded to a multiple of this (a warp's or fragment's 16 columns).
     """
@@ -97,7 +97,7 @@ _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 reg
     ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 102
     ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 78, 8 x 32 fragments
     ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 80, 8 x 32 fragments
-    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 16, 8),  # TF32: 96
+    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 8, 8),  # TF32, mma.sync m16n8k8: 92
     ("float16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
     ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
     ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75: 128-thread SIMT, 100

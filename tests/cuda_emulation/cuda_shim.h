@@ -24,7 +24,8 @@
 // again (which also makes the store visible, as __syncwarp would). Loops over
 // frag.x[i] keep their meaning, since CUDA leaves the lane mapping of
 // elements unspecified. mma_sync sums in float, k in order, each product of
-// 16-bit (or TF32) values exact.
+// 16-bit (or TF32) values exact. mma.sync m16n8k8 TF32 (sc_emu::mma_m16n8k8_tf32): a
+// warp collective on the PTX fragments, each lane holding its own registers.
 #ifndef SPARSECORE_CUDA_SHIM_H
 #define SPARSECORE_CUDA_SHIM_H
 
@@ -468,6 +469,66 @@ inline float __float_to_tf32(float value) {
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+// ---- mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (PTX), a warp collective ----
+// Lane l = 4 g + t of the warp holds a[4] (A, 16 x 8: a0 (g, t), a1 (g + 8, t), a2 (g, t + 4),
+// a3 (g + 8, t + 4)), b[2] (B, 8 x 8: b0 (t, g), b1 (t + 4, g)), each a TF32 value in a 32-bit
+// register, and d[4] (D = A B + D, 16 x 8: d0 (g, 2t), d1 (g, 2t + 1), d2 (g + 8, 2t), d3 (g + 8,
+// 2t + 1)). The lanes publish their operands, meet, each computes its own d (in float, k in
+// order, every TF32 product exact, as mma_sync above), and meet again before the exchange is
+// reused. An operand with any of its 13 low bits set (not rounded to TF32) stops the launch
+// with status 6, as would a lane missing from the warp (the barrier's deadlock check).
+namespace sc_emu {
+struct MmaExchange {
+  unsigned int a[32][4];
+  unsigned int b[32][2];
+};
+
+inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+  static MmaExchange exchanges[32];  // one per warp of the running block (one block runs at a time)
+  const unsigned int lane = threadIdx.x % 32;
+  MmaExchange& exchange = exchanges[threadIdx.x / 32];
+  for (int e = 0; e < 4; ++e) exchange.a[lane][e] = a[e];
+  for (int e = 0; e < 2; ++e) exchange.b[lane][e] = b[e];
+  for (unsigned int value : a) {
+    if ((value & 0x1fffu) != 0u) {
+      const std::string message = "mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)";
+      record_failure(kStatusTrap, message);
+      throw LaunchFailure{kStatusTrap, message};
+    }
+  }
+  for (unsigned int value : b) {
+    if ((value & 0x1fffu) != 0u) {
+      const std::string message = "mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)";
+      record_failure(kStatusTrap, message);
+      throw LaunchFailure{kStatusTrap, message};
+    }
+  }
+  __syncwarp();
+  float left[16][8];
+  float right[8][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4;
+    const int t = l % 4;
+    left[g][t] = bits_float(exchange.a[l][0]);
+    left[g + 8][t] = bits_float(exchange.a[l][1]);
+    left[g][t + 4] = bits_float(exchange.a[l][2]);
+    left[g + 8][t + 4] = bits_float(exchange.a[l][3]);
+    right[t][g] = bits_float(exchange.b[l][0]);
+    right[t + 4][g] = bits_float(exchange.b[l][1]);
+  }
+  const int g = static_cast<int>(lane / 4);
+  const int t = static_cast<int>(lane % 4);
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2);
+    const int column = 2 * t + e % 2;
+    float sum = d[e];
+    for (int k = 0; k < 8; ++k) sum += left[row][k] * right[k][column];
+    d[e] = sum;
+  }
+  __syncwarp();
+}
+}  // namespace sc_emu
 
 // ---- cp.async: __pipeline_memcpy_async / __pipeline_commit / __pipeline_wait_prior ----
 // (the names of CUDA's pipeline primitives). A copy reads its source when issued and
