@@ -307,25 +307,21 @@ def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_
     """
     volume = len(offset_starts) - 1
     count = int(offset_starts[-1])
-    on_host = xp is numpy
-    if on_host:  # the counts are host ints: a repeat, 3-5x faster than the search
-        offsets = xp.repeat(xp.arange(volume, dtype=xp.int64),
-                            xp.diff(xp.asarray(offset_starts, dtype=xp.int64)))
+    if xp is numpy:  # one compiled pass over the pairs per side; masks made when first read (a CPU pass never does)
+        from .backends._rulebook_kernels import neighbour_table
+
+        def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
+            return neighbour_table(keys, values, tuple(offset_starts), rows), None, None
     else:
         ends = xp.asarray([int(stop) for stop in offset_starts[1:]], dtype=xp.int64)
         offsets = xp.searchsorted(ends, xp.arange(count, dtype=xp.int64), side="right")  # offset of each pair
-    pair_input = pair_input.astype(xp.int64)
-    pair_output = pair_output.astype(xp.int64)
-    valid = (pair_input >= 0) & (pair_output >= 0)
+        valid = (pair_input >= 0) & (pair_output >= 0)
 
-    def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
-        table = xp.full((rows + 1, volume), -1, dtype=xp.int32)  # row `rows` takes the padding
-        if on_host:  # one flat index (2-3x faster than a pair of index arrays)
-            table.reshape(-1)[xp.where(valid, keys, rows) * volume + offsets] = xp.where(valid, values, -1)
-        else:
-            table[xp.where(valid, keys, rows), offsets] = xp.where(valid, values, -1).astype(xp.int32)
-        table = table[:rows]
-        return table, row_masks(xp, table), None  # the order is sorted when first read
+        def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
+            table = xp.full((rows + 1, volume), -1, dtype=xp.int32)  # row `rows` takes the padding
+            table[xp.where(valid, keys.astype(xp.int64), rows), offsets] = xp.where(valid, values, -1).astype(xp.int32)
+            table = table[:rows]
+            return table, row_masks(xp, table), None  # the order is sorted when first read
 
     out_table, out_masks, out_order = side(int(num_output), pair_output, pair_input)
     if symmetric:

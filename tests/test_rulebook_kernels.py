@@ -160,3 +160,30 @@ def test_the_numpy_twins_build_the_compiled_rulebook(kind, stride, padding, monk
         monkeypatch.setattr(_cpu_kernels, "NUMPY_MAX_WORK", limit)
         built[limit] = sc.build_rulebook(indices, shape, 2, geometry)
     _assert_same_rulebook(built[2**62], built[-1], "twins vs compiled")
+
+
+@pytest.mark.parametrize("rows, volume, per_offset", [(0, 3, 0), (7, 1, 5), (300, 27, 120), (90, 5, 0)])
+def test_neighbour_table_places_every_pair_and_drops_padding(rows, volume, per_offset):
+    """One side's table of pairs grouped by offset equals a loop over the pairs (padding pairs, -1 on
+    either side, dropped; pairs past ``offset_starts[-1]`` ignored), on the compiled kernel and the twin."""
+    rng = np.random.default_rng(14_400 + rows + volume)
+    keys, values, starts = [], [], [0]
+    for _ in range(volume):
+        count = min(rows, per_offset)
+        chosen = rng.choice(rows, size=count, replace=False) if count else np.zeros(0, np.int64)
+        others = rng.integers(0, 500, size=count)
+        padding = rng.random(count) < 0.1  # -1 on one side or the other
+        side = rng.random(count) < 0.5
+        keys.append(np.where(padding & side, -1, chosen))
+        values.append(np.where(padding & ~side, -1, others))
+        starts.append(starts[-1] + count)
+    keys = np.concatenate(keys + [np.array([0, 1])]).astype(np.int32)[:starts[-1] + (2 if rows > 1 else 0)]
+    values = np.concatenate(values + [np.array([3, 4])]).astype(np.int32)[:keys.shape[0]]  # trailing extra pairs
+    expected = np.full((rows, volume), -1, np.int32)
+    for offset in range(volume):
+        for pair in range(starts[offset], starts[offset + 1]):
+            if keys[pair] >= 0 and values[pair] >= 0:
+                expected[keys[pair], offset] = values[pair]
+    table = _rulebook_kernels.neighbour_table(keys, values, tuple(starts), rows)
+    assert table.dtype == np.int32 and table.shape == (rows, volume)
+    np.testing.assert_array_equal(table, expected)

@@ -15,7 +15,8 @@ from numba import njit, prange
 
 from ._work_queue import claim, new_counter  # new_counter: no parallel region of its own
 
-__all__ = ["radix_sort", "radix_sort_packed", "unique_inverse_sorted", "subm_found", "subm_fill", "axis_tables", "axis_outputs", "strided_count", "strided_fill"]
+__all__ = ["radix_sort", "radix_sort_packed", "unique_inverse_sorted", "subm_found", "subm_fill", "axis_tables",
+           "axis_outputs", "strided_count", "strided_fill", "neighbour_table_fill"]
 
 _SERIAL = {"cache": True, "nogil": True}
 _PARALLEL = {"cache": True, "nogil": True, "parallel": True}
@@ -271,3 +272,17 @@ def strided_fill(batch: Any, outputs: Any, kernel_indices: Any, starts: Any, key
                 pair_input[start + index] = row
                 keys[start + index] = key
             offset = claim(counter)
+
+
+@njit(**_SERIAL)
+def neighbour_table_fill(keys: Any, values: Any, offset_starts: Any, table: Any) -> None:
+    """``table[keys[p], k] = values[p]`` for every pair ``p`` of offset ``k`` (``offset_starts[k] <= p <
+    offset_starts[k + 1]``) whose key and value are both >= 0; ``table`` int32 ``[rows, K]``, -1 elsewhere
+    on entry. One pass over the pairs, serial: a map build is a few milliseconds, less than waking the pool
+    costs on a loaded machine."""
+    for offset in range(offset_starts.shape[0] - 1):
+        for pair in range(offset_starts[offset], offset_starts[offset + 1]):
+            key = keys[pair]
+            value = values[pair]
+            if key >= 0 and value >= 0:
+                table[key, offset] = value

@@ -31,7 +31,7 @@ import numpy as np
 from .._compile_notice import numba_for_kernels
 from ._cpu_kernels import compiled_kernel, kernel_threads
 
-__all__ = ["argsort_keys", "unique_inverse", "submanifold_pairs", "strided_candidates"]
+__all__ = ["argsort_keys", "unique_inverse", "submanifold_pairs", "strided_candidates", "neighbour_table"]
 
 
 _SORT_WORK_PER_KEY = 16
@@ -93,6 +93,37 @@ def unique_inverse(keys: np.ndarray, compiled: Optional[bool] = None) -> tuple[n
     inverse = np.empty(sorted_keys.shape[0], dtype=np.int64)
     inverse[order] = np.cumsum(first) - 1
     return sorted_keys[first], inverse
+
+
+def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ...], rows: int,
+                    compiled: Optional[bool] = None) -> np.ndarray:
+    """One side's neighbour table of pairs grouped by offset (`sparsecore.neighbour_map`'s host build).
+
+    Args:
+        keys: int32 ``[P]`` the side's rows of the pairs (-1: padding).
+        values: int32 ``[P]`` the other side's rows (-1: padding).
+        offset_starts: ``K + 1`` ints delimiting each offset's pairs.
+        rows: the side's rows.
+        compiled: the compiled kernel or the NumPy twin (default: `compiled_kernel` of the pairs and table entries).
+
+    Returns:
+        int32 ``[rows, K]``: ``values[p]`` at ``[keys[p], k]`` for offset ``k``'s pairs, -1 elsewhere.
+    """
+    volume = len(offset_starts) - 1
+    table = np.full((rows, volume), -1, dtype=np.int32)
+    count = int(offset_starts[-1])
+    if count == 0 or volume == 0:
+        return table
+    keys, values = keys[:count], values[:count]
+    if compiled_kernel(count + rows * volume, compiled):
+        _sources().neighbour_table_fill(np.ascontiguousarray(keys, dtype=np.int32),
+                                        np.ascontiguousarray(values, dtype=np.int32),
+                                        np.asarray(offset_starts, dtype=np.int64), table)
+        return table
+    offsets = np.repeat(np.arange(volume, dtype=np.int64), np.diff(np.asarray(offset_starts, dtype=np.int64)))
+    valid = (keys >= 0) & (values >= 0)
+    table.reshape(-1)[keys[valid].astype(np.int64) * volume + offsets[valid]] = values[valid]
+    return table
 
 
 def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: np.ndarray, run_length: int,
