@@ -307,11 +307,11 @@ def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_
     """
     volume = len(offset_starts) - 1
     count = int(offset_starts[-1])
-    if xp is numpy:  # one compiled pass over the pairs per side; masks made when first read (a CPU pass never does)
+    if xp is numpy:  # one compiled pass over the pairs per side, table and masks together
         from .backends._rulebook_kernels import neighbour_table
 
         def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
-            return neighbour_table(keys, values, tuple(offset_starts), rows), None, None
+            return (*neighbour_table(keys, values, tuple(offset_starts), rows), None)
     else:
         ends = xp.asarray([int(stop) for stop in offset_starts[1:]], dtype=xp.int64)
         offsets = xp.searchsorted(ends, xp.arange(count, dtype=xp.int64), side="right")  # offset of each pair

@@ -162,10 +162,11 @@ def test_the_numpy_twins_build_the_compiled_rulebook(kind, stride, padding, monk
     _assert_same_rulebook(built[2**62], built[-1], "twins vs compiled")
 
 
-@pytest.mark.parametrize("rows, volume, per_offset", [(0, 3, 0), (7, 1, 5), (300, 27, 120), (90, 5, 0)])
+@pytest.mark.parametrize("rows, volume, per_offset", [(0, 3, 0), (7, 1, 5), (300, 27, 120), (90, 5, 0),
+                                                      (60, 40, 30)])
 def test_neighbour_table_places_every_pair_and_drops_padding(rows, volume, per_offset):
-    """One side's table of pairs grouped by offset equals a loop over the pairs (padding pairs, -1 on
-    either side, dropped; pairs past ``offset_starts[-1]`` ignored), on the compiled kernel and the twin."""
+    """One side's table and row masks of pairs grouped by offset equal a loop over the pairs (padding pairs,
+    -1 on either side, dropped; pairs past ``offset_starts[-1]`` ignored), on the compiled kernel and the twin."""
     rng = np.random.default_rng(14_400 + rows + volume)
     keys, values, starts = [], [], [0]
     for _ in range(volume):
@@ -184,6 +185,11 @@ def test_neighbour_table_places_every_pair_and_drops_padding(rows, volume, per_o
         for pair in range(starts[offset], starts[offset + 1]):
             if keys[pair] >= 0 and values[pair] >= 0:
                 expected[keys[pair], offset] = values[pair]
-    table = _rulebook_kernels.neighbour_table(keys, values, tuple(starts), rows)
+    table, masks = _rulebook_kernels.neighbour_table(keys, values, tuple(starts), rows)
     assert table.dtype == np.int32 and table.shape == (rows, volume)
     np.testing.assert_array_equal(table, expected)
+    expected_masks = np.zeros((rows, (volume + 31) // 32), np.uint32)
+    for row, offset in zip(*np.nonzero(expected >= 0)):
+        expected_masks[row, offset // 32] |= np.uint32(1 << (offset % 32))
+    assert masks.dtype == np.uint32
+    np.testing.assert_array_equal(masks, expected_masks)

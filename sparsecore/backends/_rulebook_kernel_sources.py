@@ -275,14 +275,18 @@ def strided_fill(batch: Any, outputs: Any, kernel_indices: Any, starts: Any, key
 
 
 @njit(**_SERIAL)
-def neighbour_table_fill(keys: Any, values: Any, offset_starts: Any, table: Any) -> None:
-    """``table[keys[p], k] = values[p]`` for every pair ``p`` of offset ``k`` (``offset_starts[k] <= p <
-    offset_starts[k + 1]``) whose key and value are both >= 0; ``table`` int32 ``[rows, K]``, -1 elsewhere
-    on entry. One pass over the pairs, serial: a map build is a few milliseconds, less than waking the pool
-    costs on a loaded machine."""
+def neighbour_table_fill(keys: Any, values: Any, offset_starts: Any, table: Any, masks: Any) -> None:
+    """``table[keys[p], k] = values[p]`` and bit ``k % 32`` of ``masks[keys[p], k // 32]`` for every pair
+    ``p`` of offset ``k`` (``offset_starts[k] <= p < offset_starts[k + 1]``) whose key and value are both
+    >= 0; ``table`` int32 ``[rows, K]`` (-1 on entry), ``masks`` uint32 ``[rows, W]`` (0 on entry). One
+    pass over the pairs, serial: a map build is a few milliseconds, less than waking the pool costs on a
+    loaded machine."""
     for offset in range(offset_starts.shape[0] - 1):
+        bit = np.uint32(1) << np.uint32(offset % 32)
+        word = offset // 32
         for pair in range(offset_starts[offset], offset_starts[offset + 1]):
             key = keys[pair]
             value = values[pair]
             if key >= 0 and value >= 0:
                 table[key, offset] = value
+                masks[key, word] |= bit

@@ -96,8 +96,9 @@ def unique_inverse(keys: np.ndarray, compiled: Optional[bool] = None) -> tuple[n
 
 
 def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[int, ...], rows: int,
-                    compiled: Optional[bool] = None) -> np.ndarray:
-    """One side's neighbour table of pairs grouped by offset (`sparsecore.neighbour_map`'s host build).
+                    compiled: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray]:
+    """One side's neighbour table and row masks of pairs grouped by offset (`sparsecore.neighbour_map`'s
+    host build).
 
     Args:
         keys: int32 ``[P]`` the side's rows of the pairs (-1: padding).
@@ -107,23 +108,26 @@ def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[i
         compiled: the compiled kernel or the NumPy twin (default: `compiled_kernel` of the pairs and table entries).
 
     Returns:
-        int32 ``[rows, K]``: ``values[p]`` at ``[keys[p], k]`` for offset ``k``'s pairs, -1 elsewhere.
+        ``(table, masks)``: int32 ``[rows, K]``, ``values[p]`` at ``[keys[p], k]`` for offset ``k``'s pairs and
+        -1 elsewhere; uint32 ``[rows, W]`` (``W = mask_words(K)``) its row masks (`neighbour_map.row_masks`).
     """
+    from ..neighbour_map import mask_words, row_masks  # the core module imports this one lazily too
+
     volume = len(offset_starts) - 1
     table = np.full((rows, volume), -1, dtype=np.int32)
     count = int(offset_starts[-1])
-    if count == 0 or volume == 0:
-        return table
     keys, values = keys[:count], values[:count]
-    if compiled_kernel(count + rows * volume, compiled):
+    if count and compiled_kernel(count + rows * volume, compiled):
+        masks = np.zeros((rows, mask_words(volume)), dtype=np.uint32)
         _sources().neighbour_table_fill(np.ascontiguousarray(keys, dtype=np.int32),
                                         np.ascontiguousarray(values, dtype=np.int32),
-                                        np.asarray(offset_starts, dtype=np.int64), table)
-        return table
-    offsets = np.repeat(np.arange(volume, dtype=np.int64), np.diff(np.asarray(offset_starts, dtype=np.int64)))
-    valid = (keys >= 0) & (values >= 0)
-    table.reshape(-1)[keys[valid].astype(np.int64) * volume + offsets[valid]] = values[valid]
-    return table
+                                        np.asarray(offset_starts, dtype=np.int64), table, masks)
+        return table, masks
+    if count:
+        offsets = np.repeat(np.arange(volume, dtype=np.int64), np.diff(np.asarray(offset_starts, dtype=np.int64)))
+        valid = (keys >= 0) & (values >= 0)
+        table.reshape(-1)[keys[valid].astype(np.int64) * volume + offsets[valid]] = values[valid]
+    return table, row_masks(np, table)
 
 
 def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: np.ndarray, run_length: int,
