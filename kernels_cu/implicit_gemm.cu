@@ -54,22 +54,24 @@
 //   sc::Simt  float / double: 256 threads, each a 4 x 4 register micro-tile, 16
 //             reduction elements per round, sums in the storage type's
 //             accumulator (float, double); NVRTC contracts a * b + c to FMA.
-//   sc::Wmma  __half / __nv_bfloat16 on tensor cores (wmma m16n16k16), float on TF32
-//             tensor cores (the weight gradient: wmma m16n16k8; the forward:
-//             mma.sync m16n8k8, MmaTf32Engine; operands rounded to TF32 as they
-//             are loaded), all accumulating in float: 128 threads, 4 warps of 32 x
-//             32 (2 x 2 fragments of 16 x 16; the forward: 4 x 1 fragments of 8 x
-//             32 for 16-bit types, 4 row slices of 8 x 2 fragments of 16 columns
-//             for TF32, so the forward skips rows 8 at a time in every type); the
-//             tile goes through shared memory for the epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
+//   sc::Wmma  __half / __nv_bfloat16 and float on TF32 (operands rounded to TF32 as
+//             they are loaded) on tensor cores, all accumulating in float: 128
+//             threads, 4 warps of 32 x 32. The weight gradient: wmma, 2 x 2
+//             fragments of 16 x 16 (m16n16k16; TF32 m16n16k8). The forward on
+//             sm_80+: mma.sync with the rows on the instruction's n side, 4 row
+//             slices of 8 x 2 fragments of 16 columns (m16n8k16 with ldmatrix
+//             fragments for both 16-bit types, Mma16Engine; m16n8k8 TF32,
+//             MmaTf32Engine), so it skips rows 8 at a time in every type; float16
+//             on sm_75: wmma 8 x 32 fragments (m8n32k16). The tile goes through
+//             shared memory for the epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
 //             from sm_80 on: on sm_75 those two Wmma instantiations compile to the
 //             SIMT engine (128 threads, float accumulation, full float32 products).
 // A launch must use the engine's thread count (kSimtThreads / kWmmaThreads);
 // any other block size traps. 1-D grids; a block walks the work items
 // blockIdx.x, blockIdx.x + gridDim.x, ...
 //
-// Under the CPU emulation (tests/cuda_emulation) wmma, mma.sync and cp.async are the shims
-// of cuda_shim.h, so the same text runs there (SC_EMULATED_ARCH picks the sm_75 path).
+// Under the CPU emulation (tests/cuda_emulation) wmma, mma.sync, ldmatrix and cp.async are the
+// shims of cuda_shim.h, so the same text runs there (SC_EMULATED_ARCH picks the sm_75 path).
 
 #include "sc_common.cuh"
 
@@ -554,6 +556,162 @@ struct MmaTf32Engine {
     __syncthreads();  // the tile is rewritten by the next work item
   }
 };
+
+// ---------------------------------------------------------------- 16-bit mma engine (forward)
+// The forward's float16 / bfloat16 engine on sm_80+: mma.sync.m16n8k16 with the tile's rows on
+// the instruction's n side, as MmaTf32Engine (4 row slices of 8 x 2 column fragments of 16 per
+// warp), both types loading their fragments from the staged tiles with ldmatrix (wmma compiled
+// bfloat16's to 32-bit shared loads, float16's to ldmatrix). Lane (g, t) holds, each register
+// two consecutive reduction elements (the lower in the low half):
+//   weight operand w(n, s): w0 (n0+g, k+2t..), w1 (n0+g+8, k+2t..), w2 (n0+g, k+8+2t..), w3 (n0+g+8, k+8+2t..)
+//   row operand    r(s, m): r0 (k+2t.., m0+g), r1 (k+8+2t.., m0+g)
+//   accumulator as MmaTf32Engine's.
+// ldmatrix.x4 gives the four 8 x 8 blocks of the weight operand in one instruction: non-
+// transposed from the forward's [column][channel] staging, transposed (.trans) from the input
+// gradient's [channel][column]; .x2 the two blocks of a row slice from the [row][channel]
+// staging. Each 8-address phase reads 8 rows 16 bytes long at the narrow (40-half) or wide
+// (72-half) pitch: 32 distinct banks. Under the emulation ldmatrix and the mma are warp
+// collectives of cuda_shim.h on the same registers.
+#ifndef SPARSECORE_CPU_EMULATION
+__device__ __forceinline__ unsigned int shared_address(const void* pointer) {
+  return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));
+}
+template <bool kTransposed>
+__device__ __forceinline__ void load_matrices4(unsigned int (&r)[4], const void* row) {
+  if constexpr (kTransposed) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  }
+}
+__device__ __forceinline__ void load_matrices2(unsigned int (&r)[2], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(row)));
+}
+__device__ __forceinline__ void mma_16(float (&d)[4], const unsigned int (&w)[4], const unsigned int (&r)[2], __half) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(r[0]), "r"(r[1]));
+}
+__device__ __forceinline__ void mma_16(float (&d)[4], const unsigned int (&w)[4], const unsigned int (&r)[2],
+                                       __nv_bfloat16) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(r[0]), "r"(r[1]));
+}
+#else
+template <bool kTransposed>
+__device__ __forceinline__ void load_matrices4(unsigned int (&r)[4], const void* row) {
+  sc_emu::ldmatrix<4>(r, row, kTransposed);
+}
+__device__ __forceinline__ void load_matrices2(unsigned int (&r)[2], const void* row) {
+  sc_emu::ldmatrix<2>(r, row, false);
+}
+template <typename T>
+__device__ __forceinline__ void mma_16(float (&d)[4], const unsigned int (&w)[4], const unsigned int (&r)[2], T) {
+  sc_emu::mma_m16n8k16<T>(d, w, r);
+}
+#endif
+
+template <typename T>
+struct Mma16Engine {
+  using Acc = float;
+  using Stage = T;
+  using Geometry = Staging<T, 32>;
+  static constexpr int kStep = Geometry::kStep;
+  static constexpr int kK = 16;
+  static constexpr int kOutPitch = kTileCols + 4;
+  static constexpr int threads = kWmmaThreads;
+  static constexpr int kOutBytes = kTileRows * kOutPitch * 4;
+  static constexpr int kSharedBytes = Geometry::kStageBytes > kOutBytes ? Geometry::kStageBytes : kOutBytes;
+  static constexpr int kSlices = 4;     // 8 rows each
+  static constexpr int kFragments = 2;  // 16 columns each
+
+  float acc[kSlices][kFragments][4];
+
+  __device__ __forceinline__ void clear() {
+    for (int i = 0; i < kSlices; ++i) {
+      for (int j = 0; j < kFragments; ++j) {
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+      }
+    }
+  }
+
+  // a(m, s) row-major (the forward's gathered rows); b(s, n) at b[n * ldb + s] or, b_row_major, b[s * ldb + n].
+  template <bool kARowMajor>
+  __device__ __forceinline__ void multiply(const T* a, int lda, const T* b, int ldb, bool b_row_major,
+                                           const Extent& extent) {
+    static_assert(kARowMajor, "the gathered rows are staged row-major");
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int row0 = (warp / 2) * 32;
+    const int col0 = (warp % 2) * 32;
+    bool rows[kSlices];
+    bool columns[kFragments];
+    bool any_rows = false;
+    for (int i = 0; i < kSlices; ++i) {  // warp-uniform skips
+      rows[i] = any_present(extent, row0 + 8 * i, 8);
+      any_rows = any_rows || rows[i];
+    }
+    for (int j = 0; j < kFragments; ++j) columns[j] = col0 + 16 * j < extent.columns;
+    if (!any_rows || !columns[0]) return;
+    // each lane's row of the 8 x 8 blocks it addresses: block lane / 8, row lane % 8
+    const int block_row = lane % 8;
+    const int block = lane / 8;
+    for (int k = 0; k < kStep && k < extent.reduce; k += kK) {
+      unsigned int w[kFragments][4] = {};
+      unsigned int r[kSlices][2] = {};
+      for (int j = 0; j < kFragments; ++j) {
+        if (!columns[j]) continue;
+        const int n0 = col0 + 16 * j;
+        if (b_row_major) {  // [s][n]: blocks (s 0-7 | 8-15) x (n 0-7 | 8-15), transposed
+          load_matrices4<true>(w[j], b + (k + block_row + 8 * (block / 2)) * ldb + n0 + 8 * (block % 2));
+        } else {  // [n][s]: blocks (n 0-7 | 8-15) x (s 0-7 | 8-15)
+          load_matrices4<false>(w[j], b + (n0 + block_row + 8 * (block % 2)) * ldb + k + 8 * (block / 2));
+        }
+      }
+      for (int i = 0; i < kSlices; ++i) {
+        if (!rows[i]) continue;
+        load_matrices2(r[i], a + (row0 + 8 * i + block_row) * lda + k + 8 * (block % 2));
+      }
+      for (int i = 0; i < kSlices; ++i) {
+        for (int j = 0; j < kFragments; ++j) {
+          if (rows[i] && columns[j]) mma_16(acc[i][j], w[j], r[i], T());
+        }
+      }
+    }
+  }
+
+  // As WmmaEngine::store: through shared memory, every thread of the block calls it.
+  template <typename Write>
+  __device__ __forceinline__ void store(unsigned char* shared, Write write) const {
+    float* tile = reinterpret_cast<float*>(shared);
+    const int warp = threadIdx.x / 32;
+    const int g = threadIdx.x % 32 / 4;
+    const int t = threadIdx.x % 4;
+    for (int i = 0; i < kSlices; ++i) {
+      for (int j = 0; j < kFragments; ++j) {
+        float* at = tile + ((warp / 2) * 32 + 8 * i + 2 * t) * kOutPitch + (warp % 2) * 32 + 16 * j + g;
+        at[0] = acc[i][j][0];
+        at[kOutPitch] = acc[i][j][1];
+        at[8] = acc[i][j][2];
+        at[kOutPitch + 8] = acc[i][j][3];
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < kTileElements; e += kWmmaThreads) {
+      write(e / kTileCols, e % kTileCols, tile[(e / kTileCols) * kOutPitch + e % kTileCols]);
+    }
+    __syncthreads();  // the tile is rewritten by the next work item
+  }
+};
 #endif
 
 template <typename T>
@@ -578,13 +736,21 @@ struct PickEngine<T, true, false> {  // the weight gradient: 16 x 16 fragments (
   using type = WmmaEngine<T>;
 };
 template <typename T>
-struct PickEngine<T, true, true> {  // the forward of 16-bit types: 8 x 32 fragments (8-row skips)
+struct PickEngine<T, true, true> {  // float16's forward on sm_75: wmma 8 x 32 fragments (8-row skips)
   using type = WmmaEngine<T, 8, 32>;
 };
 #if SC_ARCH >= 800
 template <>
 struct PickEngine<float, true, true> {  // the TF32 forward: mma.sync m16n8k8 (8-row skips)
   using type = MmaTf32Engine;
+};
+template <>
+struct PickEngine<__half, true, true> {  // sm_80+: mma.sync m16n8k16, ldmatrix fragments
+  using type = Mma16Engine<__half>;
+};
+template <>
+struct PickEngine<__nv_bfloat16, true, true> {
+  using type = Mma16Engine<__nv_bfloat16>;
 };
 #endif
 

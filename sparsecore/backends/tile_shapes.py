@@ -95,8 +95,10 @@ _FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 reg
     # the residency is the kernel's __launch_bounds__ (sc::ForwardBlocks): ptxas keeps the registers within it
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # 56 registers
     ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 102
-    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 78, 8 x 32 fragments
-    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 32),  # 80, 8 x 32 fragments
+    # mma.sync m16n8k16 (rows on the n side: 8-row slices, 16-column fragments), ldmatrix fragments: 77
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 16),
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 16),
+    ("float16", "wmma"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 8, 16, 32),  # sm_75: wmma 8 x 32 fragments
     ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 8, 8),  # TF32, mma.sync m16n8k8: 92
     ("float16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
     ("bfloat16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
@@ -121,6 +123,8 @@ def _shape(table: dict, dtype_name: str, tf32: bool, arch: int, narrow: bool = F
         key = (dtype_name, "simt")
     elif tensor_type and engine == "simt":  # below sm_80: the Wmma instantiation's 128-thread SIMT engine
         key = ("tf32" if dtype_name == "float32" else dtype_name, "fallback")
+    elif table is _FORWARD and dtype_name == "float16" and arch < 80:  # sm_75 has no m16n8k16: wmma
+        key = ("float16", "wmma")
     else:
         key = (dtype_name, engine)
     if key not in table:

@@ -24,8 +24,9 @@
 // again (which also makes the store visible, as __syncwarp would). Loops over
 // frag.x[i] keep their meaning, since CUDA leaves the lane mapping of
 // elements unspecified. mma_sync sums in float, k in order, each product of
-// 16-bit (or TF32) values exact. mma.sync m16n8k8 TF32 (sc_emu::mma_m16n8k8_tf32): a
-// warp collective on the PTX fragments, each lane holding its own registers.
+// 16-bit (or TF32) values exact. mma.sync m16n8k8 TF32 and m16n8k16 float16 / bfloat16
+// (sc_emu::mma_m16n8k8_tf32, mma_m16n8k16) and ldmatrix (sc_emu::ldmatrix): warp
+// collectives on the PTX fragments, each lane holding its own registers.
 #ifndef SPARSECORE_CUDA_SHIM_H
 #define SPARSECORE_CUDA_SHIM_H
 
@@ -524,6 +525,80 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const un
     const int column = 2 * t + e % 2;
     float sum = d[e];
     for (int k = 0; k < 8; ++k) sum += left[row][k] * right[k][column];
+    d[e] = sum;
+  }
+  __syncwarp();
+}
+
+// ---- ldmatrix.sync.aligned.m8n8.x{2,4}[.trans].shared.b16 and mma.sync m16n8k16 (float16 / bfloat16) ----
+// ldmatrix: lane 8 q + i gives the address of row i of 8 x 8 block q (16 bytes: 8 16-bit
+// elements); lane l receives in register q the elements 2 (l % 4) and 2 (l % 4) + 1 of row
+// l / 4 of block q, or transposed (.trans) rows 2 (l % 4) and 2 (l % 4) + 1 of column l / 4,
+// the first in the low half. A warp collective: the lanes publish their addresses, meet,
+// read, meet again (every lane reads shared memory the others may rewrite afterwards).
+struct LoadExchange {
+  const unsigned short* rows[32];
+};
+
+template <int kBlocks>
+inline void ldmatrix(unsigned int (&r)[kBlocks], const void* row, bool transposed) {
+  static LoadExchange exchanges[32];  // one per warp of the running block
+  const unsigned int lane = threadIdx.x % 32;
+  LoadExchange& exchange = exchanges[threadIdx.x / 32];
+  exchange.rows[lane] = static_cast<const unsigned short*>(row);
+  __syncwarp();
+  for (int q = 0; q < kBlocks; ++q) {
+    unsigned int low, high;
+    if (transposed) {
+      low = exchange.rows[8 * q + 2 * (lane % 4)][lane / 4];
+      high = exchange.rows[8 * q + 2 * (lane % 4) + 1][lane / 4];
+    } else {
+      low = exchange.rows[8 * q + lane / 4][2 * (lane % 4)];
+      high = exchange.rows[8 * q + lane / 4][2 * (lane % 4) + 1];
+    }
+    r[q] = low | (high << 16);
+  }
+  __syncwarp();
+}
+
+inline float element_float(unsigned int bits, __half) { return __half2float(__half{static_cast<unsigned short>(bits)}); }
+inline float element_float(unsigned int bits, __nv_bfloat16) {
+  return __bfloat162float(__nv_bfloat16{static_cast<unsigned short>(bits)});
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: lane 4 g + t holds a[4] (A, 16 x 16, two
+// elements per register, the lower column in the low half: a0 (g, 2t..), a1 (g + 8, 2t..), a2
+// (g, 2t + 8..), a3 (g + 8, 2t + 8..)), b[2] (B, 16 x 8: b0 (2t.., g), b1 (2t + 8.., g)) and d[4] as
+// mma_m16n8k8_tf32's. Sums in float, k in order, every 16-bit product exact.
+template <typename T>
+inline void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+  static MmaExchange exchanges[32];  // one per warp of the running block
+  const unsigned int lane = threadIdx.x % 32;
+  MmaExchange& exchange = exchanges[threadIdx.x / 32];
+  for (int e = 0; e < 4; ++e) exchange.a[lane][e] = a[e];
+  for (int e = 0; e < 2; ++e) exchange.b[lane][e] = b[e];
+  __syncwarp();
+  float left[16][16];
+  float right[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4;
+    const int t = l % 4;
+    for (int h = 0; h < 2; ++h) {
+      left[g][2 * t + h] = element_float(exchange.a[l][0] >> (16 * h) & 0xffffu, T());
+      left[g + 8][2 * t + h] = element_float(exchange.a[l][1] >> (16 * h) & 0xffffu, T());
+      left[g][2 * t + 8 + h] = element_float(exchange.a[l][2] >> (16 * h) & 0xffffu, T());
+      left[g + 8][2 * t + 8 + h] = element_float(exchange.a[l][3] >> (16 * h) & 0xffffu, T());
+      right[2 * t + h][g] = element_float(exchange.b[l][0] >> (16 * h) & 0xffffu, T());
+      right[2 * t + 8 + h][g] = element_float(exchange.b[l][1] >> (16 * h) & 0xffffu, T());
+    }
+  }
+  const int g = static_cast<int>(lane / 4);
+  const int t = static_cast<int>(lane % 4);
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2);
+    const int column = 2 * t + e % 2;
+    float sum = d[e];
+    for (int k = 0; k < 16; ++k) sum += left[row][k] * right[k][column];
     d[e] = sum;
   }
   __syncwarp();
