@@ -109,25 +109,25 @@ def neighbour_table(keys: np.ndarray, values: np.ndarray, offset_starts: tuple[i
 
     Returns:
         ``(table, masks)``: int32 ``[rows, K]``, ``values[p]`` at ``[keys[p], k]`` for offset ``k``'s pairs and
-        -1 elsewhere; uint32 ``[rows, W]`` (``W = mask_words(K)``) its row masks (`neighbour_map.row_masks`).
+        -1 elsewhere; uint32 ``[rows, W]`` (``W = max(1, ceil(K / 32))``) its row masks: bit ``k % 32`` of
+        word ``k // 32`` set where the table's entry ``k`` is >= 0 (`sparsecore.neighbour_map.row_masks`).
     """
-    from ..neighbour_map import mask_words, row_masks  # the core module imports this one lazily too
-
     volume = len(offset_starts) - 1
     table = np.full((rows, volume), -1, dtype=np.int32)
+    masks = np.zeros((rows, max(1, -(-volume // 32))), dtype=np.uint32)
     count = int(offset_starts[-1])
     keys, values = keys[:count], values[:count]
     if count and compiled_kernel(count + rows * volume, compiled):
-        masks = np.zeros((rows, mask_words(volume)), dtype=np.uint32)
         _sources().neighbour_table_fill(np.ascontiguousarray(keys, dtype=np.int32),
                                         np.ascontiguousarray(values, dtype=np.int32),
                                         np.asarray(offset_starts, dtype=np.int64), table, masks)
-        return table, masks
-    if count:
+    elif count:
         offsets = np.repeat(np.arange(volume, dtype=np.int64), np.diff(np.asarray(offset_starts, dtype=np.int64)))
         valid = (keys >= 0) & (values >= 0)
-        table.reshape(-1)[keys[valid].astype(np.int64) * volume + offsets[valid]] = values[valid]
-    return table, row_masks(np, table)
+        keys, offsets = keys[valid].astype(np.int64), offsets[valid]
+        table.reshape(-1)[keys * volume + offsets] = values[valid]
+        np.bitwise_or.at(masks, (keys, offsets // 32), np.left_shift(np.uint32(1), (offsets % 32).astype(np.uint32)))
+    return table, masks
 
 
 def submanifold_pairs(sorted_keys: np.ndarray, sorted_rows: np.ndarray, deltas: np.ndarray, run_length: int,

@@ -91,13 +91,11 @@ class TileShape:
 # The table (docs/gpu.md, "Tile shapes"): one 64 x 64 tile per engine; what differs per dtype is the
 # reduction step (the tensor cores' k: 16 for TF32, 32 for 16-bit types) and the residency that ptxas'
 # registers and shared memory allow on sm_90 (65,536 registers, 2,048 threads per multiprocessor).
-_FORWARD = {  # (dtype name, engine) -> TileShape of sc_implicit_gemm (sm_90 registers in the comments)
-    # the residency is the kernel's __launch_bounds__ (sc::ForwardBlocks): ptxas keeps the registers within it
+_FORWARD = {  # (dtype, engine) -> sc_implicit_gemm's TileShape (sm_90 registers; residency: sc::ForwardBlocks)
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # 56 registers
     ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 102
-    # mma.sync m16n8k16 (rows on the n side: 8-row slices, 16-column fragments), ldmatrix fragments: 77
-    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 16),
-    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 16),
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 16),  # mma.sync m16n8k16: 77
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 6, 8, 16, 16),  # mma.sync m16n8k16: 77
     ("float16", "wmma"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 8, 16, 32),  # sm_75: wmma 8 x 32 fragments
     ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 5, 8, 8),  # TF32, mma.sync m16n8k8: 92
     ("float16", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # a narrow reduction: 63
