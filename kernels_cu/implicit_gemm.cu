@@ -56,13 +56,13 @@
 //             accumulator (float, double); NVRTC contracts a * b + c to FMA.
 //   sc::Wmma  __half / __nv_bfloat16 and float on TF32 (operands rounded to TF32 as
 //             they are loaded) on tensor cores, all accumulating in float: 128
-//             threads, 4 warps of 32 x 32. The weight gradient: wmma, 2 x 2
-//             fragments of 16 x 16 (m16n16k16; TF32 m16n16k8). The forward on
-//             sm_80+: mma.sync with the rows on the instruction's n side, 4 row
-//             slices of 8 x 2 fragments of 16 columns (m16n8k16 with ldmatrix
-//             fragments for both 16-bit types, Mma16Engine; m16n8k8 TF32,
-//             MmaTf32Engine), so it skips rows 8 at a time in every type; float16
-//             on sm_75: wmma 8 x 32 fragments (m8n32k16). The tile goes through
+//             threads, 4 warps of 32 x 32. On sm_80+ both kernels issue mma.sync
+//             with the tile's rows on the instruction's n side, 4 row slices of 8
+//             x 2 fragments of 16 columns (m16n8k16 with ldmatrix fragments for
+//             both 16-bit types, Mma16Engine; m16n8k8 TF32, MmaTf32Engine), so
+//             rows (the weight gradient's: input channels) are skipped 8 at a
+//             time; float16 on sm_75 runs wmma (the forward 8 x 32 fragments,
+//             m8n32k16; the weight gradient 16 x 16). The tile goes through
 //             shared memory for the epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
 //             from sm_80 on: on sm_75 those two Wmma instantiations compile to the
 //             SIMT engine (128 threads, float accumulation, full float32 products).
@@ -429,10 +429,12 @@ struct WmmaEngine {
 };
 
 #if SC_ARCH >= 800
-// ---------------------------------------------------------------- TF32 mma engine (forward)
-// The forward's TF32 engine: mma.sync.m16n8k8 with the tile's rows on the instruction's n
-// side, so rows are skipped 8 at a time (wmma's only TF32 shape, m16n16k8, skips 16: 1.58x
-// of the basic network's forward FLOPs were issued against 1.43x for the 16-bit types).
+// ---------------------------------------------------------------- TF32 mma engine
+// The TF32 engine of both kernels on sm_80+: mma.sync.m16n8k8 with the tile's rows on the
+// instruction's n side, so rows are skipped 8 at a time (wmma's only TF32 shape, m16n16k8,
+// skips 16: 1.58x of the basic network's forward FLOPs were issued against 1.43x for the
+// 16-bit types). The weight gradient's staging is [row][channel] for both operands (wide
+// pitch, 68 floats): its reads are 2-way bank conflicted.
 // 128 threads; warp w owns rows 32 * (w / 2) and columns 32 * (w % 2) of the 64 x 64 tile
 // as 4 row slices of 8 x 2 column fragments of 16; each mma computes the transposed product
 // D^T (16 columns x 8 rows) = M^T (16 x 8 reduction) A^T (8 reduction x 8 rows). Lane
@@ -557,9 +559,9 @@ struct MmaTf32Engine {
   }
 };
 
-// ---------------------------------------------------------------- 16-bit mma engine (forward)
-// The forward's float16 / bfloat16 engine on sm_80+: mma.sync.m16n8k16 with the tile's rows on
-// the instruction's n side, as MmaTf32Engine (4 row slices of 8 x 2 column fragments of 16 per
+// ---------------------------------------------------------------- 16-bit mma engine
+// The float16 / bfloat16 engine of both kernels on sm_80+: mma.sync.m16n8k16 with the tile's
+// rows on the instruction's n side, as MmaTf32Engine (4 row slices of 8 x 2 column fragments of 16 per
 // warp), both types loading their fragments from the staged tiles with ldmatrix (wmma compiled
 // bfloat16's to 32-bit shared loads, float16's to ldmatrix). Lane (g, t) holds, each register
 // two consecutive reduction elements (the lower in the low half):
@@ -568,8 +570,9 @@ struct MmaTf32Engine {
 //   accumulator as MmaTf32Engine's.
 // ldmatrix.x4 gives the four 8 x 8 blocks of the weight operand in one instruction: non-
 // transposed from the forward's [column][channel] staging, transposed (.trans) from the input
-// gradient's [channel][column]; .x2 the two blocks of a row slice from the [row][channel]
-// staging. Each 8-address phase reads 8 rows 16 bytes long at the narrow (40-half) or wide
+// gradient's [channel][column] and the weight gradient's [row][output channel]; .x2 the two
+// blocks of a row slice from the forward's [row][channel] staging, transposed from the weight
+// gradient's [row][input channel]. Each 8-address phase reads 8 rows 16 bytes long at the narrow (40-half) or wide
 // (72-half) pitch: 32 distinct banks. Under the emulation ldmatrix and the mma are warp
 // collectives of cuda_shim.h on the same registers.
 #ifndef SPARSECORE_CPU_EMULATION
@@ -588,10 +591,17 @@ __device__ __forceinline__ void load_matrices4(unsigned int (&r)[4], const void*
                  : "r"(shared_address(row)));
   }
 }
+template <bool kTransposed>
 __device__ __forceinline__ void load_matrices2(unsigned int (&r)[2], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(shared_address(row)));
+  if constexpr (kTransposed) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(shared_address(row)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(shared_address(row)));
+  }
 }
 __device__ __forceinline__ void mma_16(float (&d)[4], const unsigned int (&w)[4], const unsigned int (&r)[2], __half) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -611,8 +621,9 @@ template <bool kTransposed>
 __device__ __forceinline__ void load_matrices4(unsigned int (&r)[4], const void* row) {
   sc_emu::ldmatrix<4>(r, row, kTransposed);
 }
+template <bool kTransposed>
 __device__ __forceinline__ void load_matrices2(unsigned int (&r)[2], const void* row) {
-  sc_emu::ldmatrix<2>(r, row, false);
+  sc_emu::ldmatrix<2>(r, row, kTransposed);
 }
 template <typename T>
 __device__ __forceinline__ void mma_16(float (&d)[4], const unsigned int (&w)[4], const unsigned int (&r)[2], T) {
@@ -644,11 +655,11 @@ struct Mma16Engine {
     }
   }
 
-  // a(m, s) row-major (the forward's gathered rows); b(s, n) at b[n * ldb + s] or, b_row_major, b[s * ldb + n].
+  // a(m, s) at a[m * lda + s] (kARowMajor: the forward's gathered rows) or a[s * lda + m] (the weight
+  // gradient's features); b(s, n) at b[n * ldb + s] or, b_row_major, b[s * ldb + n].
   template <bool kARowMajor>
   __device__ __forceinline__ void multiply(const T* a, int lda, const T* b, int ldb, bool b_row_major,
                                            const Extent& extent) {
-    static_assert(kARowMajor, "the gathered rows are staged row-major");
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int row0 = (warp / 2) * 32;
@@ -679,7 +690,11 @@ struct Mma16Engine {
       }
       for (int i = 0; i < kSlices; ++i) {
         if (!rows[i]) continue;
-        load_matrices2(r[i], a + (row0 + 8 * i + block_row) * lda + k + 8 * (block % 2));
+        if (kARowMajor) {  // [m][s]: blocks m x (s 0-7 | 8-15)
+          load_matrices2<false>(r[i], a + (row0 + 8 * i + block_row) * lda + k + 8 * (block % 2));
+        } else {  // [s][m]: blocks (s 0-7 | 8-15) x m, transposed
+          load_matrices2<true>(r[i], a + (k + block_row + 8 * (block % 2)) * lda + row0 + 8 * i);
+        }
       }
       for (int i = 0; i < kSlices; ++i) {
         for (int j = 0; j < kFragments; ++j) {
@@ -732,7 +747,7 @@ struct PickEngine {
   using type = SimtEngine<T, kWmmaThreads>;
 };
 template <typename T>
-struct PickEngine<T, true, false> {  // the weight gradient: 16 x 16 fragments (its rows are channels)
+struct PickEngine<T, true, false> {  // float16's weight gradient on sm_75: 16 x 16 fragments
   using type = WmmaEngine<T>;
 };
 template <typename T>
@@ -750,6 +765,20 @@ struct PickEngine<__half, true, true> {  // sm_80+: mma.sync m16n8k16, ldmatrix 
 };
 template <>
 struct PickEngine<__nv_bfloat16, true, true> {
+  using type = Mma16Engine<__nv_bfloat16>;
+};
+// The weight gradient on sm_80+ too: its tile rows are input channels (8-channel slices), its
+// reduction the map's rows.
+template <>
+struct PickEngine<float, true, false> {
+  using type = MmaTf32Engine;
+};
+template <>
+struct PickEngine<__half, true, false> {
+  using type = Mma16Engine<__half>;
+};
+template <>
+struct PickEngine<__nv_bfloat16, true, false> {
   using type = Mma16Engine<__nv_bfloat16>;
 };
 #endif

@@ -3,9 +3,9 @@
 ``sc_implicit_gemm`` (forward and input gradient) and ``sc_weight_gradient``
 run on the CPU emulation (and on CuPy where a GPU is present) through
 `sparsecore.backends._kernel_fused.FusedPasses`, in every engine: SIMT float32
-and float64, tensor-core float16, bfloat16 and TF32 (the forward on mma.sync
-m16n8k16 / m16n8k8 with ldmatrix or rounded scalar fragments, float16 on sm_75
-and every weight gradient on wmma). Oracles are the float64 twins of ``cuda_emulation/fused_twins.py``:
+and float64, tensor-core float16, bfloat16 and TF32 (mma.sync m16n8k16 / m16n8k8
+with ldmatrix or rounded scalar fragments; float16 on sm_75 on wmma). Oracles are
+the float64 twins of ``cuda_emulation/fused_twins.py``:
 
 - small-integer data: every partial sum is exact, so each result rounded to
   its storage type equals the twin's bitwise, whatever order a kernel sums in

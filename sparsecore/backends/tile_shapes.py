@@ -72,7 +72,7 @@ class TileShape:
         blocks_per_sm: resident blocks per multiprocessor at the kernel's registers and shared memory
             (ptxas on sm_90; H100: 65,536 registers, 228 KiB shared memory per multiprocessor).
         slice_rows: rows a warp skips together where none holds the round's offset (a warp's rows in
-            SIMT, an 8-row slice of the forward's tensor-core fragments, 16 in the weight gradient).
+            SIMT, an 8-row slice of mma.sync fragments on sm_80+, a 16-row wmma fragment on sm_75).
         reduce_unit: the reduction is padded to a multiple of this (1 SIMT, the mma's k on tensor cores).
         column_unit: the columns are padded to a multiple of this (a warp's or fragment's 16 columns).
     """
@@ -88,9 +88,8 @@ class TileShape:
     column_unit: int = 16
 
 
-# The table (docs/gpu.md, "Tile shapes"): one 64 x 64 tile per engine; what differs per dtype is the
-# reduction step (the tensor cores' k: 16 for TF32, 32 for 16-bit types) and the residency that ptxas'
-# registers and shared memory allow on sm_90 (65,536 registers, 2,048 threads per multiprocessor).
+# The table (docs/gpu.md, "Tile shapes"): one 64 x 64 tile per engine; per dtype the reduction step (16 for
+# TF32, 32 for 16-bit types) and the residency ptxas' registers and shared memory allow on sm_90.
 _FORWARD = {  # (dtype, engine) -> sc_implicit_gemm's TileShape (sm_90 registers; residency: sc::ForwardBlocks)
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 4, 8, 1),  # 56 registers
     ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 102
@@ -106,9 +105,10 @@ _FORWARD = {  # (dtype, engine) -> sc_implicit_gemm's TileShape (sm_90 registers
 _WEIGHT_GRADIENT = {  # sc_weight_gradient, its residency pinned by __launch_bounds__ (sc::WeightGradientBlocks)
     ("float32", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 3, 8, 1),  # 78 registers
     ("float64", "simt"): TileShape(TILE_ROWS, 64, 16, 256, "simt", 2, 8, 1),  # 115
-    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 16, 16),  # 92
-    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # 117
-    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4, 16, 8),  # TF32: 119
+    ("float16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 5, 8, 16),  # mma.sync m16n8k16: 94
+    ("bfloat16", "tensor"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 8, 16),  # mma.sync m16n8k16: 120
+    ("float16", "wmma"): TileShape(TILE_ROWS, 64, 32, 128, "tensor", 4, 16, 16),  # sm_75: wmma 16 x 16 fragments
+    ("float32", "tensor"): TileShape(TILE_ROWS, 64, 16, 128, "tensor", 4, 8, 8),  # TF32, mma.sync m16n8k8: 120
     ("bfloat16", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
     ("tf32", "fallback"): TileShape(TILE_ROWS, 64, 16, 128, "simt", 4, 16, 1),  # sm_75
 }
@@ -121,7 +121,7 @@ def _shape(table: dict, dtype_name: str, tf32: bool, arch: int, narrow: bool = F
         key = (dtype_name, "simt")
     elif tensor_type and engine == "simt":  # below sm_80: the Wmma instantiation's 128-thread SIMT engine
         key = ("tf32" if dtype_name == "float32" else dtype_name, "fallback")
-    elif table is _FORWARD and dtype_name == "float16" and arch < 80:  # sm_75 has no m16n8k16: wmma
+    elif dtype_name == "float16" and arch < 80:  # sm_75 has no m16n8k16: wmma
         key = ("float16", "wmma")
     else:
         key = (dtype_name, engine)
