@@ -468,12 +468,16 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&w)[
 #endif
 }
 
-struct MmaTf32Engine {
+// What the two mma engines share: the warp's 4 row slices of 8 x 2 column fragments of 16 (four
+// float accumulators each, in the m16n8 layout: c0 (n0+g, m0+2t), c1 (n0+g, m0+2t+1), c2
+// (n0+g+8, m0+2t), c3 (n0+g+8, m0+2t+1)), which of them a round must multiply, and the epilogue
+// through shared memory.
+template <typename T, int kStepElements>
+struct MmaTile {
   using Acc = float;
-  using Stage = float;
-  using Geometry = Staging<float, 16>;
+  using Stage = T;
+  using Geometry = Staging<T, kStepElements>;
   static constexpr int kStep = Geometry::kStep;
-  static constexpr int kK = 8;
   static constexpr int kOutPitch = kTileCols + 4;
   static constexpr int threads = kWmmaThreads;
   static constexpr int kOutBytes = kTileRows * kOutPitch * 4;
@@ -491,23 +495,56 @@ struct MmaTf32Engine {
     }
   }
 
+  // The warp's row slices and column fragments worth multiplying (warp-uniform); false: none.
+  __device__ __forceinline__ static bool parts(const Extent& extent, bool (&rows)[kSlices], bool (&columns)[kFragments]) {
+    const int warp = threadIdx.x / 32;
+    bool any_rows = false;
+    for (int i = 0; i < kSlices; ++i) {
+      rows[i] = any_present(extent, (warp / 2) * 32 + 8 * i, 8);
+      any_rows = any_rows || rows[i];
+    }
+    for (int j = 0; j < kFragments; ++j) columns[j] = (warp % 2) * 32 + 16 * j < extent.columns;
+    return any_rows && columns[0];
+  }
+
+  // As WmmaEngine::store: through shared memory, every thread of the block calls it.
+  template <typename Write>
+  __device__ __forceinline__ void store(unsigned char* shared, Write write) const {
+    float* tile = reinterpret_cast<float*>(shared);
+    const int warp = threadIdx.x / 32;
+    const int g = threadIdx.x % 32 / 4;
+    const int t = threadIdx.x % 4;
+    for (int i = 0; i < kSlices; ++i) {
+      for (int j = 0; j < kFragments; ++j) {
+        float* at = tile + ((warp / 2) * 32 + 8 * i + 2 * t) * kOutPitch + (warp % 2) * 32 + 16 * j + g;
+        at[0] = acc[i][j][0];
+        at[kOutPitch] = acc[i][j][1];
+        at[8] = acc[i][j][2];
+        at[kOutPitch + 8] = acc[i][j][3];
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < kTileElements; e += kWmmaThreads) {
+      write(e / kTileCols, e % kTileCols, tile[(e / kTileCols) * kOutPitch + e % kTileCols]);
+    }
+    __syncthreads();  // the tile is rewritten by the next work item
+  }
+};
+
+struct MmaTf32Engine : MmaTile<float, 16> {
+  static constexpr int kK = 8;
+
   template <bool kARowMajor>
   __device__ __forceinline__ void multiply(const float* a, int lda, const float* b, int ldb, bool b_row_major,
                                            const Extent& extent) {
+    bool rows[kSlices];
+    bool columns[kFragments];
+    if (!parts(extent, rows, columns)) return;
     const int warp = threadIdx.x / 32;
     const int g = threadIdx.x % 32 / 4;
     const int t = threadIdx.x % 4;
     const int row0 = (warp / 2) * 32;
     const int col0 = (warp % 2) * 32;
-    bool rows[kSlices];
-    bool columns[kFragments];
-    bool any_rows = false;
-    for (int i = 0; i < kSlices; ++i) {  // warp-uniform skips
-      rows[i] = any_present(extent, row0 + 8 * i, 8);
-      any_rows = any_rows || rows[i];
-    }
-    for (int j = 0; j < kFragments; ++j) columns[j] = col0 + 16 * j < extent.columns;
-    if (!any_rows || !columns[0]) return;
     const int b_step = b_row_major ? ldb : 1;    // between reduction elements
     const int b_column = b_row_major ? 1 : ldb;  // between columns
     for (int k = 0; k < kStep && k < extent.reduce; k += kK) {
@@ -533,29 +570,6 @@ struct MmaTf32Engine {
         }
       }
     }
-  }
-
-  // As WmmaEngine::store: through shared memory, every thread of the block calls it.
-  template <typename Write>
-  __device__ __forceinline__ void store(unsigned char* shared, Write write) const {
-    float* tile = reinterpret_cast<float*>(shared);
-    const int warp = threadIdx.x / 32;
-    const int g = threadIdx.x % 32 / 4;
-    const int t = threadIdx.x % 4;
-    for (int i = 0; i < kSlices; ++i) {
-      for (int j = 0; j < kFragments; ++j) {
-        float* at = tile + ((warp / 2) * 32 + 8 * i + 2 * t) * kOutPitch + (warp % 2) * 32 + 16 * j + g;
-        at[0] = acc[i][j][0];
-        at[kOutPitch] = acc[i][j][1];
-        at[8] = acc[i][j][2];
-        at[kOutPitch + 8] = acc[i][j][3];
-      }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < kTileElements; e += kWmmaThreads) {
-      write(e / kTileCols, e % kTileCols, tile[(e / kTileCols) * kOutPitch + e % kTileCols]);
-    }
-    __syncthreads();  // the tile is rewritten by the next work item
   }
 };
 
@@ -632,47 +646,23 @@ __device__ __forceinline__ void mma_16(float (&d)[4], const unsigned int (&w)[4]
 #endif
 
 template <typename T>
-struct Mma16Engine {
-  using Acc = float;
-  using Stage = T;
-  using Geometry = Staging<T, 32>;
-  static constexpr int kStep = Geometry::kStep;
+struct Mma16Engine : MmaTile<T, 32> {
+  using Base = MmaTile<T, 32>;
   static constexpr int kK = 16;
-  static constexpr int kOutPitch = kTileCols + 4;
-  static constexpr int threads = kWmmaThreads;
-  static constexpr int kOutBytes = kTileRows * kOutPitch * 4;
-  static constexpr int kSharedBytes = Geometry::kStageBytes > kOutBytes ? Geometry::kStageBytes : kOutBytes;
-  static constexpr int kSlices = 4;     // 8 rows each
-  static constexpr int kFragments = 2;  // 16 columns each
 
-  float acc[kSlices][kFragments][4];
-
-  __device__ __forceinline__ void clear() {
-    for (int i = 0; i < kSlices; ++i) {
-      for (int j = 0; j < kFragments; ++j) {
-        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-      }
-    }
-  }
-
-  // a(m, s) at a[m * lda + s] (kARowMajor: the forward's gathered rows) or a[s * lda + m] (the weight
-  // gradient's features); b(s, n) at b[n * ldb + s] or, b_row_major, b[s * ldb + n].
   template <bool kARowMajor>
   __device__ __forceinline__ void multiply(const T* a, int lda, const T* b, int ldb, bool b_row_major,
                                            const Extent& extent) {
+    constexpr int kSlices = Base::kSlices;
+    constexpr int kFragments = Base::kFragments;
+    constexpr int kStep = Base::kStep;
+    bool rows[kSlices];
+    bool columns[kFragments];
+    if (!Base::parts(extent, rows, columns)) return;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int row0 = (warp / 2) * 32;
     const int col0 = (warp % 2) * 32;
-    bool rows[kSlices];
-    bool columns[kFragments];
-    bool any_rows = false;
-    for (int i = 0; i < kSlices; ++i) {  // warp-uniform skips
-      rows[i] = any_present(extent, row0 + 8 * i, 8);
-      any_rows = any_rows || rows[i];
-    }
-    for (int j = 0; j < kFragments; ++j) columns[j] = col0 + 16 * j < extent.columns;
-    if (!any_rows || !columns[0]) return;
     // each lane's row of the 8 x 8 blocks it addresses: block lane / 8, row lane % 8
     const int block_row = lane % 8;
     const int block = lane / 8;
@@ -698,33 +688,10 @@ struct Mma16Engine {
       }
       for (int i = 0; i < kSlices; ++i) {
         for (int j = 0; j < kFragments; ++j) {
-          if (rows[i] && columns[j]) mma_16(acc[i][j], w[j], r[i], T());
+          if (rows[i] && columns[j]) mma_16(this->acc[i][j], w[j], r[i], T());
         }
       }
     }
-  }
-
-  // As WmmaEngine::store: through shared memory, every thread of the block calls it.
-  template <typename Write>
-  __device__ __forceinline__ void store(unsigned char* shared, Write write) const {
-    float* tile = reinterpret_cast<float*>(shared);
-    const int warp = threadIdx.x / 32;
-    const int g = threadIdx.x % 32 / 4;
-    const int t = threadIdx.x % 4;
-    for (int i = 0; i < kSlices; ++i) {
-      for (int j = 0; j < kFragments; ++j) {
-        float* at = tile + ((warp / 2) * 32 + 8 * i + 2 * t) * kOutPitch + (warp % 2) * 32 + 16 * j + g;
-        at[0] = acc[i][j][0];
-        at[kOutPitch] = acc[i][j][1];
-        at[8] = acc[i][j][2];
-        at[kOutPitch + 8] = acc[i][j][3];
-      }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < kTileElements; e += kWmmaThreads) {
-      write(e / kTileCols, e % kTileCols, tile[(e / kTileCols) * kOutPitch + e % kTileCols]);
-    }
-    __syncthreads();  // the tile is rewritten by the next work item
   }
 };
 #endif

@@ -213,6 +213,13 @@ inline void __syncwarp(unsigned int = 0xffffffffu) { sc_emu::warp_barrier->arriv
 // mutex and joins already order memory between blocks; within a block, a
 // sequentially consistent fence.
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+namespace sc_emu {
+// __trap() with a message naming the cause (the shims' own checks of the kernels).
+[[noreturn]] inline void trap_with(const std::string& message) {
+  record_failure(kStatusTrap, message);
+  throw LaunchFailure{kStatusTrap, message};
+}
+}  // namespace sc_emu
 [[noreturn]] inline void __trap() {
   sc_emu::record_failure(sc_emu::kStatusTrap, "__trap() was called");
   throw sc_emu::LaunchFailure{sc_emu::kStatusTrap, "__trap() was called"};
@@ -485,27 +492,39 @@ struct MmaExchange {
   unsigned int b[32][2];
 };
 
-inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
-  static MmaExchange exchanges[32];  // one per warp of the running block (one block runs at a time)
-  const unsigned int lane = threadIdx.x % 32;
+// The warp's registers of one mma: each lane stores its own, then the warp meets. Returns the
+// warp's exchange (one per warp of the running block; one block runs at a time).
+inline const MmaExchange& publish_operands(const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+  static MmaExchange exchanges[32];
   MmaExchange& exchange = exchanges[threadIdx.x / 32];
-  for (int e = 0; e < 4; ++e) exchange.a[lane][e] = a[e];
-  for (int e = 0; e < 2; ++e) exchange.b[lane][e] = b[e];
-  for (unsigned int value : a) {
-    if ((value & 0x1fffu) != 0u) {
-      const std::string message = "mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)";
-      record_failure(kStatusTrap, message);
-      throw LaunchFailure{kStatusTrap, message};
-    }
-  }
-  for (unsigned int value : b) {
-    if ((value & 0x1fffu) != 0u) {
-      const std::string message = "mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)";
-      record_failure(kStatusTrap, message);
-      throw LaunchFailure{kStatusTrap, message};
-    }
+  for (int e = 0; e < 4; ++e) exchange.a[threadIdx.x % 32][e] = a[e];
+  for (int e = 0; e < 2; ++e) exchange.b[threadIdx.x % 32][e] = b[e];
+  __syncwarp();
+  return exchange;
+}
+
+// d += left right for this lane's four accumulators of the 16 x 8 result (d0 (g, 2t), d1 (g, 2t + 1),
+// d2 (g + 8, 2t), d3 (g + 8, 2t + 1)), in float, k in order; then the warp meets (the exchange is free).
+template <int K>
+inline void accumulate_lane(float (&d)[4], const float (&left)[16][K], const float (&right)[K][8]) {
+  const int g = static_cast<int>(threadIdx.x % 32 / 4);
+  const int t = static_cast<int>(threadIdx.x % 4);
+  for (int e = 0; e < 4; ++e) {
+    float sum = d[e];
+    for (int k = 0; k < K; ++k) sum += left[g + 8 * (e / 2)][k] * right[k][2 * t + e % 2];
+    d[e] = sum;
   }
   __syncwarp();
+}
+
+inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+  for (unsigned int value : a) {
+    if ((value & 0x1fffu) != 0u) trap_with("mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)");
+  }
+  for (unsigned int value : b) {
+    if ((value & 0x1fffu) != 0u) trap_with("mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)");
+  }
+  const MmaExchange& exchange = publish_operands(a, b);
   float left[16][8];
   float right[8][8];
   for (int l = 0; l < 32; ++l) {
@@ -518,16 +537,7 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const un
     right[t][g] = bits_float(exchange.b[l][0]);
     right[t + 4][g] = bits_float(exchange.b[l][1]);
   }
-  const int g = static_cast<int>(lane / 4);
-  const int t = static_cast<int>(lane % 4);
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2);
-    const int column = 2 * t + e % 2;
-    float sum = d[e];
-    for (int k = 0; k < 8; ++k) sum += left[row][k] * right[k][column];
-    d[e] = sum;
-  }
-  __syncwarp();
+  accumulate_lane(d, left, right);
 }
 
 // ---- ldmatrix.sync.aligned.m8n8.x{2,4}[.trans].shared.b16 and mma.sync m16n8k16 (float16 / bfloat16) ----
@@ -572,12 +582,7 @@ inline float element_float(unsigned int bits, __nv_bfloat16) {
 // mma_m16n8k8_tf32's. Sums in float, k in order, every 16-bit product exact.
 template <typename T>
 inline void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
-  static MmaExchange exchanges[32];  // one per warp of the running block
-  const unsigned int lane = threadIdx.x % 32;
-  MmaExchange& exchange = exchanges[threadIdx.x / 32];
-  for (int e = 0; e < 4; ++e) exchange.a[lane][e] = a[e];
-  for (int e = 0; e < 2; ++e) exchange.b[lane][e] = b[e];
-  __syncwarp();
+  const MmaExchange& exchange = publish_operands(a, b);
   float left[16][16];
   float right[16][8];
   for (int l = 0; l < 32; ++l) {
@@ -592,16 +597,7 @@ inline void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4], const unsign
       right[2 * t + 8 + h][g] = element_float(exchange.b[l][1] >> (16 * h) & 0xffffu, T());
     }
   }
-  const int g = static_cast<int>(lane / 4);
-  const int t = static_cast<int>(lane % 4);
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2);
-    const int column = 2 * t + e % 2;
-    float sum = d[e];
-    for (int k = 0; k < 16; ++k) sum += left[row][k] * right[k][column];
-    d[e] = sum;
-  }
-  __syncwarp();
+  accumulate_lane(d, left, right);
 }
 }  // namespace sc_emu
 
