@@ -376,18 +376,21 @@ _NO_SPLITS = (np.int32(1), np.zeros(1, np.uint32), np.int64(0))
 
 
 _TF32_ROUNDING = "  return sc_emu::float_bits(nvcuda::wmma::__float_to_tf32(value));\n"
+_ROW_SLICE_LOAD = "load_matrices2<false>(r[i], a + (row0 + 8 * i + block_row) * lda + k + 8 * (block % 2));"
 
 
 def _broken_source() -> str:
-    """implicit_gemm.cu with four bugs (one build for the four tests): the forward skips a barrier in
+    """implicit_gemm.cu with five bugs (one build for the five tests): the forward skips a barrier in
     threads 32..255 (a barrier in a divergent branch) unless its flags hold `_UNUSED_FLAG`; in the weight
     gradient half of each warp waits at __syncwarp while the other half waits at __syncthreads (each barrier
-    waits for threads that never come); the pipeline never waits for a round's copies but the last; and the
-    TF32 forward hands its mma.sync operands over without rounding them to TF32."""
+    waits for threads that never come); the pipeline never waits for a round's copies but the last; the
+    TF32 forward hands its mma.sync operands over without rounding them to TF32; and the 16-bit forward's
+    row slices are loaded by ldmatrix from one element past their rows (not 16-byte aligned)."""
     source = kernel_registry.kernel_source("implicit_gemm.cu")
     assert source.count(_EARLY_BARRIER) == 1 and source.count(_WEIGHT_BARRIER) == 1 and source.count(_COPY_WAIT) == 1
-    assert source.count(_TF32_ROUNDING) == 1
+    assert source.count(_TF32_ROUNDING) == 1 and source.count(_ROW_SLICE_LOAD) == 1
     source = source.replace(_TF32_ROUNDING, "  return sc_emu::float_bits(value);\n")
+    source = source.replace(_ROW_SLICE_LOAD, _ROW_SLICE_LOAD.replace("(block % 2));", "(block % 2) + 1);"))
     source = source.replace(_EARLY_BARRIER, "    engine.clear();\n"
                             f"    if (tid < 32 || (flags & {_UNUSED_FLAG}) != 0) __syncthreads();\n")
     source = source.replace(_COPY_WAIT, "")
@@ -445,6 +448,22 @@ def test_mma_operands_not_rounded_to_tf32_trap():
                               neighbour_map.output_order, np.int32(1), np.int64(60), np.int32(3), np.int32(1),
                               np.int32(1), np.int32(16), np.int32(16), np.int32(_UNUSED_FLAG), *_NO_SPLITS,
                               np.zeros((60, 16), np.float32)))
+
+
+def test_a_misaligned_ldmatrix_row_traps():
+    """ldmatrix reads 16-byte rows: an address off by one element (a fault on the GPU) stops the emulated
+    launch, here the broken build's float16 forward."""
+    module = _emulated_module(_broken_source())
+    rng = rng_for(52)
+    neighbour_map = random_map(rng, 70, 60, (3,), density=0.8)
+    features = rng.uniform(-1, 1, (70, 16)).astype(np.float16)
+    weight = rng.uniform(-1, 1, (16, 3, 16)).astype(np.float16)
+    kernel = module.get_function("sc_implicit_gemm<__half, sc::Wmma>")
+    with pytest.raises(harness.KernelTrap, match=r"not 16-byte aligned"):
+        kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
+                              neighbour_map.output_order, np.int32(1), np.int64(60), np.int32(3), np.int32(1),
+                              np.int32(1), np.int32(16), np.int32(16), np.int32(_UNUSED_FLAG), *_NO_SPLITS,
+                              np.zeros((60, 16), np.float16)))
 
 
 def test_a_launch_with_the_wrong_block_size_traps():

@@ -545,7 +545,8 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const un
 // elements); lane l receives in register q the elements 2 (l % 4) and 2 (l % 4) + 1 of row
 // l / 4 of block q, or transposed (.trans) rows 2 (l % 4) and 2 (l % 4) + 1 of column l / 4,
 // the first in the low half. A warp collective: the lanes publish their addresses, meet,
-// read, meet again (every lane reads shared memory the others may rewrite afterwards).
+// read, meet again (every lane reads shared memory the others may rewrite afterwards). A row
+// address that is not 16-byte aligned (a fault on the GPU) stops the launch with status 6.
 struct LoadExchange {
   const unsigned short* rows[32];
 };
@@ -555,6 +556,7 @@ inline void ldmatrix(unsigned int (&r)[kBlocks], const void* row, bool transpose
   static LoadExchange exchanges[32];  // one per warp of the running block
   const unsigned int lane = threadIdx.x % 32;
   LoadExchange& exchange = exchanges[threadIdx.x / 32];
+  if (reinterpret_cast<unsigned long long>(row) % 16 != 0) trap_with("ldmatrix: a row address not 16-byte aligned");
   exchange.rows[lane] = static_cast<const unsigned short*>(row);
   __syncwarp();
   for (int q = 0; q < kBlocks; ++q) {
