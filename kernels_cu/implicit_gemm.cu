@@ -63,9 +63,10 @@
 //             rows (the weight gradient's: input channels) are skipped 8 at a
 //             time; float16 on sm_75 runs wmma (the forward 8 x 32 fragments,
 //             m8n32k16; the weight gradient 16 x 16). The tile goes through
-//             shared memory for the epilogue. float16 has tensor cores from sm_70 on; bfloat16 and TF32
-//             from sm_80 on: on sm_75 those two Wmma instantiations compile to the
-//             SIMT engine (128 threads, float accumulation, full float32 products).
+//             shared memory for the epilogue. float16 has tensor cores from sm_70
+//             on; bfloat16 and TF32 from sm_80 on: on sm_75 those two Wmma
+//             instantiations compile to the SIMT engine (128 threads, float
+//             accumulation, full float32 products).
 // A launch must use the engine's thread count (kSimtThreads / kWmmaThreads);
 // any other block size traps. 1-D grids; a block walks the work items
 // blockIdx.x, blockIdx.x + gridDim.x, ...
@@ -285,51 +286,22 @@ struct Choose<false, First, Second> {
   using type = Second;
 };
 
-// float16 has tensor cores from sm_70 on, bfloat16 and TF32 from sm_80 on: below, the
-// Wmma instantiations of those two compile to the SIMT engine (EngineOf), and their
-// WmmaTypes (which name wmma types that <mma.h> declares only for sm_80+) do not exist.
-template <typename T>
-struct WmmaTypes;
-
-template <>
-struct WmmaTypes<__half> {
-  using Precision = __half;
-  static constexpr int kK = 16;
-  static constexpr int kStep = 32;
-};
-
-#if SC_ARCH >= 800
-template <>
-struct WmmaTypes<__nv_bfloat16> {
-  using Precision = __nv_bfloat16;
-  static constexpr int kK = 16;
-  static constexpr int kStep = 32;
-};
-
-template <>
-struct WmmaTypes<float> {  // TF32
-  using Precision = nvcuda::wmma::precision::tf32;
-  static constexpr int kK = 8;
-  static constexpr int kStep = 16;
-};
-#endif
-
-// Warp w owns rows 32 * (w / 2) and columns 32 * (w % 2) of the 64 x 64 tile, as
-// (32 / kM) x (32 / kN) fragments of kM x kN: 16 x 16, or 8 x 32 (16-bit types only) where
+// float16's engine below sm_80 (where mma.sync m16n8k16 does not exist): wmma m16n16k16 or
+// m8n32k16. Warp w owns rows 32 * (w / 2) and columns 32 * (w % 2) of the 64 x 64 tile, as
+// (32 / kM) x (32 / kN) fragments of kM x kN: 16 x 16 (the weight gradient), or 8 x 32 where
 // the forward skips 8-row slices; operand layouts as in SimtEngine.
 template <typename T, int kM = 16, int kN = 16>
 struct WmmaEngine {
-  using Types = WmmaTypes<T>;
   using Acc = float;
   using Stage = T;
-  using Geometry = Staging<T, Types::kStep>;
+  using Geometry = Staging<T, 32>;
   static constexpr int kStep = Geometry::kStep;
-  static constexpr int kK = Types::kK;
+  static constexpr int kK = 16;
   static constexpr int kOutPitch = kTileCols + 4;
   static constexpr int threads = kWmmaThreads;
   static constexpr int kOutBytes = kTileRows * kOutPitch * 4;
   static constexpr int kSharedBytes = Geometry::kStageBytes > kOutBytes ? Geometry::kStageBytes : kOutBytes;
-  using Precision = typename Types::Precision;
+  using Precision = T;  // __half
   static constexpr int kFragmentRows = 32 / kM;
   static constexpr int kFragmentCols = 32 / kN;
   using AccFragment = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, kM, kN, kK, float>;
@@ -344,15 +316,6 @@ struct WmmaEngine {
     for (int i = 0; i < kFragmentRows; ++i) {
       for (int j = 0; j < kFragmentCols; ++j) nvcuda::wmma::fill_fragment(acc[i][j], 0.0f);
     }
-  }
-
-  template <typename Fragment>
-  __device__ __forceinline__ static void round_operands(Fragment& fragment) {
-#if SC_ARCH >= 800
-    if constexpr (kK == 8) {
-      for (int t = 0; t < fragment.num_elements; ++t) fragment.x[t] = nvcuda::wmma::__float_to_tf32(fragment.x[t]);
-    }
-#endif
   }
 
   template <bool kARowMajor, bool kBRowMajor>
@@ -379,13 +342,11 @@ struct WmmaEngine {
         if (!rows[i]) continue;
         const int m = row0 + kM * i;
         nvcuda::wmma::load_matrix_sync(left[i], kARowMajor ? a + m * lda + k : a + k * lda + m, lda);
-        round_operands(left[i]);
       }
       for (int j = 0; j < kFragmentCols; ++j) {
         if (!columns[j]) continue;
         const int n = col0 + kN * j;
         nvcuda::wmma::load_matrix_sync(right[j], kBRowMajor ? b + k * ldb + n : b + n * ldb + k, ldb);
-        round_operands(right[j]);
       }
       for (int i = 0; i < kFragmentRows; ++i) {
         for (int j = 0; j < kFragmentCols; ++j) {
