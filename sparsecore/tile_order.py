@@ -4,10 +4,11 @@ The fused GPU kernels (``kernels_cu/implicit_gemm.cu``) take a map's rows in
 tiles of `TILE_ROWS` consecutive positions of its row order, and inside a tile
 a warp skips an offset for a slice of rows only when no row of the slice holds
 it: 8-row slices in every dtype's forward, 16-row slices in the 128-thread
-SIMT engine that bfloat16 and TF32 fall back to on sm_75. The stable sort by mask (`mask_order`) puts
-rows with similar masks into the same tile, but inside a tile it leaves rows
-of different masks side by side. `regroup_tiles` reorders the rows of each tile
-(never moving a row to another tile) in two greedy passes:
+SIMT engine that bfloat16 and TF32 fall back to on sm_75. The stable sort by
+mask (`mask_order`) puts rows with similar masks into the same tile, but
+inside a tile it leaves rows of different masks side by side. `regroup_tiles`
+reorders the rows of each tile (never moving a row to another tile) in two
+greedy passes:
 
 1. the tile's rows into 16-row groups, and then
 2. each 16-row group into two 8-row slices,

@@ -68,7 +68,7 @@ class TileShape:
         columns: output channels of the tile.
         step: reduction elements staged per round (the reduction is padded to it).
         threads: threads per block.
-        engine: ``"simt"`` (CUDA cores) or ``"tensor"`` (tensor cores: wmma, mma.sync for the TF32 forward).
+        engine: ``"simt"`` (CUDA cores) or ``"tensor"`` (tensor cores: mma.sync, wmma for float16 on sm_75).
         blocks_per_sm: resident blocks per multiprocessor at the kernel's registers and shared memory
             (ptxas on sm_90; H100: 65,536 registers, 228 KiB shared memory per multiprocessor).
         slice_rows: rows a warp skips together where none holds the round's offset (a warp's rows in
