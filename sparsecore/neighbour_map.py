@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy
 
@@ -115,10 +115,10 @@ class NeighbourMap:
     """
 
     output_neighbours: Any
-    output_masks: Any = dataclasses.field(repr=False)  # a descriptor: see _MasksOnRead below
-    output_order: Any = dataclasses.field(repr=False)  # a descriptor: see _SortedOnRead below
+    output_masks: Any = dataclasses.field(repr=False)  # a descriptor: see _MadeOnRead below
+    output_order: Any = dataclasses.field(repr=False)  # a descriptor: see _MadeOnRead below
     input_neighbours: Any
-    input_masks: Any = dataclasses.field(repr=False)  # a descriptor: see _MasksOnRead below
+    input_masks: Any = dataclasses.field(repr=False)  # a descriptor: see _MadeOnRead below
     input_order: Any = dataclasses.field(repr=False)
     num_input: int
     num_output: int
@@ -190,62 +190,53 @@ class NeighbourMap:
         return swapped
 
 
-class _SortedOnRead:
-    """The data descriptor of `NeighbourMap.output_order` / ``input_order``: the order given, else the side's
-    masks sorted by `mask_order` when first read (kept in the instance, so sorted once)."""
+def _sorted_order(instance: "NeighbourMap", side: str) -> Any:
+    """A side's order: its masks sorted by `mask_order` (or its row plan's low words, where one was built)."""
+    masks = getattr(instance, f"{side}_masks")
+    if masks is None:  # the input side of a symmetric map
+        return None
+    plan = instance.derived.get((ROW_PLAN, side))
+    if plan is not None:  # the order is the plan's low words (one cast)
+        return plan.astype(array_module(plan).int32)
+    return row_order(array_module(masks), masks)
 
-    def __init__(self, side: str) -> None:
+
+def _table_masks(instance: "NeighbourMap", side: str) -> Any:
+    """A side's masks: `row_masks` of its table."""
+    table = getattr(instance, f"{side}_neighbours")
+    return None if table is None else row_masks(array_module(table), table)
+
+
+class _MadeOnRead:
+    """The data descriptor of `NeighbourMap.output_order` / ``input_order`` (``make``: `_sorted_order`) and
+    ``output_masks`` / ``input_masks`` (`_table_masks`): the array given, else ``make(map, side)`` when first
+    read, kept in the instance's ``_{side}_{name}`` slot so it is made once; None where the side has none
+    (the input side of a symmetric map), not kept."""
+
+    def __init__(self, side: str, name: str, make: Callable[["NeighbourMap", str], Any]) -> None:
         self.side = side
-        self.slot = f"_{side}_order"
+        self.slot = f"_{side}_{name}"
+        self.make = make
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
             return self
-        order = instance.__dict__.get(self.slot)
-        if order is None:
-            masks = getattr(instance, f"{self.side}_masks")
-            if masks is None:  # the input side of a symmetric map
-                return None
-            plan = instance.derived.get((ROW_PLAN, self.side))
-            if plan is not None:  # the order is the plan's low words (one cast)
-                order = plan.astype(array_module(plan).int32)
-            else:
-                order = row_order(array_module(masks), masks)
-            instance.__dict__[self.slot] = order
-        return order
-
-    def __set__(self, instance: Any, value: Any) -> None:
-        instance.__dict__[self.slot] = value
-
-
-class _MasksOnRead:
-    """The data descriptor of `NeighbourMap.output_masks` / ``input_masks``: the masks given, else the side's
-    table's `row_masks` when first read (kept in the instance, so made once); None for the input side of a
-    symmetric map."""
-
-    def __init__(self, side: str) -> None:
-        self.side = side
-        self.slot = f"_{side}_masks"
-
-    def __get__(self, instance: Any, owner: Any = None) -> Any:
-        if instance is None:
-            return self
-        masks = instance.__dict__.get(self.slot)
-        table = getattr(instance, f"{self.side}_neighbours")
-        if masks is None and table is not None:
-            masks = row_masks(array_module(table), table)
-            instance.__dict__[self.slot] = masks
-        return masks
+        value = instance.__dict__.get(self.slot)
+        if value is None:
+            value = self.make(instance, self.side)
+            if value is not None:
+                instance.__dict__[self.slot] = value
+        return value
 
     def __set__(self, instance: Any, value: Any) -> None:
         instance.__dict__[self.slot] = value
 
 
 # After the dataclass is made, so the generated __init__ stores these fields through the descriptors.
-NeighbourMap.output_order = _SortedOnRead("output")  # type: ignore[assignment]
-NeighbourMap.input_order = _SortedOnRead("input")  # type: ignore[assignment]
-NeighbourMap.output_masks = _MasksOnRead("output")  # type: ignore[assignment]
-NeighbourMap.input_masks = _MasksOnRead("input")  # type: ignore[assignment]
+NeighbourMap.output_order = _MadeOnRead("output", "order", _sorted_order)  # type: ignore[assignment]
+NeighbourMap.input_order = _MadeOnRead("input", "order", _sorted_order)  # type: ignore[assignment]
+NeighbourMap.output_masks = _MadeOnRead("output", "masks", _table_masks)  # type: ignore[assignment]
+NeighbourMap.input_masks = _MadeOnRead("input", "masks", _table_masks)  # type: ignore[assignment]
 
 
 def stored_masks(neighbour_map: NeighbourMap, side: str) -> Any:
@@ -306,7 +297,6 @@ def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_
     so a padded pair map on the GPU converts inside a JAX callback.
     """
     volume = len(offset_starts) - 1
-    count = int(offset_starts[-1])
     if xp is numpy:  # one compiled pass over the pairs per side, table and masks together
         from .backends._rulebook_kernels import neighbour_table
 
@@ -314,12 +304,14 @@ def neighbour_map_from_pairs(xp: Any, pair_input: Any, pair_output: Any, offset_
             return (*neighbour_table(keys, values, tuple(offset_starts), rows), None)
     else:
         ends = xp.asarray([int(stop) for stop in offset_starts[1:]], dtype=xp.int64)
-        offsets = xp.searchsorted(ends, xp.arange(count, dtype=xp.int64), side="right")  # offset of each pair
+        pairs = xp.arange(int(offset_starts[-1]), dtype=xp.int64)
+        offsets = xp.searchsorted(ends, pairs, side="right")  # offset of each pair
         valid = (pair_input >= 0) & (pair_output >= 0)
 
         def side(rows: int, keys: Any, values: Any) -> tuple[Any, Any, Any]:
             table = xp.full((rows + 1, volume), -1, dtype=xp.int32)  # row `rows` takes the padding
-            table[xp.where(valid, keys.astype(xp.int64), rows), offsets] = xp.where(valid, values, -1).astype(xp.int32)
+            table[xp.where(valid, keys.astype(xp.int64), rows), offsets] = xp.where(valid, values, -1).astype(
+                xp.int32, copy=False)
             table = table[:rows]
             return table, row_masks(xp, table), None  # the order is sorted when first read
 
