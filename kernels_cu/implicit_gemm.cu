@@ -536,10 +536,10 @@ struct MmaTf32Engine : MmaTile<float, 16> {
 
 // ---------------------------------------------------------------- 16-bit mma engine
 // The float16 / bfloat16 engine of both kernels on sm_80+: mma.sync.m16n8k16 with the tile's
-// rows on the instruction's n side, as MmaTf32Engine (4 row slices of 8 x 2 column fragments of 16 per
-// warp), both types loading their fragments from the staged tiles with ldmatrix (wmma compiled
-// bfloat16's to 32-bit shared loads, float16's to ldmatrix). Lane (g, t) holds, each register
-// two consecutive reduction elements (the lower in the low half):
+// rows on the instruction's n side, as MmaTf32Engine (4 row slices of 8 x 2 column fragments
+// of 16 per warp), both types loading their fragments from the staged tiles with ldmatrix
+// (wmma compiled bfloat16's to 32-bit shared loads, float16's to ldmatrix). Lane (g, t)
+// holds, each register two consecutive reduction elements (the lower in the low half):
 //   weight operand w(n, s): w0 (n0+g, k+2t..), w1 (n0+g+8, k+2t..), w2 (n0+g, k+8+2t..), w3 (n0+g+8, k+8+2t..)
 //   row operand    r(s, m): r0 (k+2t.., m0+g), r1 (k+8+2t.., m0+g)
 //   accumulator as MmaTf32Engine's.
@@ -547,9 +547,9 @@ struct MmaTf32Engine : MmaTile<float, 16> {
 // transposed from the forward's [column][channel] staging, transposed (.trans) from the input
 // gradient's [channel][column] and the weight gradient's [row][output channel]; .x2 the two
 // blocks of a row slice from the forward's [row][channel] staging, transposed from the weight
-// gradient's [row][input channel]. Each 8-address phase reads 8 rows 16 bytes long at the narrow (40-half) or wide
-// (72-half) pitch: 32 distinct banks. Under the emulation ldmatrix and the mma are warp
-// collectives of cuda_shim.h on the same registers.
+// gradient's [row][input channel]. Each 8-address phase reads 8 rows 16 bytes long at the
+// narrow (40-half) or wide (72-half) pitch: 32 distinct banks. Under the emulation ldmatrix
+// and the mma are warp collectives of cuda_shim.h on the same registers.
 #ifndef SPARSECORE_CPU_EMULATION
 __device__ __forceinline__ unsigned int shared_address(const void* pointer) {
   return static_cast<unsigned int>(__cvta_generic_to_shared(pointer));

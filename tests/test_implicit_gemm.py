@@ -434,36 +434,28 @@ def test_a_barrier_never_reached_times_out():
         module.set_timeout(harness.LAUNCH_TIMEOUT_SECONDS)
 
 
-def test_mma_operands_not_rounded_to_tf32_trap():
-    """The emulation's mma.sync m16n8k8 TF32 refuses operands with any of their 13 low bits set, so a TF32
-    forward that forgot cvt.rna (here: the broken build's) stops instead of multiplying float32 values."""
-    module = _emulated_module(_broken_source())
-    rng = rng_for(51)
-    neighbour_map = random_map(rng, 70, 60, (3,), density=0.8)
-    features = rng.uniform(-1, 1, (70, 16)).astype(np.float32)  # 23 fraction bits: not TF32 values
-    weight = rng.uniform(-1, 1, (16, 3, 16)).astype(np.float32)
-    kernel = module.get_function("sc_implicit_gemm<float, sc::Wmma>")
-    with pytest.raises(harness.KernelTrap, match=r"not rounded to TF32"):
-        kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                              neighbour_map.output_order, np.int32(1), np.int64(60), np.int32(3), np.int32(1),
-                              np.int32(1), np.int32(16), np.int32(16), np.int32(_UNUSED_FLAG), *_NO_SPLITS,
-                              np.zeros((60, 16), np.float32)))
+# The broken build's two tensor-core forwards and what stops them: TF32 mma operands not rounded to TF32
+# (a forward that forgot cvt.rna would multiply float32 values), and 16-bit row slices loaded by ldmatrix
+# from an address off by one element (a fault on the GPU: ldmatrix reads 16-byte rows).
+BROKEN_FORWARDS = [(np.float32, "sc_implicit_gemm<float, sc::Wmma>", r"not rounded to TF32"),
+                   (np.float16, "sc_implicit_gemm<__half, sc::Wmma>", r"not 16-byte aligned")]
 
 
-def test_a_misaligned_ldmatrix_row_traps():
-    """ldmatrix reads 16-byte rows: an address off by one element (a fault on the GPU) stops the emulated
-    launch, here the broken build's float16 forward."""
+@pytest.mark.parametrize("dtype, kernel_name, cause", BROKEN_FORWARDS, ids=["tf32-unrounded", "float16-misaligned"])
+def test_the_emulated_tensor_core_instructions_stop_a_broken_forward(dtype, kernel_name, cause):
+    """The emulation's mma.sync TF32 refuses operands with any of their 13 low bits set, and its ldmatrix
+    a row address that is not 16-byte aligned: the broken build's forwards stop with the cause named."""
     module = _emulated_module(_broken_source())
-    rng = rng_for(52)
+    rng = rng_for(51, BROKEN_FORWARDS.index((dtype, kernel_name, cause)))
     neighbour_map = random_map(rng, 70, 60, (3,), density=0.8)
-    features = rng.uniform(-1, 1, (70, 16)).astype(np.float16)
-    weight = rng.uniform(-1, 1, (16, 3, 16)).astype(np.float16)
-    kernel = module.get_function("sc_implicit_gemm<__half, sc::Wmma>")
-    with pytest.raises(harness.KernelTrap, match=r"not 16-byte aligned"):
-        kernel((1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
-                              neighbour_map.output_order, np.int32(1), np.int64(60), np.int32(3), np.int32(1),
-                              np.int32(1), np.int32(16), np.int32(16), np.int32(_UNUSED_FLAG), *_NO_SPLITS,
-                              np.zeros((60, 16), np.float16)))
+    features = rng.uniform(-1, 1, (70, 16)).astype(dtype)  # float32: 23 fraction bits, not TF32 values
+    weight = rng.uniform(-1, 1, (16, 3, 16)).astype(dtype)
+    with pytest.raises(harness.KernelTrap, match=cause):
+        module.get_function(kernel_name)(
+            (1,), (128,), (features, weight, weight, neighbour_map.output_neighbours, neighbour_map.output_masks,
+                           neighbour_map.output_order, np.int32(1), np.int64(60), np.int32(3), np.int32(1),
+                           np.int32(1), np.int32(16), np.int32(16), np.int32(_UNUSED_FLAG), *_NO_SPLITS,
+                           np.zeros((60, 16), dtype)))
 
 
 def test_a_launch_with_the_wrong_block_size_traps():

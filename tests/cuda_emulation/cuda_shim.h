@@ -220,10 +220,7 @@ namespace sc_emu {
   throw LaunchFailure{kStatusTrap, message};
 }
 }  // namespace sc_emu
-[[noreturn]] inline void __trap() {
-  sc_emu::record_failure(sc_emu::kStatusTrap, "__trap() was called");
-  throw sc_emu::LaunchFailure{sc_emu::kStatusTrap, "__trap() was called"};
-}
+[[noreturn]] inline void __trap() { sc_emu::trap_with("__trap() was called"); }
 
 template <typename T>
 inline T __ldg(const T* address) { return *address; }
@@ -518,10 +515,7 @@ inline void accumulate_lane(float (&d)[4], const float (&left)[16][K], const flo
 }
 
 inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
-  for (unsigned int value : a) {
-    if ((value & 0x1fffu) != 0u) trap_with("mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)");
-  }
-  for (unsigned int value : b) {
+  for (unsigned int value : {a[0], a[1], a[2], a[3], b[0], b[1]}) {
     if ((value & 0x1fffu) != 0u) trap_with("mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)");
   }
   const MmaExchange& exchange = publish_operands(a, b);
