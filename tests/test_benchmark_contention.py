@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -57,7 +58,65 @@ def test_table_divides_by_the_quiet_median() -> None:
     cells = [contention.ContentionCell("torch step", 2, 0, (0.100, 0.120, 0.110)),
              contention.ContentionCell("torch step", 2, 2, (0.300, 0.200, 0.250))]
     table = contention.format_cells(cells, cores=2)
-    assert "| torch step | 2 | 2 | 250.0 | 300 200 250 | 2.27x | 2.00x | 1.14 |" in table, table
+    assert "| torch step | 2 | 2 | 250.0 | 300 200 250 | 2.27x | 2.00x | 1.14 | - |" in table, table
+    placed = contention.ContentionCell("torch step", 2, 4, (0.3,), cores_used=(1, 2, 0, 2, 1, 2))
+    assert placed.one_core == "2/5"  # 0: /proc did not say
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_placement_names_the_cores_of_the_threads_that_worked() -> None:
+    """Oracle: the cores the test pins its own threads to (sched_setaffinity per thread)."""
+    cores = sorted(os.sched_getaffinity(0))
+    idle_started, release = threading.Event(), threading.Event()
+
+    def idle() -> None:  # a thread that exists but does not run during the step
+        os.sched_setaffinity(0, {cores[-1]})
+        idle_started.set()
+        release.wait()
+
+    def step(worker_core: int) -> frozenset[int]:
+        spun, done = threading.Event(), threading.Event()
+
+        def work() -> None:
+            os.sched_setaffinity(0, {worker_core})
+            started.wait()
+            _spin(0.05)
+            spun.set()
+            done.wait()  # alive at the second snapshot, as a pool's worker is
+
+        started = threading.Event()
+        worker = threading.Thread(target=work)
+        worker.start()
+        before = contention.thread_placement()
+        started.set()
+        _spin(0.05)
+        spun.wait()
+        after = contention.thread_placement()
+        done.set()
+        worker.join()
+        return contention.cores_of_working_threads(before, after)
+
+    sleeper = threading.Thread(target=idle)
+    sleeper.start()
+    idle_started.wait()
+    original = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cores[0]})  # this (main) thread only
+        assert step(cores[0]) == {cores[0]}  # the sleeper on cores[-1] did not run and does not count
+        if len(cores) > 1:
+            assert step(cores[1]) == {cores[0], cores[1]}
+    finally:
+        os.sched_setaffinity(0, original)
+        release.set()
+        sleeper.join()
+    placement = contention.thread_placement()
+    assert threading.get_native_id() in placement and placement[threading.get_native_id()][1] in cores
 
 
 def test_bad_options_are_usage_errors(capsys: pytest.CaptureFixture) -> None:

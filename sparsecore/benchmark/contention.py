@@ -39,7 +39,7 @@ import numpy as np
 from sparsecore.benchmark import scenes
 
 __all__ = ["add_parser", "run_contention_command", "busy_processes", "fair_share", "crop_scene",
-           "ContentionCell"]
+           "ContentionCell", "thread_placement", "cores_of_working_threads"]
 
 SPINNERS = {
     "python": "while True: pass",
@@ -135,12 +135,21 @@ class ContentionCell:
         threads: sparsecore's and torch's thread count.
         busy: busy processes beside it.
         seconds: the median per repetition.
+        cores_used: per timed run, how many cores the threads that worked in it last ran on
+            (`cores_of_working_threads`; 0 where /proc does not say).
     """
 
     workload: str
     threads: int
     busy: int
     seconds: tuple[float, ...]
+    cores_used: tuple[int, ...] = ()
+
+    @property
+    def one_core(self) -> str:
+        """``"k/n"``: of the ``n`` runs whose placement is known, ``k`` had their working threads on one core."""
+        known = [count for count in self.cores_used if count]
+        return f"{sum(count == 1 for count in known)}/{len(known)}" if known else "-"
 
     @property
     def median(self) -> float:
@@ -198,13 +207,51 @@ def _set_threads(threads: int) -> None:
         sys.modules["torch"].set_num_threads(threads)
 
 
-def _timed(step: Callable[[], None], iterations: int) -> float:
-    times = []
+def thread_placement() -> dict[int, tuple[int, int]]:
+    """This process's threads: ``{thread id: (nanoseconds run so far, the core it last ran on)}``.
+
+    Read from ``/proc/self/task/*/schedstat`` and ``stat`` (Linux); empty where they do not exist.
+    """
+    placement = {}
+    try:
+        thread_ids = os.listdir("/proc/self/task")
+    except OSError:
+        return placement
+    for thread_id in thread_ids:
+        try:
+            with open(f"/proc/self/task/{thread_id}/schedstat") as handle:
+                run_nanoseconds = int(handle.read().split()[0])
+            with open(f"/proc/self/task/{thread_id}/stat") as handle:
+                status = handle.read()
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        fields = status[status.rindex(")") + 2:].split()  # field 3 (state) onwards; field 39 is the core
+        placement[int(thread_id)] = (run_nanoseconds, int(fields[36]))
+    return placement
+
+
+def cores_of_working_threads(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]
+                             ) -> frozenset[int]:
+    """The cores that the threads which ran between two `thread_placement` snapshots last ran on.
+
+    Beside busy processes a two-thread step is bimodal: with both threads on one core it stays near
+    its fair share, with one on each core (each beside its own busy processes) every barrier waits
+    for a thread queued behind them (docs/performance.md, 'On a shared machine').
+    """
+    return frozenset(core for thread_id, (run_nanoseconds, core) in after.items()
+                     if thread_id in before and run_nanoseconds > before[thread_id][0])
+
+
+def _timed(step: Callable[[], None], iterations: int) -> tuple[float, list[int]]:
+    """The median seconds of ``iterations`` runs of ``step``, and per run how many cores its threads used."""
+    times, cores_used = [], []
     for _ in range(iterations):
+        before = thread_placement()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cores_used.append(len(cores_of_working_threads(before, thread_placement())))
+    return statistics.median(times), cores_used
 
 
 def run_contention_command(arguments: argparse.Namespace) -> int:
@@ -239,6 +286,7 @@ def run_contention_command(arguments: argparse.Namespace) -> int:
         for step in steps.values():
             step()
     samples: dict[tuple[str, int, int], list[float]] = {}
+    placements: dict[tuple[str, int, int], list[int]] = {}
     for repetition in range(arguments.repeat):
         levels = arguments.busy if repetition % 2 == 0 else tuple(reversed(arguments.busy))
         for busy in levels:
@@ -246,12 +294,15 @@ def run_contention_command(arguments: argparse.Namespace) -> int:
                 for threads in arguments.threads:
                     _set_threads(threads)
                     for workload, step in steps.items():
-                        samples.setdefault((workload, threads, busy), []).append(_timed(step, arguments.iterations))
+                        seconds, cores_used = _timed(step, arguments.iterations)
+                        samples.setdefault((workload, threads, busy), []).append(seconds)
+                        placements.setdefault((workload, threads, busy), []).extend(cores_used)
         print(f"# repetition {repetition + 1}/{arguments.repeat} done, load average {os.getloadavg()[0]:.2f}",
               flush=True)
-    cells = [ContentionCell(workload, threads, busy, tuple(times))
-             for (workload, threads, busy), times in samples.items()]
+    cells = [ContentionCell(*key, tuple(times), tuple(placements[key])) for key, times in samples.items()]
     print(format_cells(cells, cores))
+    print("# one core: runs whose working threads last ran on one core, of those /proc placed (beside busy "
+          "processes, runs with the threads on different cores are the slow ones)")
     print("# load average after " + " ".join(f"{value:.2f}" for value in os.getloadavg())
           + " (the busy processes count in it)")
     return 0
@@ -260,13 +311,13 @@ def run_contention_command(arguments: argparse.Namespace) -> int:
 def format_cells(cells: Sequence[ContentionCell], cores: int) -> str:
     """The table: one row per workload, threads and load level, with slowdown and fair share."""
     quiet = {(cell.workload, cell.threads): cell.median for cell in cells if cell.busy == 0}
-    lines = ["| workload | threads | busy | median ms | runs (ms) | slowdown | fair share | over fair |",
-             "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    lines = ["| workload | threads | busy | median ms | runs (ms) | slowdown | fair share | over fair | one core |",
+             "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for cell in sorted(cells, key=lambda cell: (cell.workload, cell.threads, cell.busy)):
         base = quiet.get((cell.workload, cell.threads))
         slowdown = cell.median / base if base else float("nan")
         share = fair_share(cell.busy, cell.threads, cores)
         runs = " ".join(f"{seconds * 1e3:.0f}" for seconds in cell.seconds)
         lines.append(f"| {cell.workload} | {cell.threads} | {cell.busy} | {cell.median * 1e3:.1f} | {runs} | "
-                     f"{slowdown:.2f}x | {share:.2f}x | {slowdown / share:.2f} |")
+                     f"{slowdown:.2f}x | {share:.2f}x | {slowdown / share:.2f} | {cell.one_core} |")
     return "\n".join(lines)
