@@ -19,7 +19,10 @@ every repetition, and each cell is the median over repetitions of the median of
 alike. The slowdown is judged against the fair share of the cores: with ``b``
 busy processes beside ``t`` threads on ``c`` cores, ``max(1, (b + t) / c)``
 times the quiet time (only ``t`` threads ever run, so ``max(1, t/c)`` is the
-quiet baseline already).
+quiet baseline already). The last column, ``one core``, counts the timed runs
+whose working threads last ran on one core (from ``/proc``, Linux): beside
+busy processes a multi-threaded step is slower when the scheduler puts its
+threads on different cores.
 """
 
 from __future__ import annotations
@@ -223,10 +226,10 @@ def thread_placement() -> dict[int, tuple[int, int]]:
                 run_nanoseconds = int(handle.read().split()[0])
             with open(f"/proc/self/task/{thread_id}/stat") as handle:
                 status = handle.read()
-        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            fields = status[status.rindex(")") + 2:].split()  # field 3 (state) onwards; field 39 is the core
+            placement[int(thread_id)] = (run_nanoseconds, int(fields[36]))
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile, or a kernel without the field
             continue
-        fields = status[status.rindex(")") + 2:].split()  # field 3 (state) onwards; field 39 is the core
-        placement[int(thread_id)] = (run_nanoseconds, int(fields[36]))
     return placement
 
 
