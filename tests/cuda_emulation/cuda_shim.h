@@ -514,24 +514,42 @@ inline void accumulate_lane(float (&d)[4], const float (&left)[16][K], const flo
   __syncwarp();
 }
 
+// Both mma shapes share one fragment layout, scaled by the P elements a 32-bit register holds (P = 1
+// for TF32, 2 for the 16-bit types, the lower column in the low half): lane 4 g + t holds A's
+// (g, P t + h), (g + 8, P t + h), (g, P t + 4 P + h), (g + 8, P t + 4 P + h) in a0..a3 and B's
+// (P t + h, g), (P t + 4 P + h, g) in b0, b1 (h < P), K = 8 P. decode(bits) gives an element's value.
+template <int kPerRegister, typename Decode>
+inline void multiply_fragments(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2],
+                               Decode decode) {
+  constexpr int K = 8 * kPerRegister;
+  constexpr int kBits = 32 / kPerRegister;
+  constexpr unsigned int kMask = kPerRegister == 1 ? 0xffffffffu : (1u << kBits) - 1u;
+  const MmaExchange& exchange = publish_operands(a, b);
+  float left[16][K];
+  float right[K][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4;
+    const int t = l % 4;
+    for (int h = 0; h < kPerRegister; ++h) {
+      const int near = kPerRegister * t + h;
+      const int far = near + 4 * kPerRegister;
+      const auto element = [&](unsigned int bits) { return decode(bits >> (kBits * h) & kMask); };
+      left[g][near] = element(exchange.a[l][0]);
+      left[g + 8][near] = element(exchange.a[l][1]);
+      left[g][far] = element(exchange.a[l][2]);
+      left[g + 8][far] = element(exchange.a[l][3]);
+      right[near][g] = element(exchange.b[l][0]);
+      right[far][g] = element(exchange.b[l][1]);
+    }
+  }
+  accumulate_lane(d, left, right);
+}
+
 inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
   for (unsigned int value : {a[0], a[1], a[2], a[3], b[0], b[1]}) {
     if ((value & 0x1fffu) != 0u) trap_with("mma.sync TF32: an operand not rounded to TF32 (cvt.rna.tf32.f32)");
   }
-  const MmaExchange& exchange = publish_operands(a, b);
-  float left[16][8];
-  float right[8][8];
-  for (int l = 0; l < 32; ++l) {
-    const int g = l / 4;
-    const int t = l % 4;
-    left[g][t] = bits_float(exchange.a[l][0]);
-    left[g + 8][t] = bits_float(exchange.a[l][1]);
-    left[g][t + 4] = bits_float(exchange.a[l][2]);
-    left[g + 8][t + 4] = bits_float(exchange.a[l][3]);
-    right[t][g] = bits_float(exchange.b[l][0]);
-    right[t + 4][g] = bits_float(exchange.b[l][1]);
-  }
-  accumulate_lane(d, left, right);
+  multiply_fragments<1>(d, a, b, [](unsigned int bits) { return bits_float(bits); });
 }
 
 // ---- ldmatrix.sync.aligned.m8n8.x{2,4}[.trans].shared.b16 and mma.sync m16n8k16 (float16 / bfloat16) ----
@@ -578,22 +596,7 @@ inline float element_float(unsigned int bits, __nv_bfloat16) {
 // mma_m16n8k8_tf32's. Sums in float, k in order, every 16-bit product exact.
 template <typename T>
 inline void mma_m16n8k16(float (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
-  const MmaExchange& exchange = publish_operands(a, b);
-  float left[16][16];
-  float right[16][8];
-  for (int l = 0; l < 32; ++l) {
-    const int g = l / 4;
-    const int t = l % 4;
-    for (int h = 0; h < 2; ++h) {
-      left[g][2 * t + h] = element_float(exchange.a[l][0] >> (16 * h) & 0xffffu, T());
-      left[g + 8][2 * t + h] = element_float(exchange.a[l][1] >> (16 * h) & 0xffffu, T());
-      left[g][2 * t + 8 + h] = element_float(exchange.a[l][2] >> (16 * h) & 0xffffu, T());
-      left[g + 8][2 * t + 8 + h] = element_float(exchange.a[l][3] >> (16 * h) & 0xffffu, T());
-      right[2 * t + h][g] = element_float(exchange.b[l][0] >> (16 * h) & 0xffffu, T());
-      right[2 * t + 8 + h][g] = element_float(exchange.b[l][1] >> (16 * h) & 0xffffu, T());
-    }
-  }
-  accumulate_lane(d, left, right);
+  multiply_fragments<2>(d, a, b, [](unsigned int bits) { return element_float(bits, T()); });
 }
 }  // namespace sc_emu
 
